@@ -1,0 +1,360 @@
+"""Stage plans: which pipeline units form which stage, and how each stage runs.
+
+A plan comes from one of three places and always ends as the same :class:`StagePlan`:
+
+* the :func:`stage` decorator on module classes (:meth:`StagePlan.from_decorators`),
+* a ``StagePlan([StageSpec(modules=[...]), ...])`` written in Python,
+* a ``stage_plan.json`` file (:meth:`StagePlan.load`).
+
+``StagePlan.resolve(unit_names)`` turns unit names and ranges (``"blocks.0-5"``) into the exact,
+ordered list of units of every stage and checks that the stages cover every unit once, in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "fp8")
+"""Per-stage precision values a plan accepts."""
+
+_PRECISION_ALIASES = {
+    "32": "32-true",
+    32: "32-true",
+    "fp32": "32-true",
+    "16": "16-mixed",
+    16: "16-mixed",
+    "bf16": "bf16-mixed",
+    "fp16": "16-mixed",
+    "transformer-engine": "fp8",
+}
+
+_RANGE = re.compile(r"^(?P<prefix>.+)\.(?P<lo>\d+)-(?P<hi>\d+)$")
+
+
+class PlanError(ValueError):
+    """A stage plan that cannot be used: the message names the value, the context and the fix."""
+
+
+def normalize_precision(value: Any, where: str) -> str | None:
+    """Map a precision value (or Lightning's short forms) to one of :data:`PRECISIONS`."""
+    if value is None:
+        return None
+    value = _PRECISION_ALIASES.get(value, value)
+    if value not in PRECISIONS:
+        raise PlanError(
+            f"{where}: precision {value!r} is not supported. Use one of {', '.join(PRECISIONS)}."
+        )
+    return value
+
+
+@dataclass
+class StageSpec:
+    """One pipeline stage.
+
+    Attributes:
+        modules: Unit names of the LightningModule in this stage, in order. A name may be a range
+            of ``nn.Sequential`` / ``nn.ModuleList`` items (``"blocks.0-5"``, inclusive) or a
+            container name (``"blocks"``) meaning all its items.
+        device: Device kind the stage should run on (``"a100"``, ``"h100"``, ``"cpu"``, ...);
+            ``None`` means any.
+        precision: One of :data:`PRECISIONS`; ``None`` means the Trainer's ``precision``.
+        clip_norm: Gradient-clipping threshold for this stage; ``None`` means the Trainer's
+            ``gradient_clip_val``.
+    """
+
+    modules: list[str] = field(default_factory=list)
+    device: str | None = None
+    precision: str | None = None
+    clip_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.modules, str):
+            self.modules = [self.modules]
+        self.modules = list(self.modules)
+        for name in self.modules:
+            if not isinstance(name, str) or not name:
+                raise PlanError(
+                    f"`StageSpec.modules` holds {name!r}; every entry must be a unit name such as "
+                    f"'encoder' or a range such as 'blocks.0-5'."
+                )
+        if self.device is not None:
+            self.device = str(self.device).lower()
+        self.precision = normalize_precision(self.precision, "`StageSpec`")
+        if self.clip_norm is not None:
+            try:
+                self.clip_norm = float(self.clip_norm)
+            except (TypeError, ValueError):
+                raise PlanError(
+                    f"`StageSpec.clip_norm` is {self.clip_norm!r}; it must be a positive number or None."
+                ) from None
+            if not self.clip_norm > 0:
+                raise PlanError(
+                    f"`StageSpec.clip_norm` is {self.clip_norm!r}; it must be > 0 (or None to use the "
+                    f"Trainer's `gradient_clip_val`)."
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class StagePlan:
+    """An ordered list of stages plus facts derived for it (boundary dtypes, predictions).
+
+    Attributes:
+        stages: The stages, stage ``k`` at index ``k``.
+        meta: Free-form facts written by the layers that use the plan (for example the boundary
+            wire dtypes or predicted stage times); saved with the plan, never needed to load it.
+    """
+
+    stages: list[StageSpec]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        stages = []
+        for i, s in enumerate(self.stages):
+            if isinstance(s, dict):
+                s = StageSpec(**s)
+            if not isinstance(s, StageSpec):
+                raise PlanError(f"`StagePlan` stage {i} is {s!r}; expected a `StageSpec` or a dict.")
+            stages.append(s)
+        if not stages:
+            raise PlanError("`StagePlan` has no stages; give at least one `StageSpec`.")
+        self.stages = stages
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    # ---------------------------------------------------------------- resolution against units
+    def resolve(self, unit_names: Sequence[str]) -> list[list[str]]:
+        """Expand every stage's ``modules`` against the model's units and validate the cover.
+
+        Args:
+            unit_names: The model's pipeline units in registration order (see ``units.py``).
+
+        Returns:
+            For each stage, the exact unit names it holds, in order.
+
+        Raises:
+            PlanError: unknown names, empty stages, units in no stage or in two, out of order.
+        """
+        unit_names = list(unit_names)
+        index = {n: i for i, n in enumerate(unit_names)}
+        resolved: list[list[str]] = []
+        for k, spec in enumerate(self.stages):
+            names: list[str] = []
+            for entry in spec.modules:
+                names.extend(_expand(entry, unit_names, index, k))
+            if not names:
+                raise PlanError(
+                    f"Stage {k} has no units. Every stage needs at least one unit; the model's units "
+                    f"are: {', '.join(unit_names)}."
+                )
+            resolved.append(names)
+        seen: dict[str, int] = {}
+        for k, names in enumerate(resolved):
+            for n in names:
+                if n in seen:
+                    raise PlanError(f"Unit {n!r} is in stage {seen[n]} and stage {k}; put it in exactly one stage.")
+                seen[n] = k
+        missing = [n for n in unit_names if n not in seen]
+        if missing:
+            raise PlanError(
+                f"Units {missing} are in no stage. Add them to a `StageSpec` (every unit of the model "
+                f"must belong to exactly one stage)."
+            )
+        flat = [n for names in resolved for n in names]
+        if flat != unit_names:
+            first = next(i for i, (a, b) in enumerate(zip(flat, unit_names)) if a != b)
+            raise PlanError(
+                f"Stages must hold contiguous units in model order; expected {unit_names[first]!r} at "
+                f"position {first} but the plan has {flat[first]!r}. Units in order: {', '.join(unit_names)}."
+            )
+        return resolved
+
+    def with_modules(self, modules: list[list[str]]) -> StagePlan:
+        """The same plan with every stage's ``modules`` replaced (used after resolution)."""
+        stages = [dataclasses.replace(s, modules=list(m)) for s, m in zip(self.stages, modules)]
+        return StagePlan(stages, dict(self.meta))
+
+    # ---------------------------------------------------------------- decorators
+    @classmethod
+    def from_decorators(cls, units: Sequence[tuple[str, Any]]) -> StagePlan | None:
+        """Build a plan from ``@stage`` decorations on the units' classes.
+
+        Undecorated units join the stage after the last decorated unit before them (stage 0 when no
+        decorated unit precedes them). Returns ``None`` when no unit is decorated.
+        """
+        decls = [(name, getattr(type(mod), "__hpp_stage__", None)) for name, mod in units]
+        if all(d is None for _, d in decls):
+            return None
+        assignment: list[int] = []
+        specs: dict[int, dict[str, Any]] = {}
+        last: int | None = None
+        pending_next = False
+        for name, decl in decls:
+            if decl is None:
+                sid = 0 if last is None else last + 1
+                pending_next = last is not None
+            else:
+                sid = decl.stage_id
+                if last is not None and sid < last:
+                    raise PlanError(
+                        f"Unit {name!r} is decorated `@stage({sid})` but comes after a unit of stage "
+                        f"{last}; stages must follow the order in which the units are registered."
+                    )
+                if pending_next and sid == last:
+                    raise PlanError(
+                        f"Unit {name!r} is decorated `@stage({sid})`, but an undecorated unit before it "
+                        f"already opened stage {sid + 1}. Decorate that unit too, or give {name!r} a "
+                        f"later stage id."
+                    )
+                pending_next = False
+                prev = specs.get(sid)
+                fields = {"device": decl.device, "precision": decl.precision, "clip_norm": decl.clip_norm}
+                if prev is not None:
+                    for key, value in fields.items():
+                        if value is not None and prev.get(key) is not None and prev[key] != value:
+                            raise PlanError(
+                                f"Stage {sid} is declared twice with different {key}: {prev[key]!r} and "
+                                f"{value!r} (at unit {name!r}). Make the `@stage({sid}, ...)` declarations agree."
+                            )
+                        if value is not None:
+                            prev[key] = value
+                else:
+                    specs[sid] = fields
+                last = sid
+            assignment.append(sid)
+        ids = sorted(set(assignment))
+        if ids != list(range(len(ids))):
+            gaps = sorted(set(range(ids[-1] + 1)) - set(ids))
+            raise PlanError(
+                f"Stage ids {ids} have gaps (missing {gaps}); `@stage` ids must be 0, 1, 2, ... without "
+                f"gaps in unit order."
+            )
+        stages = []
+        for sid in ids:
+            mods = [name for (name, _), a in zip(decls, assignment) if a == sid]
+            stages.append(StageSpec(modules=mods, **specs.get(sid, {})))
+        return cls(stages)
+
+    # ---------------------------------------------------------------- JSON round-trip
+    def to_dict(self) -> dict[str, Any]:
+        return {"stages": [s.to_dict() for s in self.stages], "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StagePlan:
+        if not isinstance(data, dict) or "stages" not in data:
+            raise PlanError(
+                f"A stage plan must be a mapping with a 'stages' list, got {type(data).__name__} "
+                f"with keys {sorted(data) if isinstance(data, dict) else '-'}."
+            )
+        unknown = [
+            (i, sorted(set(s) - {f.name for f in dataclasses.fields(StageSpec)}))
+            for i, s in enumerate(data["stages"])
+            if isinstance(s, dict)
+        ]
+        unknown = [(i, u) for i, u in unknown if u]
+        if unknown:
+            i, keys = unknown[0]
+            raise PlanError(
+                f"Stage {i} of the plan has unknown keys {keys}; allowed: modules, device, precision, clip_norm."
+            )
+        return cls([StageSpec(**dict(s)) for s in data["stages"]], dict(data.get("meta") or {}))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> StagePlan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanError(f"The stage plan is not valid JSON: {err}.") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str) -> None:
+        import fsspec
+
+        with fsspec.open(str(path), "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> StagePlan:
+        import fsspec
+
+        try:
+            with fsspec.open(str(path), "r") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise PlanError(f"Stage plan file {str(path)!r} does not exist.") from None
+        return cls.from_json(text)
+
+    def table(self) -> str:
+        """A short human-readable table of the plan."""
+        rows = [("stage", "units", "device", "precision", "clip_norm")]
+        for k, s in enumerate(self.stages):
+            units = ", ".join(s.modules) if len(s.modules) <= 4 else f"{s.modules[0]} .. {s.modules[-1]} ({len(s.modules)})"
+            rows.append((str(k), units, s.device or "any", s.precision or "trainer", "-" if s.clip_norm is None else f"{s.clip_norm:g}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+@dataclass(frozen=True)
+class _StageDecl:
+    stage_id: int
+    device: str | None
+    precision: str | None
+    clip_norm: float | None
+
+
+def stage(stage_id: int, device: str | None = None, precision: str | None = None, clip_norm: float | None = None):
+    """Class decorator: every instance of the decorated module class belongs to stage ``stage_id``.
+
+    Example::
+
+        @stage(0, device="a100", precision="16-mixed", clip_norm=1.0)
+        class VisionEncoder(nn.Module): ...
+    """
+    if isinstance(stage_id, bool) or not isinstance(stage_id, int) or stage_id < 0:
+        raise PlanError(f"`@stage` takes a stage id >= 0 as its first argument, got {stage_id!r}.")
+    spec = StageSpec(device=device, precision=precision, clip_norm=clip_norm)  # validates the fields
+    decl = _StageDecl(stage_id, spec.device, spec.precision, spec.clip_norm)
+
+    def wrap(cls):
+        if not isinstance(cls, type):
+            raise PlanError(f"`@stage` decorates module classes; it was applied to {cls!r}.")
+        cls.__hpp_stage__ = decl
+        return cls
+
+    return wrap
+
+
+def _expand(entry: str, unit_names: list[str], index: dict[str, int], k: int) -> list[str]:
+    if entry in index:
+        return [entry]
+    children = [n for n in unit_names if n.startswith(entry + ".")]
+    if children:
+        return children
+    m = _RANGE.match(entry)
+    if m:
+        prefix, lo, hi = m["prefix"], int(m["lo"]), int(m["hi"])
+        if hi < lo:
+            raise PlanError(f"Stage {k}: range {entry!r} runs backwards; write '{prefix}.{hi}-{lo}'.")
+        names = [f"{prefix}.{i}" for i in range(lo, hi + 1)]
+        absent = [n for n in names if n not in index]
+        if absent:
+            raise PlanError(
+                f"Stage {k}: range {entry!r} names units that do not exist: {absent}. The model's units "
+                f"are: {', '.join(unit_names)}."
+            )
+        return names
+    raise PlanError(
+        f"Stage {k}: {entry!r} is not a unit of the model. The model's units are: {', '.join(unit_names)}."
+    )
