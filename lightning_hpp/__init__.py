@@ -1,7 +1,8 @@
 """lightning_hpp: heterogeneous pipeline parallelism for PyTorch Lightning."""
 
 from lightning_hpp.plan import PlanError, StagePlan, StageSpec, stage
+from lightning_hpp.strategy import HPPStrategy
 
 __version__ = "0.1.0"
 
-__all__ = ["PlanError", "StagePlan", "StageSpec", "stage", "__version__"]
+__all__ = ["HPPStrategy", "PlanError", "StagePlan", "StageSpec", "stage", "__version__"]

@@ -1,0 +1,88 @@
+"""Splitting a batch into micro-batches along dim 0 of every tensor it holds.
+
+Batches may be tensors, tuples, lists and dicts nested in any way; non-tensor leaves (strings,
+numbers, None) are given to every micro-batch unchanged. The split is into equal contiguous chunks,
+the same cut torch pipelining makes of the first stage's input, so micro-batch ``i`` of the batch
+and micro-batch ``i`` of the pipeline input hold the same samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_hpp.plan import PlanError
+
+
+class MicroBatchError(PlanError):
+    """A batch that cannot be split into the requested number of micro-batches."""
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (tuple, list)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
+
+
+def batch_size_of(batch: Any) -> int:
+    """The size of dim 0 shared by every tensor of ``batch``.
+
+    Raises:
+        MicroBatchError: the batch holds no tensor, a 0-d tensor, or tensors of different sizes.
+    """
+    tensors = _tensors(batch)
+    if not tensors:
+        raise MicroBatchError(
+            f"The batch ({type(batch).__name__}) holds no tensor, so it cannot be split into micro-batches. "
+            f"Return tensors (or tuples/lists/dicts of tensors) from the dataloader."
+        )
+    sizes = {tuple(t.shape[:1]) for t in tensors}
+    if () in sizes:
+        raise MicroBatchError("The batch holds a 0-d tensor; every tensor needs a batch dimension (dim 0) to be split.")
+    if len(sizes) != 1:
+        raise MicroBatchError(
+            f"The batch's tensors have different sizes along dim 0: {sorted(s[0] for s in sizes)}; every tensor "
+            f"of a batch must share its batch dimension to be split into micro-batches."
+        )
+    return next(iter(sizes))[0]
+
+
+def split_batch(batch: Any, n: int) -> list[Any]:
+    """Split ``batch`` into ``n`` micro-batches of equal size along dim 0.
+
+    Raises:
+        MicroBatchError: when the batch size is not divisible by ``n``.
+    """
+    size = batch_size_of(batch)
+    if size % n != 0:
+        raise MicroBatchError(
+            f"Batch size {size} is not divisible by n_microbatches={n}. Use a batch size that is a multiple of "
+            f"{n} (and `drop_last=True` in the training DataLoader so the last batch is not smaller), or change "
+            f"`HPPStrategy(n_microbatches=...)`."
+        )
+    return [_take(batch, i, size // n) for i in range(n)]
+
+
+def _take(batch: Any, i: int, chunk: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[i * chunk : (i + 1) * chunk]
+    if isinstance(batch, dict):
+        return type(batch)((k, _take(v, i, chunk)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_take(v, i, chunk) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_take(v, i, chunk) for v in batch)
+    return batch
+
+
+def largest_divisor_at_most(size: int, limit: int) -> int:
+    """The largest ``d <= limit`` that divides ``size`` (used for forward-only passes)."""
+    for d in range(min(limit, size), 0, -1):
+        if size % d == 0:
+            return d
+    return 1

@@ -1,0 +1,546 @@
+"""Cost profiles: measured time and memory of every pipeline unit, per device kind and precision.
+
+:func:`profile_units` runs each unit forward and backward on a real micro-batch (each unit gets the
+previous unit's output, as it would inside the pipeline) and records, per unit:
+
+* ``fwd_ms`` / ``bwd_ms``: median wall time of the forward and of the backward (input gradients
+  and parameter gradients), synchronised on CUDA;
+* ``param_bytes``: bytes of the unit's parameters in the measured precision;
+* ``activation_bytes``: bytes of the unit's output, i.e. what crosses a stage boundary cut after it;
+* ``saved_bytes``: bytes the forward keeps alive for the backward (autograd's saved tensors,
+  parameters excluded), i.e. the activation memory of one in-flight micro-batch.
+
+A :class:`CostProfile` holds such measurements for one model signature (class name, unit names,
+parameter counts) and input shapes, with one :class:`ProfileEntry` per (device kind, precision).
+It round-trips through JSON, so a profile measured once, or written by hand for hardware one does
+not have, can be loaded instead of measuring. :func:`load_or_profile` is the cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_hpp.devices import normalize_kind
+from lightning_hpp.plan import normalize_precision
+
+log = logging.getLogger(__name__)
+
+FORMAT = "lightning_hpp.cost_profile/1"
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used or measured (bad file, unsupported precision, bad input)."""
+
+
+class ProfileMismatchError(ProfileError):
+    """A profile whose units do not match the model's units."""
+
+
+@dataclass
+class UnitCost:
+    """Cost of one pipeline unit for one micro-batch, on one device kind in one precision.
+
+    Attributes:
+        name: Unit name (as in the stage plan).
+        fwd_ms: Forward time in milliseconds.
+        bwd_ms: Backward time in milliseconds.
+        param_bytes: Parameter bytes.
+        activation_bytes: Bytes of the unit's output (the boundary tensor after this unit).
+        saved_bytes: Bytes kept for the backward per micro-batch; 0 when unknown (the partitioner
+            then uses ``activation_bytes``).
+    """
+
+    name: str
+    fwd_ms: float
+    bwd_ms: float
+    param_bytes: int
+    activation_bytes: int
+    saved_bytes: int = 0
+
+    @property
+    def step_ms(self) -> float:
+        """Forward plus backward time."""
+        return self.fwd_ms + self.bwd_ms
+
+
+@dataclass
+class ProfileEntry:
+    """The costs of all units on one device kind in one precision.
+
+    Attributes:
+        device_kind: Kind the costs were measured (or estimated) on.
+        precision: Precision they were measured in.
+        units: One :class:`UnitCost` per unit, in unit order.
+        source: How the numbers were obtained (``"measured"`` or a description of an estimate).
+    """
+
+    device_kind: str
+    precision: str
+    units: list[UnitCost]
+    source: str = "measured"
+
+    def __post_init__(self) -> None:
+        self.device_kind = normalize_kind(self.device_kind, "profile device_kind")
+        self.precision = normalize_precision(self.precision, "profile entry")
+        self.units = [u if isinstance(u, UnitCost) else UnitCost(**u) for u in self.units]
+
+
+@dataclass
+class CostProfile:
+    """Per-unit costs of one model on one input shape, for any number of (kind, precision) pairs.
+
+    Attributes:
+        model: The model's name (class name of the LightningModule, or any label).
+        unit_names: Unit names in pipeline order.
+        param_counts: Number of parameters of every unit (part of the signature).
+        input_shapes: Shapes of the example micro-batch's tensor arguments (``None`` for
+            non-tensor arguments).
+        entries: One entry per (device kind, precision).
+        meta: Free-form notes saved with the profile (assumptions, hardware, command).
+    """
+
+    model: str
+    unit_names: list[str]
+    param_counts: list[int]
+    input_shapes: list[list[int] | None]
+    entries: list[ProfileEntry] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.unit_names = list(self.unit_names)
+        self.param_counts = [int(c) for c in self.param_counts]
+        if len(self.param_counts) != len(self.unit_names):
+            raise ProfileError(
+                f"Profile of {self.model!r} has {len(self.unit_names)} unit names but "
+                f"{len(self.param_counts)} parameter counts; give one count per unit."
+            )
+        self.input_shapes = [None if s is None else [int(d) for d in s] for s in self.input_shapes]
+        entries = [e if isinstance(e, ProfileEntry) else ProfileEntry(**e) for e in self.entries]
+        self.entries = []
+        for e in entries:
+            self.add(e)
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def signature(self) -> dict[str, Any]:
+        """What a cached profile must match: model, units, parameter counts and input shapes."""
+        return {
+            "model": self.model,
+            "units": [[n, c] for n, c in zip(self.unit_names, self.param_counts)],
+            "input_shapes": self.input_shapes,
+        }
+
+    @property
+    def microbatch_size(self) -> int | None:
+        """Leading dimension of the first tensor input (samples per micro-batch), if known."""
+        for s in self.input_shapes:
+            if s:
+                return s[0]
+        return None
+
+    # ------------------------------------------------------------------ entries
+    def add(self, entry: ProfileEntry) -> None:
+        """Add or replace the entry for ``(entry.device_kind, entry.precision)``.
+
+        Raises:
+            ProfileMismatchError: the entry's units are not this profile's units.
+        """
+        names = [u.name for u in entry.units]
+        if names != self.unit_names:
+            raise ProfileMismatchError(
+                f"Profile entry ({entry.device_kind}, {entry.precision}) has units {names}, but the "
+                f"profile of {self.model!r} has units {self.unit_names}; every entry must list the "
+                f"same units in the same order."
+            )
+        self.entries = [
+            e for e in self.entries if (e.device_kind, e.precision) != (entry.device_kind, entry.precision)
+        ] + [entry]
+
+    def get(self, device_kind: str, precision: str) -> ProfileEntry | None:
+        """The entry for ``(device_kind, precision)``, or ``None``."""
+        for e in self.entries:
+            if e.device_kind == device_kind and e.precision == precision:
+                return e
+        return None
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """All ``(device_kind, precision)`` pairs the profile holds."""
+        return [(e.device_kind, e.precision) for e in self.entries]
+
+    def merge(self, other: CostProfile) -> CostProfile:
+        """A new profile with the entries of both (``other`` wins on equal pairs).
+
+        Raises:
+            ProfileMismatchError: the two profiles have different signatures.
+        """
+        if other.signature != self.signature:
+            raise ProfileMismatchError(
+                f"Cannot merge profiles of different models/shapes: {self.signature} vs {other.signature}."
+            )
+        out = copy.deepcopy(self)
+        for e in other.entries:
+            out.add(copy.deepcopy(e))
+        out.meta.update(other.meta)
+        return out
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "model": self.model,
+            "unit_names": self.unit_names,
+            "param_counts": self.param_counts,
+            "input_shapes": self.input_shapes,
+            "entries": [asdict(e) for e in self.entries],
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "profile") -> CostProfile:
+        """Build a profile from :meth:`to_dict` output.
+
+        Raises:
+            ProfileError: not a profile mapping, or fields of the wrong type.
+        """
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            got = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ProfileError(f"{where} is not a cost profile (format {got!r}, expected {FORMAT!r}).")
+        try:
+            return cls(
+                model=data["model"],
+                unit_names=data["unit_names"],
+                param_counts=data["param_counts"],
+                input_shapes=data["input_shapes"],
+                entries=[ProfileEntry(**e) for e in data.get("entries", [])],
+                meta=dict(data.get("meta") or {}),
+            )
+        except (KeyError, TypeError) as err:
+            raise ProfileError(f"{where} has a missing or malformed field: {err!r}.") from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the profile as JSON (parent directories are created)."""
+        path = os.fspath(path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> CostProfile:
+        """Read a profile written by :meth:`save` (or by hand in the same format).
+
+        Raises:
+            ProfileError: the file is missing, not JSON, or not a profile.
+        """
+        path = os.fspath(path)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise ProfileError(f"Profile file {path!r} does not exist.") from None
+        except json.JSONDecodeError as err:
+            raise ProfileError(f"Profile file {path!r} is not valid JSON: {err}.") from None
+        return cls.from_dict(data, where=f"Profile file {path!r}")
+
+
+def check_profile_matches(
+    profile: CostProfile, unit_names: Sequence[str], param_counts: Sequence[int] | None = None
+) -> None:
+    """Check that a profile describes the model's units.
+
+    Args:
+        profile: The profile to check.
+        unit_names: The model's units in pipeline order.
+        param_counts: The units' parameter counts; when given, a changed unit is an error too.
+
+    Raises:
+        ProfileMismatchError: names the units the profile lacks, the units it has in excess, units
+            out of order or with a different parameter count.
+    """
+    unit_names = list(unit_names)
+    missing = [n for n in unit_names if n not in profile.unit_names]
+    extra = [n for n in profile.unit_names if n not in unit_names]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing units {missing}")
+        if extra:
+            parts.append(f"extra units {extra} the model does not have")
+        raise ProfileMismatchError(
+            f"The cost profile of {profile.model!r} does not match the model: {'; '.join(parts)}. "
+            f"Profile the model again (delete the cached profile file) or load the profile made for it."
+        )
+    if profile.unit_names != unit_names:
+        raise ProfileMismatchError(
+            f"The cost profile of {profile.model!r} lists the units in a different order "
+            f"({profile.unit_names}) than the model ({unit_names}); profile the model again."
+        )
+    if param_counts is not None:
+        changed = [
+            (n, a, b) for n, a, b in zip(unit_names, profile.param_counts, param_counts) if int(a) != int(b)
+        ]
+        if changed:
+            desc = ", ".join(f"{n!r}: profile {a} vs model {b}" for n, a, b in changed)
+            raise ProfileMismatchError(
+                f"The cost profile of {profile.model!r} was made for units of other sizes ({desc} "
+                f"parameters); profile the model again."
+            )
+
+
+# ---------------------------------------------------------------------------- measurement
+_TRUE_DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16}
+_AUTOCAST_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def _as_args(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _shapes(args: tuple) -> list[list[int] | None]:
+    return [list(a.shape) if isinstance(a, torch.Tensor) else None for a in args]
+
+
+def _boundary(out: Any, dtype: torch.dtype | None) -> tuple:
+    """Detached copies of a unit's output that require grad, as the next stage receives them."""
+
+    def conv(o):
+        if isinstance(o, torch.Tensor):
+            o = o.detach()
+            if o.is_floating_point():
+                if dtype is not None:
+                    o = o.to(dtype)
+                o.requires_grad_(True)
+            return o
+        if isinstance(o, (tuple, list)):
+            return type(o)(conv(i) for i in o)
+        return o
+
+    return _as_args(conv(out))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def model_signature_counts(units: Sequence[tuple[str, nn.Module]]) -> list[int]:
+    """Parameter counts of the units (the numeric part of a profile's signature)."""
+    return [sum(p.numel() for p in m.parameters()) for _, m in units]
+
+
+def _measure_unit(
+    module: nn.Module, args: tuple, device: torch.device, precision: str, repeats: int, warmup: int
+) -> tuple[UnitCost, Any]:
+    params = [p for p in module.parameters() if p.requires_grad]
+    param_ids = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    grad_inputs = [a for a in _tensors(args) if a.requires_grad]
+    ctx = (
+        (lambda: torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[precision]))
+        if precision in _AUTOCAST_DTYPES
+        else nullcontext
+    )
+
+    def run_forward():
+        with ctx():
+            return module(*args)
+
+    def run_backward(out):
+        outs = [o for o in _tensors(out) if o.requires_grad]
+        if not outs:
+            return
+        targets = params + grad_inputs
+        if targets:
+            torch.autograd.grad(outs, targets, [torch.ones_like(o) for o in outs], allow_unused=True)
+
+    # Saved-tensor bytes: one untimed forward with hooks (hooks would distort the timing).
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in param_ids:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run_forward()
+    saved = sum(seen.values())
+    del out
+
+    fwd, bwd = [], []
+    for i in range(warmup + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = run_forward()
+        _sync(device)
+        t1 = time.perf_counter()
+        run_backward(out)
+        _sync(device)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            fwd.append((t1 - t0) * 1e3)
+            bwd.append((t2 - t1) * 1e3)
+    cost = UnitCost(
+        name="",
+        fwd_ms=statistics.median(fwd),
+        bwd_ms=statistics.median(bwd),
+        param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
+        activation_bytes=sum(t.numel() * t.element_size() for t in _tensors(out)),
+        saved_bytes=saved,
+    )
+    return cost, out
+
+
+def profile_units(
+    units: Sequence[tuple[str, nn.Module]],
+    example_input: Any,
+    device_kind: str,
+    precision: str = "32-true",
+    repeats: int = 5,
+    warmup: int = 2,
+    model_name: str | None = None,
+) -> CostProfile:
+    """Measure every unit's forward+backward time and memory on one real micro-batch.
+
+    The units are run where their parameters are (no device moves). Unit ``i`` gets unit ``i-1``'s
+    output, detached and requiring grad, as a pipeline stage would receive it; the first unit gets
+    ``example_input`` as its positional arguments (a tuple or list is unpacked). The backward is
+    ``torch.autograd.grad`` with all-ones output gradients, so ``.grad`` of the parameters is left
+    untouched; buffers (batch-norm statistics) are restored afterwards. ``"16-true"`` and
+    ``"bf16-true"`` are measured on a converted copy of each unit; the autocast modes under
+    ``torch.autocast``.
+
+    Args:
+        units: ``(name, module)`` pairs in pipeline order.
+        example_input: One micro-batch of the real shape.
+        device_kind: Kind to record the costs under (see ``devices.detect_device_kind``).
+        precision: One of ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``,
+            ``"bf16-true"``.
+        repeats: Timed repetitions per unit (the median is kept).
+        warmup: Untimed repetitions before them.
+        model_name: Name recorded in the profile's signature (default ``"model"``).
+
+    Returns:
+        A profile with one entry, ``(device_kind, precision)``.
+
+    Raises:
+        ProfileError: no units, ``repeats < 1``, or precision ``"fp8"`` (fp8 speed needs the fp8
+            backend on a capable GPU; supply fp8 costs in a profile file instead).
+    """
+    units = list(units)
+    if not units:
+        raise ProfileError("`profile_units` got no units; pass the model's (name, module) pairs.")
+    if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
+        raise ProfileError(f"`profile_units` needs repeats >= 1 and warmup >= 0, got {repeats!r}, {warmup!r}.")
+    device_kind = normalize_kind(device_kind, "`profile_units` device_kind")
+    precision = normalize_precision(precision, "`profile_units`") or "32-true"
+    if precision == "fp8":
+        raise ProfileError(
+            "`profile_units` cannot measure precision 'fp8' by itself; measure 'bf16-mixed' here and "
+            "add fp8 costs from a run with the fp8 backend to the profile file."
+        )
+    args = _as_args(example_input)
+    first_param = next((p for _, m in units for p in m.parameters()), None)
+    device = first_param.device if first_param is not None else next(
+        (t.device for t in _tensors(args)), torch.device("cpu")
+    )
+    true_dtype = _TRUE_DTYPES.get(precision)
+    if true_dtype is not None:
+        args = tuple(a.to(true_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+    costs: list[UnitCost] = []
+    for name, module in units:
+        buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
+        runner = copy.deepcopy(module).to(true_dtype) if true_dtype is not None else module
+        try:
+            cost, out = _measure_unit(runner, args, device, precision, repeats, warmup)
+        finally:
+            with torch.no_grad():
+                for k, b in module.named_buffers():
+                    b.copy_(buffers[k])
+        cost.name = name
+        costs.append(cost)
+        args = _boundary(out, true_dtype)
+    return CostProfile(
+        model=model_name or "model",
+        unit_names=[n for n, _ in units],
+        param_counts=model_signature_counts(units),
+        input_shapes=_shapes(_as_args(example_input)),
+        entries=[ProfileEntry(device_kind, precision, costs, source="measured")],
+        meta={"torch": torch.__version__, "repeats": repeats, "warmup": warmup},
+    )
+
+
+def load_or_profile(
+    path: str | os.PathLike,
+    units: Sequence[tuple[str, nn.Module]],
+    example_input: Any,
+    device_kind: str,
+    precision: str = "32-true",
+    model_name: str | None = None,
+    **kwargs: Any,
+) -> CostProfile:
+    """Return the cached profile at ``path`` when it matches, else measure and update the file.
+
+    A cached file matches when its signature (model name, unit names, parameter counts, input
+    shapes) equals the model's and it has an entry for ``(device_kind, precision)``. With the same
+    signature but without that entry, the new measurement is added to the file; with another
+    signature the file is replaced (and a warning is logged).
+
+    Args:
+        path: JSON file of the cache.
+        units, example_input, device_kind, precision, model_name: As for :func:`profile_units`.
+        **kwargs: ``repeats`` and ``warmup`` for :func:`profile_units`.
+
+    Returns:
+        A profile that holds at least the requested entry.
+
+    Raises:
+        ProfileError: the file exists but is not a profile (it is not overwritten), or the
+            measurement fails (see :func:`profile_units`).
+    """
+    path = os.fspath(path)
+    kind = normalize_kind(device_kind, "`load_or_profile` device_kind")
+    prec = normalize_precision(precision, "`load_or_profile`") or "32-true"
+    units = list(units)
+    wanted = {
+        "model": model_name or "model",
+        "units": [[n, c] for (n, _), c in zip(units, model_signature_counts(units))],
+        "input_shapes": _shapes(_as_args(example_input)),
+    }
+    cached = CostProfile.load(path) if os.path.exists(path) else None
+    if cached is not None and cached.signature == wanted and cached.get(kind, prec) is not None:
+        return cached
+    fresh = profile_units(units, example_input, kind, prec, model_name=model_name, **kwargs)
+    if cached is not None and cached.signature == wanted:
+        fresh = cached.merge(fresh)
+    elif cached is not None:
+        log.warning(
+            "Cost profile %s was made for another model or input shape (%s); replacing it.",
+            path,
+            cached.signature,
+        )
+    fresh.save(path)
+    return fresh

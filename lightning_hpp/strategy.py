@@ -1,0 +1,519 @@
+"""HPPStrategy: the Lightning strategy that wires Lightning's hooks to the pipeline layers.
+
+Order of events on every rank:
+
+* ``setup_environment``: process group (gloo on CPU, NCCL on GPU), like DDP.
+* ``setup``: find the units, resolve the plan, check the sequential forward on one real
+  micro-batch, build the pp × dp groups, keep only this rank's stages, then optimizers.
+* ``training_step``: one pipeline schedule step (forward + backward of every micro-batch). The
+  gradients are held aside until Lightning's ``backward`` call, because Lightning zeroes gradients
+  between ``training_step`` and ``backward``; ``backward`` averages them over the dp group and adds
+  them to the parameters' gradients.
+* ``validation_step`` / ``test_step`` / ``predict_step``: forward-only schedules.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_hpp.mesh import Mesh, stages_of_position
+from lightning_hpp.microbatch import split_batch
+from lightning_hpp.pipeline import SCHEDULES, PipelineRunner, StageModule, capture_input, check_schedule
+from lightning_hpp.plan import PlanError, StagePlan
+from lightning_hpp.units import check_sequential_forward, find_units, replace_unit
+
+log = logging.getLogger(__name__)
+
+PLAN_FILENAME = "stage_plan.json"
+
+
+class _RemoteUnit(nn.Module):
+    """Stands in for a unit that lives on another rank."""
+
+    def __init__(self, name: str, stage: int) -> None:
+        super().__init__()
+        self.unit_name = name
+        self.stage = stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"Unit {self.unit_name!r} belongs to pipeline stage {self.stage}, which runs on another rank; it "
+            f"cannot be called here. Under HPPStrategy call `self(...)` only inside the Lightning steps."
+        )
+
+
+class HPPStrategy(ParallelStrategy):
+    """Pipeline-parallel (× data-parallel) training of an unchanged LightningModule.
+
+    Args:
+        plan: ``None`` (use the ``@stage`` decorators), a :class:`StagePlan`, or the path of a
+            ``stage_plan.json``.
+        schedule: One of ``gpipe``, ``1f1b``, ``interleaved1f1b``, ``looped_bfs``,
+            ``interleaved_zb``, ``zbv``, ``dualpipev``.
+        n_microbatches: Micro-batches per training batch (the batch size must be divisible by it).
+        pp_degree: Pipeline positions per replica. Default: the number of stages for one-stage-per-rank
+            schedules, half of it for the multi-stage ones. ``world_size / pp_degree`` replicas train
+            data-parallel.
+        timeout: Timeout of every collective and pipeline send/recv; a rank that stops answering ends
+            the job after at most this long.
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
+    """
+
+    strategy_name = "hpp"
+
+    def __init__(
+        self,
+        plan: StagePlan | str | os.PathLike | None = None,
+        schedule: str = "1f1b",
+        n_microbatches: int = 4,
+        pp_degree: int | None = None,
+        timeout: timedelta | float = timedelta(minutes=5),
+        process_group_backend: str | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if schedule not in SCHEDULES:
+            raise PlanError(f"Unknown schedule {schedule!r}. Valid schedules: {', '.join(SCHEDULES)}.")
+        if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
+            raise PlanError(f"`n_microbatches` must be a positive integer, got {n_microbatches!r}.")
+        if pp_degree is not None and (not isinstance(pp_degree, int) or pp_degree < 1):
+            raise PlanError(f"`pp_degree` must be a positive integer or None, got {pp_degree!r}.")
+        if isinstance(plan, (str, os.PathLike)):
+            plan = StagePlan.load(os.fspath(plan))
+        if plan is not None and not isinstance(plan, StagePlan):
+            raise PlanError(
+                f"`plan` must be None (use `@stage` decorators), a `StagePlan` or a path to a stage_plan.json; "
+                f"got {type(plan).__name__}."
+            )
+        self._plan_arg = plan
+        self._schedule = schedule
+        self._n_microbatches = n_microbatches
+        self._pp_arg = pp_degree
+        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self._plan: StagePlan | None = None
+        self._mesh: Mesh | None = None
+        self._runner: PipelineRunner | None = None
+        self._fresh_grads: list[Tensor | None] | None = None
+        self._stage_ids: list[int] = []
+        self.step_stats: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ read-only state
+    @property
+    def plan(self) -> StagePlan | None:
+        """The resolved plan (unit names expanded), once set up."""
+        return self._plan
+
+    @property
+    def mesh(self) -> Mesh | None:
+        return self._mesh
+
+    @property
+    def runner(self) -> PipelineRunner | None:
+        return self._runner
+
+    @property
+    def stage_ids(self) -> list[int]:
+        """The stages this rank holds."""
+        return list(self._stage_ids)
+
+    @property
+    def schedule(self) -> str:
+        return self._schedule
+
+    @property
+    def n_microbatches(self) -> int:
+        return self._n_microbatches
+
+    @property
+    def dp_group(self) -> Any:
+        return self._mesh.dp_group if self._mesh else None
+
+    @property
+    def dp_size(self) -> int:
+        return self._mesh.dp if self._mesh else 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self._mesh.replica if self._mesh else 0
+
+    # ------------------------------------------------------------------ process topology
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Shard over replicas only: every stage of one pipeline must see the same batch.
+        dp = self.world_size // self._pp_degree()
+        return {"num_replicas": dp, "rank": self._replica_of(self.global_rank)}
+
+    def _pp_degree(self) -> int:
+        if self._pp_arg is not None:
+            return self._pp_arg
+        n = self._num_stages_hint()
+        if n is None:
+            return self.world_size
+        return n // 2 if SCHEDULES[self._schedule].multi else n
+
+    def _num_stages_hint(self) -> int | None:
+        if self._plan is not None:
+            return self._plan.num_stages
+        if self._plan_arg is not None:
+            return self._plan_arg.num_stages
+        if self.lightning_module is not None:
+            plan = StagePlan.from_decorators(find_units(self.lightning_module))
+            return plan.num_stages if plan is not None else None
+        return None
+
+    def _replica_of(self, rank: int) -> int:
+        if self._mesh is not None:
+            return next(row.index(rank) for row in self._mesh.grid if rank in row)
+        pp = self._pp_degree()
+        return rank % (self.world_size // pp)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ setup: plan, check, cut
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if self._runner is None or self._runner.module is not module:
+            self._prepare(trainer, module)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._write_plan(trainer)
+
+    def _prepare(self, trainer: Any, module: Any) -> None:
+        """Resolve the plan, check the forward, build the groups and keep only this rank's stages."""
+        units = find_units(module)
+        names = [n for n, _ in units]
+        plan = self._plan_arg if self._plan_arg is not None else StagePlan.from_decorators(units)
+        if plan is None:
+            raise PlanError(
+                f"HPPStrategy needs a stage plan: decorate unit classes with `@stage(k, ...)`, or pass "
+                f"`HPPStrategy(plan=StagePlan([...]))` / a stage_plan.json path. The model's units are: "
+                f"{', '.join(names)}."
+            )
+        resolved = plan.resolve(names)
+        self._plan = plan.with_modules(resolved)
+        pp = self._pp_degree()
+        if self._plan.num_stages > self.world_size * (2 if SCHEDULES[self._schedule].multi else 1) or pp > self.world_size:
+            raise PlanError(
+                f"The plan has {self._plan.num_stages} stages but the job has {self.world_size} processes. Use at "
+                f"least {pp} processes (`Trainer(devices=..., num_nodes=...)`), or a plan with fewer stages."
+            )
+        check_schedule(self._schedule, self._plan.num_stages, pp, self._n_microbatches)
+        self._mesh = Mesh.build(self.world_size, pp, self.global_rank)
+
+        unit_stage = {n: k for k, ms in enumerate(resolved) for n in ms}
+        boundaries = [names.index(ms[-1]) for ms in resolved[:-1]]
+        batch = self._sample_batch(trainer)
+        if batch is not None:
+            with _preserved_rng():
+                mb = _first_microbatch(batch, self._n_microbatches)
+                mb = self.batch_to_device(mb)
+                step_fn = _step_for(module, trainer.state.fn)
+                args = capture_input(module, step_fn, mb, 0)
+                check_sequential_forward(module, units, args, boundaries)
+
+        self._mesh.init_groups()
+        self._stage_ids = stages_of_position(self._mesh.position, pp, self._plan.num_stages, SCHEDULES[self._schedule].style)
+        for name, _ in units:
+            if unit_stage[name] not in self._stage_ids:
+                replace_unit(module, name, _RemoteUnit(name, unit_stage[name]))
+        stage_modules = {
+            k: StageModule(resolved[k], [module.get_submodule(n) for n in resolved[k]], k, first=(k == 0))
+            for k in self._stage_ids
+        }
+        self.model_to_device()
+        self._runner = PipelineRunner(
+            module, stage_modules, self._plan.num_stages, self._mesh, self._schedule, self._n_microbatches, self.root_device
+        )
+        self._runner.loss_multiplier = self._scale_loss
+        rank_zero_info(
+            f"HPPStrategy: {self._plan.num_stages} stages, schedule={self._schedule}, "
+            f"n_microbatches={self._n_microbatches}, pp={pp} × dp={self._mesh.dp}\n{self._plan.table()}"
+        )
+
+    def _scale_loss(self, loss: Tensor) -> Tensor:
+        trainer = self.lightning_module.trainer
+        accumulate = trainer.accumulate_grad_batches if trainer.training else 1
+        return loss / accumulate
+
+    def _sample_batch(self, trainer: Any) -> Any:
+        """One real batch from the dataloader of the running stage, without touching any RNG."""
+        fn = trainer.state.fn
+        loop = {
+            TrainerFn.FITTING: trainer.fit_loop,
+            TrainerFn.VALIDATING: trainer.validate_loop,
+            TrainerFn.TESTING: trainer.test_loop,
+            TrainerFn.PREDICTING: trainer.predict_loop,
+        }[fn]
+        with _preserved_rng():
+            source = loop._data_source
+            if not source.is_defined():
+                return None
+            loaders = source.dataloader()
+            loader = _first_loader(loaders)
+            if loader is None:
+                return None
+            it = iter(loader)
+            try:
+                return next(it)
+            except StopIteration:
+                return None
+            finally:
+                del it
+
+    def _write_plan(self, trainer: Any) -> None:
+        log_dir = trainer.log_dir or trainer.default_root_dir  # collective: every rank asks
+        if not self.is_global_zero or self._plan is None or log_dir is None:
+            return
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(str(log_dir))
+        fs.makedirs(path, exist_ok=True)
+        meta = dict(self._plan.meta)
+        meta.update(schedule=self._schedule, n_microbatches=self._n_microbatches, pp_degree=self._mesh.pp, dp_degree=self._mesh.dp)
+        StagePlan(self._plan.stages, meta).save(f"{str(log_dir).rstrip('/')}/{PLAN_FILENAME}")
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._runner is not None
+        params = self._runner.parameters()
+        held = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            loss, logs = self._runner.train_step(self.lightning_module.training_step, *args, **kwargs)
+        finally:
+            fresh = [p.grad for p in params]
+            for p, g in zip(params, held):
+                p.grad = g
+        self._fresh_grads = fresh
+        self._replay(logs)
+        self.step_stats = {"loss": float(loss)}
+        return loss
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward: the schedule already ran it, so hand over the held gradients."""
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self._accumulate_fresh_grads()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        return closure_loss
+
+    def _accumulate_fresh_grads(self) -> None:
+        assert self._runner is not None
+        fresh, self._fresh_grads = self._fresh_grads, None
+        if fresh is None:
+            return
+        params = self._runner.parameters()
+        self._all_reduce_dp(fresh)
+        for p, g in zip(params, fresh):
+            if g is None:
+                continue
+            p.grad = g if p.grad is None else p.grad.add_(g)
+
+    def _all_reduce_dp(self, grads: list[Tensor | None]) -> None:
+        if self._mesh is None or self._mesh.dp == 1:
+            return
+        present = [g for g in grads if g is not None]
+        if not present:
+            return
+        flat = torch._utils._flatten_dense_tensors(present)
+        dist.all_reduce(flat, group=self._mesh.dp_group)
+        flat.div_(self._mesh.dp)
+        for g, synced in zip(present, torch._utils._unflatten_dense_tensors(flat, present)):
+            g.copy_(synced)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval("predict_step", *args, **kwargs)
+
+    def _eval(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+        assert self._runner is not None
+        output, logs = self._runner.eval_step(getattr(self.lightning_module, hook), *args, **kwargs)
+        self._replay(logs)
+        return output
+
+    def _replay(self, logs: list[tuple[str, float, dict]]) -> None:
+        module = self.lightning_module
+        for name, value, kw in logs:
+            module.log(name, torch.tensor(value, dtype=torch.float32, device=self.root_device), **kw)
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints (full model on rank 0)
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model's state: every pipeline position of replica 0 sends its stages to rank 0."""
+        own = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        if self._mesh is None or self.world_size == 1:
+            return own
+        parts: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
+        mine = own if self._mesh.replica == 0 else {}
+        dist.gather_object(mine, parts if self.global_rank == 0 else None, dst=0)
+        if self.global_rank != 0:
+            return own
+        full: dict[str, Any] = {}
+        for part in parts:
+            full.update(part)
+        return full
+
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="Heterogeneous pipeline parallelism (lightning_hpp)")
+
+
+def _first_loader(loaders: Any) -> Any:
+    if isinstance(loaders, dict):
+        return next(iter(loaders.values()), None)
+    if isinstance(loaders, (list, tuple)):
+        return loaders[0] if loaders else None
+    return loaders
+
+
+def _first_microbatch(batch: Any, n: int) -> Any:
+    try:
+        return split_batch(batch, n)[0]
+    except PlanError:
+        return batch
+
+
+def _step_for(module: Any, fn: TrainerFn) -> Any:
+    return {
+        TrainerFn.FITTING: module.training_step,
+        TrainerFn.VALIDATING: module.validation_step,
+        TrainerFn.TESTING: module.test_step,
+        TrainerFn.PREDICTING: module.predict_step,
+    }[fn]
+
+
+@contextmanager
+def _preserved_rng():
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
+
+
+if "hpp" not in StrategyRegistry:
+    HPPStrategy.register_strategies(StrategyRegistry)
