@@ -182,6 +182,11 @@ class HPPStrategy(ParallelStrategy):
         return self.parallel_devices[self.local_rank]
 
     @property
+    def is_distributed(self) -> bool:
+        # Read by Lightning to decide whether dataloaders get a distributed sampler.
+        return True
+
+    @property
     def num_nodes(self) -> int:
         return self._num_nodes
 

@@ -1,6 +1,7 @@
-"""Train tests.models.MLP under HPPStrategy; every rank saves what it holds to OUT/rank{r}.pt.
+"""Train tests.models.MLP under HPPStrategy for one or more configurations in one launch.
 
-Usage: python -m tests.workers.run_hpp '<json config>'
+Every rank saves, per configuration, what it holds to OUT/<name>/rank{r}.pt.
+Usage: python -m tests.workers.run_hpp '<json: {"devices": N, "runs": [config, ...]}>'
 """
 
 import json
@@ -14,14 +15,16 @@ from lightning_hpp import HPPStrategy, StagePlan, StageSpec
 from tests.models import MLP, loaders
 
 
-def main(cfg: dict) -> None:
+def run(cfg: dict, devices: int) -> None:
     L.seed_everything(0)
     model = MLP(depth=cfg.get("depth", 4))
     plan = StagePlan([StageSpec(modules=m) for m in cfg["stages"]])
-    strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["n_micro"], pp_degree=cfg.get("pp"), timeout=cfg.get("timeout", 60))
+    strategy = HPPStrategy(
+        plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["n_micro"], pp_degree=cfg.get("pp"), timeout=cfg.get("timeout", 60)
+    )
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=cfg["devices"],
+        devices=devices,
         strategy=strategy,
         max_steps=cfg["steps"],
         accumulate_grad_batches=cfg.get("accumulate", 1),
@@ -39,15 +42,17 @@ def main(cfg: dict) -> None:
         "state": {k: v.detach().clone() for k, v in model.state_dict().items() if "layers" in k},
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "global_step": trainer.global_step,
+        "stage_ids": strategy.stage_ids,
     }
     if cfg.get("validate"):
-        res = trainer.validate(model, val, verbose=False)
-        out["validate"] = res
+        out["validate"] = trainer.validate(model, val, verbose=False)
     if cfg.get("predict"):
-        pred = trainer.predict(model, val)
-        out["predict"] = torch.cat(pred)
+        out["predict"] = torch.cat(trainer.predict(model, val))
+    os.makedirs(cfg["out"], exist_ok=True)
     torch.save(out, os.path.join(cfg["out"], f"rank{trainer.global_rank}.pt"))
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    spec = json.loads(sys.argv[1])
+    for cfg in spec["runs"]:
+        run(cfg, spec["devices"])

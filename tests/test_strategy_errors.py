@@ -1,0 +1,53 @@
+"""Bad input ends real multi-process jobs early with a clear message, and never hangs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from lightning_hpp import HPPStrategy, PlanError
+from tests.launch import run_script
+
+pytestmark = pytest.mark.slow
+
+
+def test_constructor_rejects_unknown_schedule_and_bad_microbatches():
+    with pytest.raises(PlanError, match="Unknown schedule 'pipedream'. Valid schedules: gpipe, 1f1b"):
+        HPPStrategy(schedule="pipedream")
+    with pytest.raises(PlanError, match="positive integer, got 0"):
+        HPPStrategy(n_microbatches=0)
+    with pytest.raises(PlanError, match="must be None .*got int"):
+        HPPStrategy(plan=3)
+
+
+@pytest.mark.parametrize(
+    "case, devices, message",
+    [
+        ("too_many_stages", 2, "The plan has 3 stages but the job has 2 processes"),
+        ("pp_not_divisor", 3, "World size 3 is not divisible by pp_degree=2"),
+        ("non_sequential", 2, "`forward` is not sequential at unit 'layers.4'"),
+        ("int_boundary", 2, "boundary after unit 'layers.3' carries Tensor\\(shape=\\(4, 16\\), dtype=torch.int64\\)"),
+        ("batch_not_divisible", 2, "Batch size 10 is not divisible by n_microbatches=4"),
+    ],
+)
+def test_bad_setup_fails_before_training_without_hanging(tmp_path, case, devices, message):
+    import re
+
+    start = time.monotonic()
+    proc = run_script("tests.workers.run_cases", {"case": case, "devices": devices, "out": str(tmp_path)}, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert re.search(message, proc.stderr), proc.stderr[-3000:]
+    assert "Epoch 0" not in proc.stdout
+    assert time.monotonic() - start < 90
+
+
+def test_a_rank_that_raises_ends_the_job_with_its_exception(tmp_path):
+    # The last stage (rank 1) raises at step 3 while rank 0 waits on the pipeline: the job must end
+    # well within the collective timeout, and the original exception must be printed.
+    start = time.monotonic()
+    proc = run_script("tests.workers.run_cases", {"case": "raise_midway", "devices": 2, "out": str(tmp_path), "timeout": 120}, check=False, timeout=150)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "boom in training_step at step 3" in proc.stderr
+    assert elapsed < 60, f"job took {elapsed:.0f}s to end"

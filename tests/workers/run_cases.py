@@ -1,0 +1,93 @@
+"""Small multi-process jobs for the integration and bad-input tests.
+
+Usage: python -m tests.workers.run_cases '<json: {"case": NAME, "out": DIR, ...}>'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from lightning_hpp import HPPStrategy, StagePlan, StageSpec
+from tests.models import MLP, loaders
+
+TWO = StagePlan([StageSpec(modules=["layers.0-3"]), StageSpec(modules=["layers.4-6"])])
+QUIET = dict(enable_model_summary=False, num_sanity_val_steps=0)
+
+
+class NonSequential(MLP):
+    def forward(self, x):
+        h = self.layers[:4](x)
+        return self.layers[4:](torch.relu(h) + 1)
+
+
+class IntBoundary(MLP):
+    def __init__(self):
+        super().__init__()
+        self.layers[3] = _Bucketize()
+        self.layers[4] = _FloatLinear(16, 16)
+
+
+class _FloatLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x.float())
+
+
+class _Bucketize(nn.Module):
+    def forward(self, x):
+        return (x > 0).long()
+
+
+class RaisesMidway(MLP):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 3:
+            raise RuntimeError("boom in training_step at step 3")
+        return super().training_step(batch, batch_idx)
+
+
+def main(cfg: dict) -> None:
+    case = cfg["case"]
+    L.seed_everything(0)
+    devices = cfg.get("devices", 2)
+    strategy_kw = dict(plan=TWO, n_microbatches=4, timeout=cfg.get("timeout", 60))
+    model = {"non_sequential": NonSequential, "int_boundary": IntBoundary, "raise_midway": RaisesMidway}.get(case, MLP)()
+    batch = 16
+    if case == "too_many_stages":
+        strategy_kw["plan"] = StagePlan([StageSpec(modules=["layers.0-1"]), StageSpec(modules=["layers.2-3"]), StageSpec(modules=["layers.4-6"])])
+    if case == "pp_not_divisor":
+        strategy_kw["pp_degree"] = 2
+    if case == "batch_not_divisible":
+        batch = 10
+    callbacks = []
+    kw: dict = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, max_steps=6, limit_val_batches=0)
+    if case == "lightning_integration":
+        ckpt = ModelCheckpoint(dirpath=os.path.join(cfg["out"], "ckpt"), monitor="val_loss", mode="min", save_top_k=1)
+        stop = EarlyStopping(monitor="val_loss", patience=1, min_delta=10.0, mode="min")  # stops after 2 epochs
+        callbacks = [ckpt, stop]
+        kw = dict(logger=CSVLogger(cfg["out"], name="csv"), max_epochs=5, log_every_n_steps=1, enable_progress_bar=True)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=HPPStrategy(**strategy_kw), callbacks=callbacks, **QUIET, **kw)
+    train, val = loaders(batch)
+    trainer.fit(model, train, val)
+    if case == "lightning_integration":
+        result = {
+            "rank": trainer.global_rank,
+            "epochs_run": trainer.current_epoch,
+            "best_score": float(ckpt.best_model_score),
+            "best_path": ckpt.best_model_path,
+            "val_loss": float(trainer.callback_metrics["val_loss"]),
+            "stopped": stop.stopped_epoch,
+            "log_dir": trainer.log_dir,
+        }
+        with open(os.path.join(cfg["out"], f"result{trainer.global_rank}.json"), "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
