@@ -179,17 +179,25 @@ def fp8_capable(device: torch.device | str) -> tuple[bool, str]:
             return False, "transformer_engine is not installed"
         return False, f"transformer_engine cannot be imported: {err.__cause__}"
     # TE also checks the CUDA / cuBLASLt versions fp8 needs on Ada (sm_89).
-    check = getattr(te, "is_fp8_available", None)
     with torch.cuda.device(index):
-        if check is not None:
-            ok, reason = check(return_reason=True)
-        else:
-            try:
-                from transformer_engine.pytorch.fp8 import check_fp8_support
-            except ImportError:
-                return True, ""
-            ok, reason = check_fp8_support()
+        ok, reason = _te_fp8_support(te)
     return (True, "") if ok else (False, f"Transformer Engine reports: {reason}")
+
+
+def _te_fp8_support(te: Any) -> tuple[bool, str]:
+    """Transformer Engine's own fp8 check on the current device, across TE versions."""
+    check = getattr(te, "is_fp8_available", None)
+    if check is not None:
+        try:
+            result = check(return_reason=True)
+        except TypeError:
+            result = check()
+        return tuple(result) if isinstance(result, tuple) else (bool(result), "")
+    try:
+        from transformer_engine.pytorch.fp8 import check_fp8_support
+    except ImportError:
+        return True, ""
+    return tuple(check_fp8_support())
 
 
 def check_fp8_stage(stage_index: int, device: torch.device | str, device_kind: str, backend: str | None) -> str:
@@ -299,8 +307,8 @@ class _FP8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, module, compute_dtype):
         with torch.autocast(device_type=x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
-            xq = quantize_dequantize(x2, E4M3, module._fp8_scale(_INPUT, x2)).to(compute_dtype)
-            wq = quantize_dequantize(weight, E4M3, module._fp8_scale(_WEIGHT, weight)).to(compute_dtype)
+            xq = module._fp8_round(_INPUT, x2).to(compute_dtype)
+            wq = module._fp8_round(_WEIGHT, weight).to(compute_dtype)
             out = xq @ wq.t()
             if bias is not None:
                 out = out + bias.to(compute_dtype)
@@ -314,7 +322,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         xq, wq = ctx.saved_tensors
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes_dtypes
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        gq = quantize_dequantize(g2, E5M2, ctx.module._fp8_scale(_GRAD_OUTPUT, g2)).to(xq.dtype)
+        gq = ctx.module._fp8_round(_GRAD_OUTPUT, g2).to(xq.dtype)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = (gq @ wq).reshape(x_shape).to(x_dtype)
@@ -336,7 +344,7 @@ class EmulatedFP8Linear(nn.Linear):
     The GEMM runs in the autocast dtype when autocast is on for the input's device, else in the
     input's dtype. Delayed scaling starts from the tensor's own amax while the history is still
     empty (Transformer Engine starts from scale 1); afterwards the scale lags by one call, and
-    values beyond the stale range saturate, exactly as in TE.
+    values beyond the stale range saturate, as in TE.
 
     Args:
         in_features: As for ``nn.Linear``.
@@ -378,8 +386,8 @@ class EmulatedFP8Linear(nn.Linear):
         rows = recipe.amax_history_len if recipe.scaling == "delayed" else 1
         self.register_buffer("amax_history", torch.zeros(rows, 3, device=self.weight.device), persistent=False)
 
-    def _fp8_scale(self, slot: int, t: torch.Tensor) -> torch.Tensor:
-        """The scale for one quantized tensor; records its amax in the history."""
+    def _fp8_round(self, slot: int, t: torch.Tensor) -> torch.Tensor:
+        """Round one GEMM operand through its fp8 format; records its amax in the history."""
         fp8_dtype = _SLOT_FORMAT[slot]
         rc = self.fp8_recipe
         amax = t.detach().abs().amax().float()
@@ -395,7 +403,7 @@ class EmulatedFP8Linear(nn.Linear):
         with torch.no_grad():
             column.copy_(torch.roll(column, 1, 0))
             column[0] = recorded.to(column.dtype)
-        return scale
+        return quantize_dequantize(t, fp8_dtype, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device_type = x.device.type

@@ -129,6 +129,8 @@ class StageModule(nn.Module):
                 x = unit(*x) if (self.first and i == 0) else unit(x)
         if self.output_dtype is not None:
             x = _cast(x, self.output_dtype)
+        # torch pipelining sizes receive buffers from the sent tensor's strides: send dense tensors
+        x = _contiguous(x)
         for hook in self.output_hooks:
             x = hook(self.index, x)
         return x
@@ -139,6 +141,14 @@ def _cast(x: Any, dtype: torch.dtype) -> Any:
         return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
     if isinstance(x, (tuple, list)):
         return type(x)(_cast(v, dtype) for v in x)
+    return x
+
+
+def _contiguous(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.contiguous()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_contiguous(v) for v in x)
     return x
 
 

@@ -66,8 +66,9 @@ def test_forward_equals_the_three_units_in_order(digits):
     x, _ = next(iter(digits.train_dataloader()))
     tokens = model.encoder(x)
     hidden = model.transformer(tokens)
-    assert tokens.shape == (64, 64, 64) and tokens.is_floating_point()  # (B, T, D)
+    assert tokens.shape == (64, 16, 64) and tokens.is_floating_point()  # (B, T, D)
     assert hidden.shape == tokens.shape and hidden.is_floating_point()
+    assert tokens.is_contiguous() and hidden.is_contiguous()  # gloo receives only into contiguous buffers
     assert torch.equal(model(x), model.classifier(hidden))
 
 
@@ -188,8 +189,9 @@ def _trainer(tmp_path, **kwargs) -> L.Trainer:
 
 
 def test_single_process_fp32_training_reaches_90_percent(tmp_path, digits):
-    # Observed with seed 0: 98.4% validation accuracy after 5 epochs (about 3 s on 2 cores).
-    torch.set_num_threads(2)
+    # Observed with seed 0: 97.1% validation accuracy after 5 epochs (10.4% before training).
+    # One thread: on a shared 2-core machine two intra-op threads are often several times slower.
+    torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     model = hv.HybridVisionModel()
     trainer = _trainer(tmp_path, max_epochs=5)

@@ -9,9 +9,7 @@ Bounds used below (round to nearest, per-tensor scale so that amax maps to the f
 
 from __future__ import annotations
 
-import copy
 import importlib.util
-import warnings
 
 import pytest
 import torch

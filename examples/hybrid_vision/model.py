@@ -2,10 +2,13 @@
 
 It is an ordinary LightningModule whose three top-level children are the pipeline units, in
 order: ``encoder`` (stage 0), ``transformer`` (stage 1) and ``classifier`` (undecorated, so it
-becomes stage 2). The decorators carry the heterogeneous plan (fp16 encoder, fp8 Transformer,
-bf16 classifier); :func:`fp32_plan` gives the same cut in full precision for correctness checks.
+becomes stage 2). The decorators carry the field report's precisions for the first two stages
+(fp16 encoder, fp8 Transformer); the classifier runs in the Trainer's ``precision`` (bf16-mixed in
+that plan). :func:`mixed_plan` spells out all three stages, :func:`fp32_plan` gives the same cut
+in full precision for correctness checks.
 
-Shapes, for a batch of B images of side S (8, or 16 when upsampled) and a stride-``s`` stem:
+Shapes, for a batch of B images of side S (8, or 16 when upsampled) and a second convolution of
+stride s (2 by default):
 
     (B, 1, S, S) --encoder--> (B, T, D) --transformer--> (B, T, D) --classifier--> (B, 10)
 
@@ -48,7 +51,7 @@ class VisionEncoder(nn.Module):
         stride: Stride of the second convolution; the token grid is ``image_size // stride`` square.
     """
 
-    def __init__(self, image_size: int = 8, channels: int = 32, dim: int = 64, stride: int = 1) -> None:
+    def __init__(self, image_size: int = 8, channels: int = 32, dim: int = 64, stride: int = 2) -> None:
         super().__init__()
         if image_size % stride:
             raise HybridConfigError(
@@ -72,7 +75,9 @@ class VisionEncoder(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.gelu(self.norm1(self.conv1(x)))  # (B, C, S, S)
         x = F.gelu(self.norm2(self.conv2(x)))  # (B, D, G, G)
-        return x.flatten(2).transpose(1, 2) + self.pos  # (B, T, D)
+        # contiguous: torch pipelining sizes its receive buffers from this output's strides, and
+        # gloo refuses to receive into a non-contiguous (transposed) buffer.
+        return x.flatten(2).transpose(1, 2).contiguous() + self.pos  # (B, T, D)
 
 
 @stage(1, device="cpu", precision=TRANSFORMER_PRECISION)
@@ -148,7 +153,7 @@ class HybridVisionModel(L.LightningModule):
         image_size: int = 8,
         channels: int = 32,
         dim: int = 64,
-        stride: int = 1,
+        stride: int = 2,
         heads: int = 4,
         mlp_ratio: int = 4,
         lr: float = 3e-3,
@@ -185,12 +190,16 @@ class HybridVisionModel(L.LightningModule):
         return self(x).argmax(-1)
 
     def configure_optimizers(self):
+        # Weight decay on matrices and kernels only. Built from the parameters this process holds,
+        # so it also works when a pipeline rank keeps only its own stage.
         decay = [p for n, p in self.named_parameters() if p.ndim >= 2 and not n.endswith("pos")]
         no_decay = [p for n, p in self.named_parameters() if p.ndim < 2 or n.endswith("pos")]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams.lr,
-        )
+        groups = [
+            {"params": params, "weight_decay": wd}
+            for params, wd in ((decay, self.hparams.weight_decay), (no_decay, 0.0))
+            if params
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr)
         total = self.trainer.estimated_stepping_batches
         if not math.isfinite(total):
             raise HybridConfigError(

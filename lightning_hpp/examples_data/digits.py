@@ -73,10 +73,11 @@ class DigitsDataModule(L.LightningDataModule):
                     f"{n_microbatches!r}, so its batches cannot be cut into equal micro-batches. "
                     f"Use a multiple of {n_microbatches}, e.g. {name}={fix}."
                 )
-        if isinstance(val_size, bool) or not isinstance(val_size, int) or not NUM_CLASSES <= val_size <= NUM_IMAGES - batch_size:
+        max_val = NUM_IMAGES - batch_size
+        if isinstance(val_size, bool) or not isinstance(val_size, int) or not NUM_CLASSES <= val_size <= max_val:
             raise DigitsDataError(
                 f"`DigitsDataModule(val_size={val_size!r})` must be an integer between {NUM_CLASSES} (one "
-                f"image per class) and {NUM_IMAGES - batch_size} (leaving one training batch of "
+                f"image per class) and {max_val} (leaving one training batch of "
                 f"{batch_size}) out of {NUM_IMAGES} images."
             )
         if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 8:
@@ -105,8 +106,11 @@ class DigitsDataModule(L.LightningDataModule):
         self.train_indices, self.val_indices = split_indices(labels, self.val_size, self.seed)
         train = images[self.train_indices] / PIXEL_MAX
         self.mean, self.std = float(train.mean()), float(train.std())
-        self.train_set = TensorDataset(self._prepare(images[self.train_indices]), torch.from_numpy(labels[self.train_indices]))
-        self.val_set = TensorDataset(self._prepare(images[self.val_indices]), torch.from_numpy(labels[self.val_indices]))
+        self.train_set = self._dataset_of(images, labels, self.train_indices)
+        self.val_set = self._dataset_of(images, labels, self.val_indices)
+
+    def _dataset_of(self, images: np.ndarray, labels: np.ndarray, indices: np.ndarray) -> TensorDataset:
+        return TensorDataset(self._prepare(images[indices]), torch.from_numpy(labels[indices]))
 
     def _prepare(self, images: np.ndarray) -> torch.Tensor:
         x = torch.from_numpy(images / PIXEL_MAX).float()
@@ -116,7 +120,9 @@ class DigitsDataModule(L.LightningDataModule):
         return x.contiguous()
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self._dataset("train"), batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=0)
+        return DataLoader(
+            self._dataset("train"), batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=0
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self._dataset("val"), batch_size=self.val_batch_size, shuffle=False, num_workers=0)

@@ -25,6 +25,7 @@ def run(cfg: dict, devices: int) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
+        num_nodes=cfg.get("num_nodes", 1),
         strategy=strategy,
         max_steps=cfg["steps"],
         accumulate_grad_batches=cfg.get("accumulate", 1),
@@ -55,4 +56,5 @@ def run(cfg: dict, devices: int) -> None:
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     for cfg in spec["runs"]:
+        cfg.setdefault("num_nodes", spec.get("num_nodes", 1))
         run(cfg, spec["devices"])
