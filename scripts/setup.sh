@@ -12,6 +12,8 @@ python -m pip install -q --upgrade pip >/dev/null
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   python -m pip install -q "torch==2.13.0"
 else
-  python -m pip install -q "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+  # a local CPU wheel if the machine has one, else PyTorch's CPU index (never the multi-GB CUDA build)
+  python -m pip install -q --no-index "torch==2.13.0" 2>/dev/null \
+    || python -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 fi
 python -m pip install -q -e ".[dev,examples,s3,hydra,bench]"
