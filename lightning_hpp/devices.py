@@ -278,6 +278,46 @@ def _rank_kinds_text(rank_kinds: Sequence[str]) -> str:
     return ", ".join(f"rank {r}: {k}" for r, k in enumerate(rank_kinds))
 
 
+def _greedy_rows(
+    wanted: Sequence[str | None], have: Sequence[str], dp: int
+) -> list[list[int]] | None:
+    """Rows of ranks per stage such that every replica's pipeline ascends in rank, or ``None``.
+
+    Each stage takes, replica by replica, the lowest free rank of its kind above the rank that
+    replica's previous stage got. Taking the lowest ranks leaves the highest ones to later stages,
+    so this finds an arrangement whenever one exists (for stages with fixed kinds). A stage that
+    accepts any kind only takes ranks of kinds that later stages do not need.
+    """
+    free = set(range(len(have)))
+    prev = [-1] * dp
+    rows: list[list[int]] = []
+    for s, w in enumerate(wanted):
+        later: dict[str, int] = {}
+        for k in wanted[s + 1 :]:
+            if k is not None:
+                later[k] = later.get(k, 0) + dp
+        row: list[int] = []
+        for d in range(dp):
+            lo = max(prev[d], row[-1] if row else -1)
+            pick = None
+            for r in sorted(free):
+                if r <= lo:
+                    continue
+                if w is not None and have[r] != w:
+                    continue
+                if w is None and sum(1 for f in free if have[f] == have[r]) <= later.get(have[r], 0):
+                    continue
+                pick = r
+                break
+            if pick is None:
+                return None
+            row.append(pick)
+            free.discard(pick)
+        rows.append(row)
+        prev = row
+    return rows
+
+
 def assign_ranks(
     stage_kinds: Sequence[str | None],
     rank_kinds: Sequence[str],
@@ -288,8 +328,9 @@ def assign_ranks(
 
     When every stage accepts any kind, or the default layout already matches the requested kinds,
     the layout is pipeline-outer: ``rank = stage * dp_degree + dp_index``, so the ranks of one stage
-    are contiguous. Otherwise each stage takes the lowest free ranks of its kind, in stage order,
-    and stages that accept any kind take the lowest ranks left over.
+    are contiguous. Otherwise each stage takes the lowest free ranks of its kind. In every case the
+    ranks of one replica ascend along the pipeline (stage ``s`` of replica ``d`` has a lower rank than
+    stage ``s + 1``), because torch's pipelining addresses stage peers in group-rank order.
 
     Args:
         stage_kinds: Requested kind per stage (``None`` = any); one entry per stage.
@@ -299,10 +340,11 @@ def assign_ranks(
 
     Returns:
         ``ranks[stage][dp_index]``; replica ``d`` is the pipeline ``[ranks[s][d] for s in stages]``.
+        This is the ``grid`` of :class:`lightning_hpp.mesh.Mesh`.
 
     Raises:
-        PlacementError: wrong lengths, or kinds that are absent or too few (the message lists the
-            kind of every rank).
+        PlacementError: wrong lengths, kinds that are absent or too few, or kinds whose ranks cannot
+            be ordered along the pipelines (the message lists the kind of every rank).
     """
     if pp_degree < 1 or dp_degree < 1:
         raise PlacementError(f"pp_degree={pp_degree!r} and dp_degree={dp_degree!r} must both be >= 1.")
@@ -336,14 +378,54 @@ def assign_ranks(
             f"ranks: {_rank_kinds_text(have)}. Change the stages' `device=` (or None for any), or set "
             f"the ranks' kinds with `device_map` / ${ENV_VAR}."
         )
-    free = list(range(world))
-    out: list[list[int] | None] = [None] * pp_degree
-    for s, w in enumerate(wanted):
-        if w is not None:
-            mine = [r for r in free if have[r] == w][:dp_degree]
-            out[s] = mine
-            free = [r for r in free if r not in mine]
-    for s, w in enumerate(wanted):
-        if w is None:
-            out[s], free = free[:dp_degree], free[dp_degree:]
-    return [list(r) for r in out]  # type: ignore[arg-type]
+    rows = _greedy_rows(wanted, have, dp_degree)
+    if rows is None:
+        raise PlacementError(
+            f"Stage kinds {wanted} cannot be laid out so that every pipeline's ranks ascend (stage s must "
+            f"sit on a lower rank than stage s + 1 of the same replica); ranks: {_rank_kinds_text(have)}. "
+            f"Give the earlier stages the kinds of the lower ranks, or order the ranks' kinds with "
+            f"`device_map` / ${ENV_VAR}."
+        )
+    return rows
+
+
+def stage_kind_orders(
+    rank_kinds: Sequence[str], pp_degree: int, dp_degree: int, limit: int = 4096
+) -> list[list[str]]:
+    """Every sequence of stage kinds that :func:`assign_ranks` can lay out on these ranks.
+
+    Args:
+        rank_kinds: The kind of every global rank.
+        pp_degree, dp_degree: The layout; ``len(rank_kinds)`` must be their product.
+        limit: Stop with an error beyond this many sequences.
+
+    Returns:
+        The sequences (each of length ``pp_degree``), in lexicographic order of kinds.
+
+    Raises:
+        PlacementError: wrong world size, or more than ``limit`` sequences.
+    """
+    have = [normalize_kind(k, f"rank {r} kind") for r, k in enumerate(rank_kinds)]
+    if pp_degree < 1 or dp_degree < 1 or len(have) != pp_degree * dp_degree:
+        raise PlacementError(
+            f"{len(have)} ranks do not form pp_degree={pp_degree!r} x dp_degree={dp_degree!r}; the world "
+            f"size must equal pp_degree * dp_degree."
+        )
+    kinds = sorted(set(have))
+    out: list[list[str]] = []
+
+    def extend(prefix: list[str]) -> None:
+        if len(prefix) == pp_degree:
+            out.append(list(prefix))
+            if len(out) > limit:
+                raise PlacementError(
+                    f"More than {limit} stage-kind orders fit ranks {_rank_kinds_text(have)}; fix the stages' "
+                    f"kinds instead of searching them."
+                )
+            return
+        for k in kinds:
+            if _greedy_rows(prefix + [k], have, dp_degree) is not None:
+                extend(prefix + [k])
+
+    extend([])
+    return out

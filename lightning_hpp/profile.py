@@ -24,8 +24,8 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -352,16 +352,26 @@ def model_signature_counts(units: Sequence[tuple[str, nn.Module]]) -> list[int]:
 
 
 def _measure_unit(
-    module: nn.Module, args: tuple, device: torch.device, precision: str, repeats: int, warmup: int
+    module: nn.Module,
+    args: tuple,
+    device: torch.device,
+    precision: str,
+    repeats: int,
+    warmup: int,
+    context: Callable[[], AbstractContextManager] | None,
 ) -> tuple[UnitCost, Any]:
     params = [p for p in module.parameters() if p.requires_grad]
     param_ids = {p.untyped_storage().data_ptr() for p in module.parameters()}
     grad_inputs = [a for a in _tensors(args) if a.requires_grad]
-    ctx = (
-        (lambda: torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[precision]))
-        if precision in _AUTOCAST_DTYPES
-        else nullcontext
-    )
+    if context is not None:
+        ctx = context
+    elif precision in _AUTOCAST_DTYPES:
+        dtype = _AUTOCAST_DTYPES[precision]
+
+        def ctx():
+            return torch.autocast(device.type, dtype=dtype)
+    else:
+        ctx = nullcontext
 
     def run_forward():
         with ctx():
@@ -421,6 +431,9 @@ def profile_units(
     repeats: int = 5,
     warmup: int = 2,
     model_name: str | None = None,
+    prepare: Callable[[nn.Module], nn.Module] | None = None,
+    context: Callable[[], AbstractContextManager] | None = None,
+    source: str = "measured",
 ) -> CostProfile:
     """Measure every unit's forward+backward time and memory on one real micro-batch.
 
@@ -428,9 +441,13 @@ def profile_units(
     output, detached and requiring grad, as a pipeline stage would receive it; the first unit gets
     ``example_input`` as its positional arguments (a tuple or list is unpacked). The backward is
     ``torch.autograd.grad`` with all-ones output gradients, so ``.grad`` of the parameters is left
-    untouched; buffers (batch-norm statistics) are restored afterwards. ``"16-true"`` and
+    untouched, buffers (batch-norm statistics) are restored afterwards and the random number
+    generators are forked, so training after profiling is the same as without it. ``"16-true"`` and
     ``"bf16-true"`` are measured on a converted copy of each unit; the autocast modes under
-    ``torch.autocast``.
+    ``torch.autocast``. ``"fp8"`` needs the two hooks of the fp8 backend, for example
+    ``prepare=lambda m: convert_module_to_fp8(m, "te")`` and
+    ``context=lambda: fp8_autocast_context("te")`` from :mod:`lightning_hpp.fp8`, on a GPU that
+    supports fp8.
 
     Args:
         units: ``(name, module)`` pairs in pipeline order.
@@ -441,13 +458,18 @@ def profile_units(
         repeats: Timed repetitions per unit (the median is kept).
         warmup: Untimed repetitions before them.
         model_name: Name recorded in the profile's signature (default ``"model"``).
+        prepare: Converts a copy of each unit before it is measured (the model is untouched).
+        context: Context manager factory wrapped around each forward, replacing the precision's
+            default (``torch.autocast`` for the mixed modes).
+        source: How the entry is labelled (say so when the numbers are not real speed, e.g. an
+            fp8 emulation).
 
     Returns:
         A profile with one entry, ``(device_kind, precision)``.
 
     Raises:
-        ProfileError: no units, ``repeats < 1``, or precision ``"fp8"`` (fp8 speed needs the fp8
-            backend on a capable GPU; supply fp8 costs in a profile file instead).
+        ProfileError: no units, ``repeats < 1``, or precision ``"fp8"`` without ``prepare`` and
+            ``context`` (fp8 speed needs the fp8 backend; or supply fp8 costs in a profile file).
     """
     units = list(units)
     if not units:
@@ -456,10 +478,11 @@ def profile_units(
         raise ProfileError(f"`profile_units` needs repeats >= 1 and warmup >= 0, got {repeats!r}, {warmup!r}.")
     device_kind = normalize_kind(device_kind, "`profile_units` device_kind")
     precision = normalize_precision(precision, "`profile_units`") or "32-true"
-    if precision == "fp8":
+    if precision == "fp8" and (prepare is None or context is None):
         raise ProfileError(
-            "`profile_units` cannot measure precision 'fp8' by itself; measure 'bf16-mixed' here and "
-            "add fp8 costs from a run with the fp8 backend to the profile file."
+            "`profile_units` cannot measure precision 'fp8' by itself: pass the fp8 backend's hooks, "
+            "prepare=lambda m: convert_module_to_fp8(m, 'te') and context=lambda: fp8_autocast_context('te') "
+            "(lightning_hpp.fp8, on a GPU with compute capability >= 8.9), or add fp8 costs to the profile file."
         )
     args = _as_args(example_input)
     first_param = next((p for _, m in units for p in m.parameters()), None)
@@ -471,24 +494,28 @@ def profile_units(
         args = tuple(a.to(true_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
     costs: list[UnitCost] = []
-    for name, module in units:
-        buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
-        runner = copy.deepcopy(module).to(true_dtype) if true_dtype is not None else module
-        try:
-            cost, out = _measure_unit(runner, args, device, precision, repeats, warmup)
-        finally:
-            with torch.no_grad():
-                for k, b in module.named_buffers():
-                    b.copy_(buffers[k])
-        cost.name = name
-        costs.append(cost)
-        args = _boundary(out, true_dtype)
+    # Dropout draws random numbers: measure on a forked RNG so training sees the same stream.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for name, module in units:
+            buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
+            runner = copy.deepcopy(module).to(true_dtype) if true_dtype is not None else module
+            if prepare is not None:
+                runner = prepare(copy.deepcopy(runner) if runner is module else runner)
+            try:
+                cost, out = _measure_unit(runner, args, device, precision, repeats, warmup, context)
+            finally:
+                with torch.no_grad():
+                    for k, b in module.named_buffers():
+                        b.copy_(buffers[k])
+            cost.name = name
+            costs.append(cost)
+            args = _boundary(out, true_dtype)
     return CostProfile(
         model=model_name or "model",
         unit_names=[n for n, _ in units],
         param_counts=model_signature_counts(units),
         input_shapes=_shapes(_as_args(example_input)),
-        entries=[ProfileEntry(device_kind, precision, costs, source="measured")],
+        entries=[ProfileEntry(device_kind, precision, costs, source=source)],
         meta={"torch": torch.__version__, "repeats": repeats, "warmup": warmup},
     )
 

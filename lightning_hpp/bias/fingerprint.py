@@ -92,6 +92,9 @@ def check_policy(policy: Any, where: str) -> str:
 def collect_fingerprint(device: torch.device | str | None = None, cwd: str | None = None) -> dict[str, Any]:
     """Describe the environment of this process.
 
+    Call it after the rank selected its device (``torch.cuda.set_device``), so that asking for the
+    current device does not create a CUDA context on device 0.
+
     Args:
         device: The device this rank computes on; ``None`` means the current CUDA device when CUDA
             is available, else the CPU.
@@ -347,7 +350,9 @@ def _key(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-def _difference(field: str, values: Sequence[Any], ranks: Sequence[int], scope: str | None) -> FingerprintDifference | None:
+def _difference(
+    field: str, values: Sequence[Any], ranks: Sequence[int], scope: str | None
+) -> FingerprintDifference | None:
     by_value: dict[str, list[int]] = {}
     first: dict[str, Any] = {}
     for r, v in zip(ranks, values):

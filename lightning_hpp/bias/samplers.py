@@ -47,7 +47,8 @@ class DistributedWeightedSampler(DistributedSampler):
     Args:
         weights: One non-negative weight per dataset index (a sequence, array or 1-D tensor).
         num_samples: Samples drawn per epoch across all replicas together (as in
-            ``WeightedRandomSampler``); ``None`` means ``len(weights)``. Each rank draws
+            ``WeightedRandomSampler``); ``None`` means ``len(weights)`` with replacement and the
+            number of non-zero weights without. Each rank draws
             ``ceil(num_samples / num_replicas)`` (``floor`` with ``drop_last``).
         replacement: Draw with replacement (independent streams per rank) or without (disjoint
             indices per rank; ``num_samples`` must not exceed the number of non-zero weights).

@@ -1,0 +1,74 @@
+"""Coded-bias guards: systematic skew between ranks or runs that comes from code, not data.
+
+* :mod:`~lightning_hpp.bias.fingerprint` — per-rank environment fingerprints, compared across ranks
+  and against a saved run.
+* :mod:`~lightning_hpp.bias.samplers` — :class:`DistributedWeightedSampler`, weighted sampling that
+  is correct on every rank whether or not Lightning's ``use_distributed_sampler`` is on.
+* :mod:`~lightning_hpp.bias.audit` — a data-loading audit that draws indices on every rank and names
+  each hazard with its fix.
+* :mod:`~lightning_hpp.bias.monitor` — :class:`BiasMonitor`, a callback that logs the spread of
+  losses and local gradient norms across data-parallel ranks and the ranks' sample overlap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning_hpp.bias.audit import (
+    CodedBiasError,
+    Hazard,
+    analyze_audit_records,
+    audit_dataloader,
+    collect_audit_record,
+    enforce_audit,
+)
+from lightning_hpp.bias.fingerprint import (
+    BiasConfigError,
+    CodedBiasWarning,
+    FingerprintDifference,
+    FingerprintMismatchError,
+    collect_fingerprint,
+    compare_fingerprints,
+    compare_with_saved,
+    enforce,
+    gather_fingerprints,
+    load_fingerprints,
+    save_fingerprints,
+)
+from lightning_hpp.bias.samplers import DistributedWeightedSampler, SamplerError
+
+if TYPE_CHECKING:
+    from lightning_hpp.bias.monitor import BiasMonitor
+
+
+def __getattr__(name: str) -> Any:
+    # BiasMonitor needs lightning.pytorch (slow to import); the other guards do not.
+    if name == "BiasMonitor":
+        from lightning_hpp.bias.monitor import BiasMonitor
+
+        return BiasMonitor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "BiasConfigError",
+    "BiasMonitor",
+    "CodedBiasError",
+    "CodedBiasWarning",
+    "DistributedWeightedSampler",
+    "FingerprintDifference",
+    "FingerprintMismatchError",
+    "Hazard",
+    "SamplerError",
+    "analyze_audit_records",
+    "audit_dataloader",
+    "collect_audit_record",
+    "collect_fingerprint",
+    "compare_fingerprints",
+    "compare_with_saved",
+    "enforce",
+    "enforce_audit",
+    "gather_fingerprints",
+    "load_fingerprints",
+    "save_fingerprints",
+]
