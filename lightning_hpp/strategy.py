@@ -15,6 +15,7 @@ Order of events on every rank:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 from contextlib import contextmanager
@@ -40,6 +41,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 from lightning_hpp.mesh import Mesh, stages_of_position
@@ -400,11 +402,22 @@ class HPPStrategy(ParallelStrategy):
         if fresh is None:
             return
         params = self._runner.parameters()
+        self.step_stats["local_grad_norms"] = self._stage_norms(params, fresh)
         self._all_reduce_dp(fresh)
         for p, g in zip(params, fresh):
             if g is None:
                 continue
             p.grad = g if p.grad is None else p.grad.add_(g)
+
+    def _stage_norms(self, params: list[Tensor], grads: list[Tensor | None]) -> dict[int, float]:
+        """Each held stage's gradient norm before the dp all-reduce (what BiasMonitor compares)."""
+        assert self._runner is not None
+        where = {id(p): k for k, sm in self._runner.stage_modules.items() for p in sm.parameters()}
+        sq: dict[int, float] = {k: 0.0 for k in self._runner.stage_modules}
+        for p, g in zip(params, grads):
+            if g is not None:
+                sq[where[id(p)]] += float(g.detach().float().pow(2).sum())
+        return {k: v**0.5 for k, v in sq.items()}
 
     def _all_reduce_dp(self, grads: list[Tensor | None]) -> None:
         if self._mesh is None or self._mesh.dp == 1:
@@ -440,6 +453,25 @@ class HPPStrategy(ParallelStrategy):
         module = self.lightning_module
         for name, value, kw in logs:
             module.log(name, torch.tensor(value, dtype=torch.float32, device=self.root_device), **kw)
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Point a user's own ``DistributedSampler`` at the dp replicas, not at all ranks."""
+        if self._mesh is None:
+            return dataloader
+        batch_sampler = getattr(dataloader, "batch_sampler", None)
+        sampler = getattr(batch_sampler, "sampler", None) or getattr(dataloader, "sampler", None)
+        if isinstance(sampler, DistributedSampler) and (sampler.num_replicas, sampler.rank) != (self._mesh.dp, self._mesh.replica):
+            sampler.rank = self._mesh.replica  # first: dp <= world, so the rank stays valid throughout
+            sampler.num_replicas = self._mesh.dp
+            if type(sampler) is DistributedSampler:  # subclasses such as DistributedWeightedSampler derive sizes lazily
+                n = len(sampler.dataset)
+                if sampler.drop_last and n % sampler.num_replicas:
+                    sampler.num_samples = math.ceil((n - sampler.num_replicas) / sampler.num_replicas)
+                else:
+                    sampler.num_samples = math.ceil(n / sampler.num_replicas)
+                sampler.total_size = sampler.num_samples * sampler.num_replicas
+        return dataloader
 
     # ------------------------------------------------------------------ collectives
     @override
