@@ -119,8 +119,28 @@ class StageModule(nn.Module):
         self.output_dtype = output_dtype
         self.context = context
         self.output_hooks: list[Callable[[int, Any], Any]] = []
+        self.microbatch = -1  # index of the micro-batch being computed; reset by the runner each step
+        self.inferring = False  # set while torch pipelining infers boundary metadata
 
     def forward(self, *args: Any) -> Any:
+        if self.inferring:
+            return self._infer(*args)
+        self.microbatch += 1
+        return self._run(*args, guards=True)
+
+    def _infer(self, *args: Any) -> Any:
+        # torch pipelining infers boundary shapes by running the stage on uninitialised tensors:
+        # run it on zeros instead, and leave every buffer (running stats, fp8 amax history) untouched.
+        args = tuple(_zeros_like(a) for a in args)
+        saved = [(b, b.detach().clone()) for _, b in self.named_buffers()]
+        try:
+            return self._run(*args, guards=False)
+        finally:
+            with torch.no_grad():
+                for b, v in saved:
+                    b.copy_(v)
+
+    def _run(self, *args: Any, guards: bool) -> Any:
         x: Any = args if self.first else (args[0] if len(args) == 1 else tuple(args))
         if self.input_dtype is not None:
             x = _cast(x, self.input_dtype)
@@ -131,8 +151,9 @@ class StageModule(nn.Module):
             x = _cast(x, self.output_dtype)
         # torch pipelining sizes receive buffers from the sent tensor's strides: send dense tensors
         x = _contiguous(x)
-        for hook in self.output_hooks:
-            x = hook(self.index, x)
+        if guards:
+            for hook in self.output_hooks:
+                x = hook(self.index, x)
         return x
 
 
@@ -142,6 +163,25 @@ def _cast(x: Any, dtype: torch.dtype) -> Any:
     if isinstance(x, (tuple, list)):
         return type(x)(_cast(v, dtype) for v in x)
     return x
+
+
+def _zeros_like(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.zeros_like(x).requires_grad_(x.requires_grad)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_zeros_like(v) for v in x)
+    return x
+
+
+class _Stage(PipelineStage):
+    """A PipelineStage that tells its StageModule when a pass only infers metadata."""
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        self.submod.inferring = True
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            self.submod.inferring = False
 
 
 def _contiguous(x: Any) -> Any:
@@ -311,6 +351,13 @@ class PipelineRunner:
 
         return generate_stage_to_rank_mapping(self.mesh.pp, self.num_stages, style=self.kind.style)[self.num_stages - 1]
 
+    def current_microbatch(self, stage: int) -> int:
+        return self.stage_modules[stage].microbatch
+
+    def _reset_counters(self) -> None:
+        for sm in self.stage_modules.values():
+            sm.microbatch = -1
+
     def parameters(self) -> list[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}
         for sm in self.stage_modules.values():
@@ -324,7 +371,7 @@ class PipelineRunner:
         key = (train, batch_size, n)
         if key not in self._schedules:
             stages = [
-                PipelineStage(sm, idx, self.num_stages, self.device, group=self.mesh.pp_group)
+                _Stage(sm, idx, self.num_stages, self.device, group=self.mesh.pp_group)
                 for idx, sm in self.stage_modules.items()
             ]
             loss_fn = self._loss_fn if train else None
@@ -367,6 +414,7 @@ class PipelineRunner:
         self._step_fn, self._step_args = step_fn, step_args
         self._recorders, self._losses, self._mb_seen = [], [], []
         args = capture_input(self.module, step_fn, batch, *step_args) if self.holds_first else ()
+        self._reset_counters()
         target = torch.arange(size, device=self.device) if self.holds_last else None
         try:
             sched.step(*args, target=target)
@@ -388,6 +436,7 @@ class PipelineRunner:
         size = batch_size_of(batch)
         sched, _ = self._schedule(False, size)
         args = capture_input(self.module, step_fn, batch, *step_args) if self.holds_first else ()
+        self._reset_counters()
         with torch.no_grad():
             out = sched.step(*args)
         payload = None

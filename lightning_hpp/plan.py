@@ -299,9 +299,10 @@ class StagePlan:
     def table(self) -> str:
         """A short human-readable table of the plan."""
         rows = [("stage", "units", "device", "precision", "clip_norm")]
+        labels = self.meta.get("precision") or [None] * len(self.stages)
         for k, s in enumerate(self.stages):
             units = ", ".join(s.modules) if len(s.modules) <= 4 else f"{s.modules[0]} .. {s.modules[-1]} ({len(s.modules)})"
-            rows.append((str(k), units, s.device or "any", s.precision or "trainer", "-" if s.clip_norm is None else f"{s.clip_norm:g}"))
+            rows.append((str(k), units, s.device or "any", labels[k] or s.precision or "trainer", "-" if s.clip_norm is None else f"{s.clip_norm:g}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 

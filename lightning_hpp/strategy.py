@@ -44,10 +44,12 @@ from torch import Tensor, nn
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
+from lightning_hpp.devices import detect_device_kind
 from lightning_hpp.mesh import Mesh, stages_of_position
 from lightning_hpp.microbatch import split_batch
 from lightning_hpp.pipeline import SCHEDULES, PipelineRunner, StageModule, capture_input, check_schedule
 from lightning_hpp.plan import PlanError, StagePlan
+from lightning_hpp.precision import HPPPrecision
 from lightning_hpp.units import check_sequential_forward, find_units, replace_unit
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,11 @@ class HPPStrategy(ParallelStrategy):
         pp_degree: Pipeline positions per replica. Default: the number of stages for one-stage-per-rank
             schedules, half of it for the multi-stage ones. ``world_size / pp_degree`` replicas train
             data-parallel.
+        clip: ``"per-stage"`` (each stage clips its own gradient norm with its ``clip_norm``, default
+            the Trainer's ``gradient_clip_val``) or ``"global"`` (one norm over all stages).
+        fp8_backend: ``"te"`` (Transformer Engine) or ``"emulate"`` (quantize-dequantize, any device).
+        fp8_recipe: ``"delayed"`` or ``"current"`` scaling for fp8 stages.
+        nonfinite: NaN/Inf at a stage boundary: ``"raise"``, ``"warn"`` or ``"sanitize"``.
         timeout: Timeout of every collective and pipeline send/recv; a rank that stops answering ends
             the job after at most this long.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
@@ -95,6 +102,10 @@ class HPPStrategy(ParallelStrategy):
         schedule: str = "1f1b",
         n_microbatches: int = 4,
         pp_degree: int | None = None,
+        clip: Literal["per-stage", "global"] = "per-stage",
+        fp8_backend: Literal["te", "emulate"] | None = None,
+        fp8_recipe: Literal["delayed", "current"] = "delayed",
+        nonfinite: Literal["raise", "warn", "sanitize"] = "raise",
         timeout: timedelta | float = timedelta(minutes=5),
         process_group_backend: str | None = None,
         accelerator: Any = None,
@@ -123,6 +134,8 @@ class HPPStrategy(ParallelStrategy):
                 f"`plan` must be None (use `@stage` decorators), a `StagePlan` or a path to a stage_plan.json; "
                 f"got {type(plan).__name__}."
             )
+        self._precision_options = dict(clip=clip, fp8_backend=fp8_backend, fp8_recipe=fp8_recipe, nonfinite=nonfinite)
+        HPPPrecision(**self._precision_options)  # validates the options now, before any process starts
         self._plan_arg = plan
         self._schedule = schedule
         self._n_microbatches = n_microbatches
@@ -269,8 +282,14 @@ class HPPStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self._write_plan(trainer)
 
+    def _install_precision(self, trainer: Any) -> HPPPrecision:
+        if not isinstance(self.precision_plugin, HPPPrecision):
+            self.precision_plugin = HPPPrecision(**self._precision_options)
+        return self.precision_plugin
+
     def _prepare(self, trainer: Any, module: Any) -> None:
         """Resolve the plan, check the forward, build the groups and keep only this rank's stages."""
+        trainer_precision = None if isinstance(self.precision_plugin, HPPPrecision) else str(self.precision_plugin.precision)
         units = find_units(module)
         names = [n for n, _ in units]
         plan = self._plan_arg if self._plan_arg is not None else StagePlan.from_decorators(units)
@@ -312,6 +331,8 @@ class HPPStrategy(ParallelStrategy):
             for k in self._stage_ids
         }
         self.model_to_device()
+        precision = self._install_precision(trainer)
+        precision.configure_stages(self, self._plan, trainer_precision, stage_modules, self.root_device, detect_device_kind(self.root_device, rank=self.global_rank))
         self._runner = PipelineRunner(
             module, stage_modules, self._plan.num_stages, self._mesh, self._schedule, self._n_microbatches, self.root_device
         )
@@ -324,7 +345,8 @@ class HPPStrategy(ParallelStrategy):
     def _scale_loss(self, loss: Tensor) -> Tensor:
         trainer = self.lightning_module.trainer
         accumulate = trainer.accumulate_grad_batches if trainer.training else 1
-        return loss / accumulate
+        scale = self.precision_plugin.loss_scale if isinstance(self.precision_plugin, HPPPrecision) else 1.0
+        return loss * (scale / accumulate)
 
     def _sample_batch(self, trainer: Any) -> Any:
         """One real batch from the dataloader of the running stage, without touching any RNG."""

@@ -18,17 +18,27 @@ from tests.models import MLP, loaders
 def run(cfg: dict, devices: int) -> None:
     L.seed_everything(0)
     model = MLP(depth=cfg.get("depth", 4))
-    plan = StagePlan([StageSpec(modules=m) for m in cfg["stages"]])
+    precisions = cfg.get("precisions") or [None] * len(cfg["stages"])
+    clip_norms = cfg.get("clip_norms") or [None] * len(cfg["stages"])
+    plan = StagePlan([StageSpec(modules=m, precision=p, clip_norm=c) for m, p, c in zip(cfg["stages"], precisions, clip_norms)])
     strategy = HPPStrategy(
-        plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["n_micro"], pp_degree=cfg.get("pp"), timeout=cfg.get("timeout", 60)
+        plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["n_micro"], pp_degree=cfg.get("pp"), timeout=cfg.get("timeout", 60),
+        **cfg.get("strategy", {}),
     )
+    plugins = []
+    if "init_scale" in cfg:  # the plugin given to the Trainer is the one the strategy uses
+        from lightning_hpp.precision import HPPPrecision
+
+        plugins.append(HPPPrecision(init_scale=cfg["init_scale"], **cfg.get("strategy", {})))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
         num_nodes=cfg.get("num_nodes", 1),
         strategy=strategy,
+        plugins=plugins,
         max_steps=cfg["steps"],
         accumulate_grad_batches=cfg.get("accumulate", 1),
+        gradient_clip_val=cfg.get("gradient_clip_val"),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -44,6 +54,9 @@ def run(cfg: dict, devices: int) -> None:
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "global_step": trainer.global_step,
         "stage_ids": strategy.stage_ids,
+        "skipped_steps": getattr(strategy.precision_plugin, "skipped_steps", None),
+        "loss_scale": getattr(strategy.precision_plugin, "loss_scale", None),
+        "plan_meta": strategy.plan.meta,
     }
     if cfg.get("validate"):
         out["validate"] = trainer.validate(model, val, verbose=False)
