@@ -1,0 +1,77 @@
+"""Sharded, resumable checkpoints on any fsspec URL (local disk, ``file://``, ``s3://``...).
+
+* :func:`save_sharded` / :func:`load_sharded`: each rank writes and reads only its own part of
+  the state, through torch.distributed.checkpoint; keys are parameter names, so a checkpoint
+  saved under one stage layout loads under another.
+* :func:`list_checkpoints`, :func:`latest_valid`, :func:`verify`: a checkpoint counts once its
+  ``metadata.json`` is written (last); incomplete or corrupt ones are skipped with a warning.
+* :class:`Retention`: keep the last k and the best k, never the one resumed from or the newest
+  valid one.
+* :func:`export_to_lightning_ckpt`: one plain Lightning ``.ckpt`` for inference.
+"""
+
+from __future__ import annotations
+
+from lightning_hpp.checkpoint.s3 import S3ConfigError, redact, s3_storage_options
+from lightning_hpp.checkpoint.sharded import (
+    KeyInfo,
+    PendingSave,
+    checkpoint_keys,
+    load_sharded,
+    save_sharded,
+    wait_for_pending_save,
+)
+from lightning_hpp.checkpoint.store import (
+    FORMAT_VERSION,
+    METADATA_FILE,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointSaveError,
+    CheckpointWarning,
+    CorruptCheckpointError,
+    Retention,
+    RetryPolicy,
+    StorageFailure,
+    checkpoint_url,
+    is_transient,
+    latest_valid,
+    list_checkpoints,
+    verify,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "METADATA_FILE",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointSaveError",
+    "CheckpointWarning",
+    "CorruptCheckpointError",
+    "KeyInfo",
+    "PendingSave",
+    "Retention",
+    "RetryPolicy",
+    "S3ConfigError",
+    "StorageFailure",
+    "checkpoint_keys",
+    "checkpoint_url",
+    "export_to_lightning_ckpt",
+    "is_transient",
+    "latest_valid",
+    "list_checkpoints",
+    "load_sharded",
+    "redact",
+    "s3_storage_options",
+    "save_sharded",
+    "verify",
+    "wait_for_pending_save",
+]
+
+
+def __getattr__(name: str):
+    # imported lazily so that `python -m lightning_hpp.checkpoint.export` runs without a warning
+    if name == "export_to_lightning_ckpt":
+        from lightning_hpp.checkpoint.export import export_to_lightning_ckpt
+
+        return export_to_lightning_ckpt
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Scripts the checkpoint tests start as real processes, and what they share."""

@@ -1,0 +1,211 @@
+"""Checkpoints on S3: a real moto server on loopback, through s3fs, credentials from the environment."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_hpp.checkpoint import (
+    CheckpointError,
+    CheckpointSaveError,
+    CheckpointWarning,
+    Retention,
+    RetryPolicy,
+    S3ConfigError,
+    checkpoint_url,
+    latest_valid,
+    list_checkpoints,
+    load_sharded,
+    redact,
+    s3_storage_options,
+    save_sharded,
+    verify,
+)
+from tests.ckpt_workers.common import big_state
+from tests.s3_server import FaultProxy, S3Env, fault_proxy, s3_env  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = RetryPolicy(attempts=3, base_delay=0.02, max_delay=0.1)
+
+
+def _state(step: int) -> dict:
+    gen = torch.Generator().manual_seed(step)
+    model = {"enc.weight": torch.randn(128, 64, generator=gen), "enc.bias": torch.randn(64, generator=gen)}
+    return {"model": model, "global_step": step}
+
+
+def _assert_loads(url: str, step: int) -> None:
+    loaded = load_sharded(url, {"model": None, "global_step": None}, retry=FAST)
+    for name, tensor in _state(step)["model"].items():
+        assert torch.equal(loaded["model"][name], tensor), name
+    assert loaded["global_step"] == step
+
+
+def test_round_trip_discovery_and_retention_on_s3(s3_env: S3Env) -> None:
+    root = s3_env.root
+    for step in (1, 2, 3):
+        meta = {"metrics": {"loss": 1.0 / step}}
+        save_sharded(_state(step), checkpoint_url(root, step), step=step, extra_metadata=meta)
+    s3_env.client().delete_object(Bucket=s3_env.bucket, Key="run/step-3/metadata.json")  # killed before commit
+    assert [c.step for c in list_checkpoints(root)] == [1, 2]
+    with pytest.warns(CheckpointWarning, match="step-3.*did not finish"):
+        newest = latest_valid(root)
+    assert newest.url == f"{root}/step-2" and verify(newest.url).step == 2
+    _assert_loads(newest.url, 2)
+    with pytest.warns(CheckpointWarning):
+        Retention(keep_last=1).apply(root)
+    keys = set(s3_env.objects())
+    assert not any(k.startswith("run/step-1/") for k in keys)
+    assert {"run/step-2/metadata.json", "run/step-2/.metadata", "run/step-2/__0_0.distcp"} <= keys
+
+
+@pytest.mark.parametrize("kind", ["reset", "503"])
+def test_transient_errors_are_retried(
+    s3_env: S3Env, fault_proxy: FaultProxy, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = checkpoint_url(s3_env.root, 1)
+    fault_proxy.fail_next(2, kind, methods=("PUT",))
+    with caplog.at_level(logging.WARNING, logger="lightning_hpp"):
+        info = save_sharded(_state(1), url, step=1, retry=RetryPolicy(attempts=4, base_delay=0.02))
+    assert fault_proxy.faults == 2 and info.step == 1
+    assert "Transient storage error while writing the shards" in caplog.text
+    assert verify(url).step == 1
+    fault_proxy.fail_next(2, "503", methods=("GET",))
+    _assert_loads(url, 1)
+    assert fault_proxy.faults == 4
+
+
+def test_persistent_errors_raise_or_warn_and_keep_earlier_checkpoints(s3_env: S3Env, fault_proxy: FaultProxy) -> None:
+    root = s3_env.root
+    save_sharded(_state(1), checkpoint_url(root, 1), step=1)
+    fault_proxy.fail_always("500", methods=("PUT", "POST"))
+    with pytest.raises(CheckpointSaveError, match=r"step-2.*after 3 tries.*Earlier checkpoints are untouched"):
+        save_sharded(_state(2), checkpoint_url(root, 2), step=2, retry=FAST)
+    assert fault_proxy.faults >= 3
+    with pytest.warns(CheckpointWarning, match="step-2"):
+        assert save_sharded(_state(2), checkpoint_url(root, 2), step=2, retry=FAST, on_error="warn") is None
+    fault_proxy.clear()
+    assert [c.step for c in list_checkpoints(root)] == [1]
+    assert latest_valid(root).step == 1
+    _assert_loads(checkpoint_url(root, 1), 1)
+
+
+def test_async_saves_snapshot_the_state_and_never_overlap(s3_env: S3Env, fault_proxy: FaultProxy) -> None:
+    root = s3_env.root
+    state = big_state(2, mib=2)
+    expected = {k: v.clone() for k, v in state["model"].items()}
+    fault_proxy.throttle(2 * 2**20)  # ~1 s per save
+    first = save_sharded(state, checkpoint_url(root, 2), step=2, async_save=True)
+    assert not first.done()
+    with torch.no_grad():
+        for tensor in state["model"].values():
+            tensor.zero_()  # training goes on and changes the weights
+    second = save_sharded(state, checkpoint_url(root, 3), step=3, async_save=True)
+    assert first.done() and first.result().step == 2  # the second save waited for the first
+    assert second.result().step == 3
+    loaded = load_sharded(checkpoint_url(root, 2), {"model": None})
+    assert all(torch.equal(loaded["model"][k], v) for k, v in expected.items())
+    loaded = load_sharded(checkpoint_url(root, 3), {"model": None})
+    assert all(torch.count_nonzero(v) == 0 for v in loaded["model"].values())
+
+
+@pytest.mark.parametrize("moment", ["shard upload", "metadata.json upload"])
+def test_kill_during_async_save_never_yields_a_valid_checkpoint(
+    s3_env: S3Env, fault_proxy: FaultProxy, moment: str
+) -> None:
+    root = s3_env.root
+    save_sharded(_state(1), checkpoint_url(root, 1), step=1)
+    if moment == "shard upload":
+        fault_proxy.throttle(2**20)  # the 6 MiB shard takes ~6 s
+        started = fault_proxy.bytes_up
+        reached = lambda: fault_proxy.bytes_up - started > 2**20  # noqa: E731
+    else:
+        fault_proxy.hold("PUT", "/step-2/metadata.json")  # every shard is written, the commit stalls
+        reached = lambda: bool(fault_proxy.held)  # noqa: E731
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.ckpt_workers.async_kill_worker", checkpoint_url(root, 2), "2"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not reached() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, proc.stdout.read()
+        assert reached(), "the save never got to the point of the kill"
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        fault_proxy.throttle(None)
+        fault_proxy.release()
+    assert [c.step for c in list_checkpoints(root)] == [1]
+    if moment == "metadata.json upload":
+        assert {"run/step-2/__0_0.distcp", "run/step-2/.metadata"} <= set(s3_env.objects())
+        with pytest.warns(CheckpointWarning, match="step-2' has no metadata.json"):
+            assert latest_valid(root).step == 1
+    else:
+        assert latest_valid(root).step == 1
+    _assert_loads(checkpoint_url(root, 1), 1)
+
+
+def test_secrets_never_reach_checkpoints_metadata_or_logs(
+    s3_env: S3Env, fault_proxy: FaultProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture, recwarn: pytest.WarningsRecorder,
+) -> None:
+    secret = "Zq9SeCrEt-4f1d2c3b-never-write-me"
+    token = "tok-8c7b6a5f-session-never-write-me"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", token)
+    config = {"storage": {"endpoint": s3_env.endpoint, "aws_secret_access_key": secret, "note": f"token={token}"}}
+    state = {**_state(1), "config": config}
+    meta = {"config": config, "metrics": {"loss": 0.5}}
+    with caplog.at_level(logging.DEBUG, logger="lightning_hpp"):
+        save_sharded(state, checkpoint_url(s3_env.root, 1), step=1, extra_metadata=meta)
+        save_sharded(state, checkpoint_url(str(tmp_path), 1), step=1, extra_metadata=meta)
+        save_sharded(state, checkpoint_url(s3_env.root, 2), step=2, extra_metadata=meta, async_save=True).result()
+        fault_proxy.fail_always("500", methods=("PUT",))
+        save_sharded(state, checkpoint_url(s3_env.root, 3), step=3, extra_metadata=meta, retry=FAST, on_error="warn")
+        fault_proxy.clear()
+        loaded = load_sharded(checkpoint_url(s3_env.root, 1), {"config": None})
+    assert loaded["config"]["storage"]["aws_secret_access_key"] == "***"
+    assert loaded["config"]["storage"]["note"] == "token=***"
+    written = {str(p): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    written.update({f"s3://{k}": v for k, v in s3_env.objects().items()})
+    assert any(k.endswith("metadata.json") for k in written) and len(written) >= 9
+    for name, data in written.items():
+        assert secret.encode() not in data and token.encode() not in data, name
+    assert b'"aws_secret_access_key": "***"' in written[f"{tmp_path}/step-1/metadata.json"]
+    messages = caplog.text + "".join(str(w.message) for w in recwarn)
+    assert "step-3" in messages  # the failed save was reported...
+    assert secret not in messages and token not in messages  # ...without the secrets
+
+
+def test_missing_root_is_empty_but_a_missing_bucket_is_an_error(s3_env: S3Env) -> None:
+    assert list_checkpoints(f"s3://{s3_env.bucket}/not-yet") == []
+    with pytest.raises(CheckpointError, match="bucket 'no-such-bucket-x1' does not exist"):
+        latest_valid("s3://no-such-bucket-x1/run")
+
+
+def test_s3_options_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"AWS_ENDPOINT_URL": "http://a:1", "AWS_ENDPOINT_URL_S3": "http://b:2", "AWS_REGION": "eu-west-1",
+           "AWS_ACCESS_KEY_ID": "AKIAEXAMPLEKEYID0001", "AWS_SECRET_ACCESS_KEY": "very-secret-value"}
+    options = s3_storage_options(env)
+    assert options == {"client_kwargs": {"endpoint_url": "http://b:2", "region_name": "eu-west-1"}}
+    assert s3_storage_options({"AWS_ENDPOINT_URL": "http://a:1"})["client_kwargs"]["endpoint_url"] == "http://a:1"
+    with pytest.raises(S3ConfigError, match=r"AWS_ENDPOINT_URL='localhost:9000' is not an endpoint URL"):
+        s3_storage_options({"AWS_ENDPOINT_URL": "localhost:9000"})
+    dirty = {"url": "s3://AKIAX:pw@bucket/x", "secret": "very-secret-value", "msg": "k=very-secret-value"}
+    assert redact(dirty, env=env) == {"url": "s3://***@bucket/x", "secret": "***", "msg": "k=***"}
