@@ -106,6 +106,12 @@ class HPPStrategy(ParallelStrategy):
         fp8_backend: Literal["te", "emulate"] | None = None,
         fp8_recipe: Literal["delayed", "current"] = "delayed",
         nonfinite: Literal["raise", "warn", "sanitize"] = "raise",
+        checkpoint_dir: str | None = None,
+        resume: str | None = None,
+        save_every_n_steps: int | None = None,
+        keep_last: int | None = None,
+        async_save: bool = False,
+        save_on_error: Literal["raise", "warn"] = "raise",
         timeout: timedelta | float = timedelta(minutes=5),
         process_group_backend: str | None = None,
         accelerator: Any = None,
@@ -136,6 +142,24 @@ class HPPStrategy(ParallelStrategy):
             )
         self._precision_options = dict(clip=clip, fp8_backend=fp8_backend, fp8_recipe=fp8_recipe, nonfinite=nonfinite)
         HPPPrecision(**self._precision_options)  # validates the options now, before any process starts
+        if resume is not None and resume != "auto" and not isinstance(resume, str):
+            raise PlanError(f"`resume` must be None, 'auto' or a checkpoint path/URL; got {resume!r}.")
+        if resume == "auto" and checkpoint_dir is None:
+            raise PlanError("`resume='auto'` needs `checkpoint_dir=...` (where to look for checkpoints).")
+        if save_on_error not in ("raise", "warn"):
+            raise PlanError(f"`save_on_error={save_on_error!r}` is not supported; use 'raise' or 'warn'.")
+        for name, value in (("save_every_n_steps", save_every_n_steps), ("keep_last", keep_last)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise PlanError(f"`{name}` must be a positive integer or None, got {value!r}.")
+        self._checkpoint_dir = None if checkpoint_dir is None else str(checkpoint_dir)
+        self._resume = resume
+        self._save_every_n_steps = save_every_n_steps
+        self._keep_last = keep_last
+        self._async_save = async_save
+        self._save_on_error = save_on_error
+        self._resumed_from: str | None = None
+        self._pending_rng: dict | None = None
+        self._resume_batches = 0
         self._plan_arg = plan
         self._schedule = schedule
         self._n_microbatches = n_microbatches
@@ -247,7 +271,7 @@ class HPPStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = _Launcher(self, self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -275,12 +299,32 @@ class HPPStrategy(ParallelStrategy):
         module = self.lightning_module
         if self._runner is None or self._runner.module is not module:
             self._prepare(trainer, module)
+        self._add_checkpoint_callback(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._write_plan(trainer)
+
+    def _add_checkpoint_callback(self, trainer: Any) -> None:
+        """With ``checkpoint_dir``, save ``step-<N>`` checkpoints there (every ``save_every_n_steps``)."""
+        if self._checkpoint_dir is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        if any(isinstance(cb, ModelCheckpoint) and cb.dirpath == self._checkpoint_dir for cb in trainer.callbacks):
+            return
+        cb = ModelCheckpoint(
+            dirpath=self._checkpoint_dir,
+            filename="step-{step}",
+            auto_insert_metric_name=False,
+            every_n_train_steps=self._save_every_n_steps,
+            save_top_k=-1,
+            save_on_train_epoch_end=self._save_every_n_steps is None,
+        )
+        cb.FILE_EXTENSION = ""
+        trainer.callbacks.append(cb)
 
     def _install_precision(self, trainer: Any) -> HPPPrecision:
         if not isinstance(self.precision_plugin, HPPPrecision):
@@ -515,28 +559,183 @@ class HPPStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # ------------------------------------------------------------------ checkpoints (full model on rank 0)
+    # ------------------------------------------------------------------ checkpoints (sharded)
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # the model must be cut and the optimizers built before a checkpoint knows what to load
+        return True
+
+    @property
+    def resumed_from(self) -> str | None:
+        """The checkpoint this run resumed from (never deleted by retention or top-k cleanup)."""
+        return self._resumed_from
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state: every pipeline position of replica 0 sends its stages to rank 0."""
-        own = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
-        if self._mesh is None or self.world_size == 1:
-            return own
-        parts: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
-        mine = own if self._mesh.replica == 0 else {}
-        dist.gather_object(mine, parts if self.global_rank == 0 else None, dst=0)
-        if self.global_rank != 0:
-            return own
-        full: dict[str, Any] = {}
-        for part in parts:
-            full.update(part)
-        return full
+        """This rank's stages only: checkpoints are sharded, every rank writes its own part."""
+        return self.lightning_module.state_dict()
 
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Write one sharded checkpoint directory at ``filepath`` (collective: every rank calls it)."""
+        from lightning_hpp.checkpoint import Retention, save_sharded
+        from lightning_hpp.checkpoint.lightning_state import to_sharded
+
+        assert self._mesh is not None and self._plan is not None
+        url = str(filepath)
+        state = to_sharded(checkpoint, self.lightning_module, self.optimizers, global_rank=self.global_rank,
+                           position=self._mesh.position, replica=self._mesh.replica)
+        trainer = self.lightning_module.trainer
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, Tensor) and v.numel() == 1}
+        extra = {"plan": self._plan.to_dict(), "metrics": metrics, "hyper_parameters": checkpoint.get("hyper_parameters"),
+                 "fingerprint": getattr(self, "fingerprint", None)}
+        retention = None
+        if self._keep_last is not None and self._checkpoint_dir is not None and url.rstrip("/").rsplit("/", 1)[0] == self._checkpoint_dir.rstrip("/"):
+            retention = Retention(keep_last=self._keep_last)
+        save_sharded(state, url, step=int(checkpoint.get("global_step", 0)), extra_metadata=extra, async_save=self._async_save,
+                     on_error=self._save_on_error, retention=retention, protect=[self._resumed_from] if self._resumed_from else [])
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        from lightning_hpp.checkpoint.sharded import wait_for_pending_save
+        from lightning_hpp.checkpoint.store import _same_location, delete_checkpoint
+
+        if not self.is_global_zero:
+            return
+        if self._resumed_from is not None and _same_location(str(filepath), self._resumed_from):
+            rank_zero_info(f"HPPStrategy: keeping {str(filepath)!r}, the checkpoint this run resumed from.")
+            return
+        wait_for_pending_save()
+        delete_checkpoint(str(filepath))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load this rank's part of a sharded checkpoint, whatever layout saved it (collective)."""
+        from lightning_hpp.checkpoint import CheckpointError, checkpoint_keys, load_sharded, verify
+        from lightning_hpp.checkpoint.lightning_state import from_sharded, load_template
+        from lightning_hpp.checkpoint.store import CorruptCheckpointError, newest_valid_anywhere
+
+        url = str(checkpoint_path)
+        try:
+            verify(url, checksums=False)
+        except CorruptCheckpointError:
+            found = newest_valid_anywhere([url])
+            if found is None:
+                raise CheckpointError(
+                    f"{url!r} is neither a committed checkpoint (a directory with metadata.json) nor a directory "
+                    f"holding one. Pass a checkpoint written by HPPStrategy, its parent directory, or 'last'."
+                ) from None
+            url = found.url
+        keys = set(checkpoint_keys(url))
+        template = load_template(self.lightning_module, self.optimizers, keys)
+        loaded = load_sharded(url, template)
+        checkpoint = from_sharded(loaded, self.lightning_module, self.optimizers, global_rank=self.global_rank,
+                                  position=self._mesh.position if self._mesh else 0)
+        self._pending_rng = checkpoint.pop("hpp_rng", None)
+        self._resumed_from = url
+        # batches of the current epoch already trained on (a checkpoint saved in on_train_batch_end has
+        # processed the batch before Lightning counts it completed)
+        progress = (checkpoint.get("loops") or {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
+        self._resume_batches = int((progress.get("current") or {}).get("processed", 0) or 0)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    @override
+    def on_train_start(self) -> None:
+        from lightning_hpp.checkpoint.lightning_state import set_rng_state
+
+        if self._pending_rng is not None:
+            set_rng_state(self._pending_rng)
+            self._pending_rng = None
+        if self._resume_batches:
+            _skip_consumed_batches(self.lightning_module.trainer, self._resume_batches)
+            self._resume_batches = 0
+
+    @override
+    def teardown(self) -> None:
+        from lightning_hpp.checkpoint.sharded import wait_for_pending_save
+
+        wait_for_pending_save()
+        super().teardown()
+
+    def _resolve_ckpt_path(self, trainer: Any, ckpt_path: Any) -> Any:
+        """``resume="auto"`` and ``ckpt_path="last"`` found with fsspec (local paths and ``s3://`` alike)."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        from lightning_hpp.checkpoint.store import newest_valid_anywhere
+
+        if ckpt_path is None and self._resume == "auto":
+            found = newest_valid_anywhere([self._checkpoint_dir])
+            if found is None:
+                rank_zero_info(f"HPPStrategy: no valid checkpoint in {self._checkpoint_dir!r}; starting from scratch.")
+                return None
+            rank_zero_info(f"HPPStrategy: resuming from {found.url!r} (step {found.step}).")
+            return found.url
+        if ckpt_path is None and self._resume not in (None, "auto"):
+            return self._resume
+        if ckpt_path == "last":
+            roots = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+            if self._checkpoint_dir:
+                roots.append(self._checkpoint_dir)
+            found = newest_valid_anywhere(roots, prefer="last")
+            if found is None:
+                rank_zero_info(f"HPPStrategy: ckpt_path='last' but no valid checkpoint in {roots}; starting from scratch.")
+                return None
+            return found.url
+        return ckpt_path
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Heterogeneous pipeline parallelism (lightning_hpp)")
+
+
+class _Launcher(_SubprocessScriptLauncher):
+    """Lightning's launcher, resolving ``resume`` / ``ckpt_path="last"`` on every rank first."""
+
+    def __init__(self, strategy: HPPStrategy, *args: Any) -> None:
+        super().__init__(*args)
+        self._strategy = strategy
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if trainer is not None and getattr(function, "__name__", "") == "_fit_impl" and len(args) >= 5:
+            args = (*args[:4], self._strategy._resolve_ckpt_path(trainer, args[4]), *args[5:])
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class _SkipFirst:
+    """A sampler that skips its first ``n`` indices once (a mid-epoch resume), then is itself."""
+
+    def __init__(self, sampler: Any, n: int) -> None:
+        self.sampler = sampler
+        self.n = n
+
+    def __iter__(self):
+        it = iter(self.sampler)
+        n, self.n = self.n, 0
+        for _ in range(n):
+            next(it, None)
+        return it
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sampler, name)
+
+
+def _skip_consumed_batches(trainer: Any, done: int) -> None:
+    """After a mid-epoch resume, make the train dataloader skip the ``done`` batches the epoch used."""
+    loaders = trainer.fit_loop._combined_loader.flattened if trainer.fit_loop._combined_loader is not None else []
+    for loader in loaders:
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        if batch_sampler is not None and hasattr(batch_sampler, "sampler") and batch_sampler.batch_size:
+            batch_sampler.sampler = _SkipFirst(batch_sampler.sampler, done * batch_sampler.batch_size)
 
 
 def _first_loader(loaders: Any) -> Any:

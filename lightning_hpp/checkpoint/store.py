@@ -488,6 +488,47 @@ def step_dirs(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def newest_valid_anywhere(roots: Iterable[str], *, prefer: str | None = None, checksums: bool = False) -> CheckpointInfo | None:
+    """The newest valid checkpoint in any directory under ``roots``, whatever its name.
+
+    Unlike :func:`latest_valid` this also finds checkpoints that Lightning's ``ModelCheckpoint``
+    names (``epoch=0-step=8.ckpt``, ``last.ckpt``). Candidates are ordered by the step recorded
+    in their ``metadata.json``, then by its creation time; unfinished or corrupt ones are skipped
+    with a warning.
+
+    Args:
+        roots: Directories (any fsspec URL) that hold checkpoint directories.
+        prefer: A name prefix (``"last"``): if any valid checkpoint's name starts with it, only
+            those are considered.
+        checksums: Recompute sha256 of the chosen checkpoint's files.
+    """
+    candidates: list[tuple[int, float, str]] = []
+    for root in roots:
+        fs, path = filesystem(root)
+        fs.invalidate_cache(path)
+        try:
+            entries = fs.ls(path, detail=True)
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            if entry.get("type") != "directory":
+                continue
+            url = join_url(root, entry["name"].rstrip("/").rsplit("/", 1)[-1])
+            try:
+                meta = read_metadata(url)
+            except CorruptCheckpointError:
+                continue
+            candidates.append((int(meta["step"]), float(meta.get("created", 0.0) or 0.0), url))
+    if prefer and any(u.rstrip("/").rsplit("/", 1)[-1].startswith(prefer) for _, _, u in candidates):
+        candidates = [c for c in candidates if c[2].rstrip("/").rsplit("/", 1)[-1].startswith(prefer)]
+    for _, _, url in sorted(candidates, reverse=True):
+        try:
+            return verify(url, checksums=checksums)
+        except CorruptCheckpointError as exc:
+            _warn(f"Skipping checkpoint: {exc} Falling back to an older checkpoint.")
+    return None
+
+
 def list_checkpoints(root: str) -> list[CheckpointInfo]:
     """Committed checkpoints under ``root`` (``metadata.json`` present and readable), oldest first.
 

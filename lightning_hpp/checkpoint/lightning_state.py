@@ -1,0 +1,160 @@
+"""Converting Lightning's checkpoint dict to the sharded, name-keyed state and back.
+
+Lightning's ``dump_checkpoint`` gives every rank a dict whose ``state_dict`` holds that rank's
+stages and whose ``optimizer_states`` are keyed by parameter *index*. The sharded state keys
+everything by name or owner, so it loads under any other layout::
+
+    model              parameter/buffer name -> tensor          (replica 0 of each stage)
+    optim/<i>          parameter name -> per-parameter state      (replica 0 of each stage)
+    position_pp<r>     param groups (params as names), LR schedulers (replica 0 of position r)
+    rank/<g>           RNG states of global rank g (torch, numpy, python)
+    trainer            loops, callbacks, precision state, ...       (global rank 0)
+    epoch, global_step, hyper_parameters, pytorch-lightning_version (global rank 0)
+
+Loading rebuilds a Lightning checkpoint dict for the current rank: its own parameters, its
+optimizers' states re-keyed to the current parameter indices, and hyper-parameters of the saved
+param group that shares most parameters with each current group (exact when the layout is the
+same, the best match when it changed).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+_SPLIT = ("state_dict", "optimizer_states", "lr_schedulers")
+_TOP = ("epoch", "global_step", "hyper_parameters", "hparams_name", "pytorch-lightning_version")
+
+
+def param_names(module: torch.nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in module.named_parameters()}
+
+
+def optimizer_to_named(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict[str, Any], list[dict]]:
+    """An optimizer's state keyed by parameter name, and its param groups with names as params."""
+    sd = optimizer.state_dict()
+    index_to_name: dict[int, str] = {}
+    for group_sd, group in zip(sd["param_groups"], optimizer.param_groups):
+        for idx, p in zip(group_sd["params"], group["params"]):
+            index_to_name[idx] = names[id(p)]
+    state = {index_to_name[i]: s for i, s in sd["state"].items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index_to_name[i] for i in g["params"]]} for g in sd["param_groups"]]
+    return state, groups
+
+
+def optimizer_from_named(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], state: dict[str, Any], saved_groups: list[dict]
+) -> dict[str, Any]:
+    """The torch ``state_dict`` for ``optimizer`` built from name-keyed state and saved groups."""
+    current = optimizer.state_dict()
+    name_to_index: dict[str, int] = {}
+    for group_sd, group in zip(current["param_groups"], optimizer.param_groups):
+        for idx, p in zip(group_sd["params"], group["params"]):
+            name_to_index[names[id(p)]] = idx
+    new_state = {name_to_index[n]: s for n, s in state.items() if n in name_to_index}
+    groups = []
+    for group_sd in current["param_groups"]:
+        mine = {n for n, i in name_to_index.items() if i in group_sd["params"]}
+        best = max(saved_groups, key=lambda g: len(mine & set(g["params"])), default=None)
+        merged = dict(group_sd)
+        if best is not None and mine & set(best["params"]):
+            merged.update({k: v for k, v in best.items() if k != "params"})
+        groups.append(merged)
+    return {"state": new_state, "param_groups": groups}
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(tuple(state["numpy"]) if isinstance(state["numpy"], list) else state["numpy"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]) if isinstance(py, (list, tuple)) else py)
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def to_sharded(
+    checkpoint: dict[str, Any],
+    module: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    *,
+    global_rank: int,
+    position: int,
+    replica: int,
+) -> dict[str, Any]:
+    """This rank's part of the sharded state, from Lightning's checkpoint dict."""
+    names = param_names(module)
+    state: dict[str, Any] = {"rank": {str(global_rank): rng_state()}}
+    if replica == 0:
+        state["model"] = dict(checkpoint["state_dict"])
+        optim, groups = {}, {}
+        for i, opt in enumerate(optimizers):
+            optim[str(i)], groups[str(i)] = optimizer_to_named(opt, names)
+        state["optim"] = optim
+        # one top-level entry per position: a tensor-free subtree is stored as one JSON value
+        state[f"position_pp{position}"] = {"param_groups": groups, "lr_schedulers": list(checkpoint.get("lr_schedulers", []))}
+    if global_rank == 0:
+        state["trainer"] = {k: v for k, v in checkpoint.items() if k not in _SPLIT and k not in _TOP}
+        for k in _TOP:
+            if k in checkpoint:
+                state[k] = checkpoint[k]
+    return state
+
+
+def load_template(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], saved_keys: set[tuple]) -> dict[str, Any]:
+    """What this rank asks a checkpoint for: its own parameters and whatever else exists."""
+    names = param_names(module)
+    tops = {k[0] for k in saved_keys}
+    template: dict[str, Any] = {"model": dict(module.state_dict())}
+    optim: dict[str, Any] = {}
+    for i, opt in enumerate(optimizers):
+        mine = {names[id(p)] for g in opt.param_groups for p in g["params"]}
+        present = {k[2] for k in saved_keys if len(k) > 2 and k[0] == "optim" and k[1] == str(i)}
+        optim[str(i)] = {n: None for n in sorted(mine & present)}
+    if optim:
+        template["optim"] = optim
+    for k in tops:
+        if k.startswith("position_") or k in ("rank", "trainer", *_TOP):
+            template[k] = None
+    return template
+
+
+def from_sharded(
+    loaded: dict[str, Any],
+    module: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    *,
+    global_rank: int,
+    position: int,
+) -> dict[str, Any]:
+    """A Lightning checkpoint dict for this rank, from what :func:`load_template` loaded."""
+    names = param_names(module)
+    positions = {k[len("position_"):]: v for k, v in loaded.items() if k.startswith("position_") and v}
+    mine = positions.get(f"pp{position}") or positions.get("pp0") or {}
+    all_groups: dict[str, list] = {}
+    for entry in positions.values():
+        for i, groups in (entry.get("param_groups") or {}).items():
+            all_groups.setdefault(i, []).extend(groups)
+    checkpoint: dict[str, Any] = dict(loaded.get("trainer") or {})
+    for k in _TOP:
+        if k in loaded:
+            checkpoint[k] = loaded[k]
+    checkpoint["state_dict"] = loaded["model"]
+    checkpoint["optimizer_states"] = [
+        optimizer_from_named(opt, names, (loaded.get("optim") or {}).get(str(i)) or {}, all_groups.get(str(i), []))
+        for i, opt in enumerate(optimizers)
+    ]
+    checkpoint["lr_schedulers"] = list(mine.get("lr_schedulers", []))
+    rng = (loaded.get("rank") or {}).get(str(global_rank))
+    if rng is not None:
+        checkpoint["hpp_rng"] = rng
+    return checkpoint

@@ -1,0 +1,85 @@
+"""Train, stop, resume: every rank saves its final parameters and optimizer state to OUT/<tag>_rank{r}.pt.
+
+Usage: python -m tests.workers.run_resume '<json config>'
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_hpp import HPPStrategy, StagePlan, StageSpec
+from tests.models import MLP, loaders
+
+
+class _KillAt(Callback):
+    """SIGKILL this rank after ``step`` optimizer steps, on the first attempt of an elastic job only."""
+
+    def __init__(self, step: int, rank: int, stamp: str) -> None:
+        self.step, self.rank, self.stamp = step, rank, stamp
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            with open(self.stamp, "w") as f:
+                f.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _FirstStepStamp(Callback):
+    def __init__(self, path: str) -> None:
+        self.path, self.done = path, False
+
+    def on_train_batch_end(self, trainer, *args):
+        if not self.done and trainer.global_rank == 0:
+            self.done = True
+            with open(self.path, "w") as f:
+                f.write(json.dumps({"time": time.time(), "global_step": trainer.global_step}))
+
+
+def main(cfg: dict) -> None:
+    L.seed_everything(0)
+    model = MLP()
+    plan = StagePlan([StageSpec(modules=m) for m in cfg["stages"]])
+    strategy = HPPStrategy(
+        plan=plan, schedule=cfg.get("schedule", "1f1b"), n_microbatches=cfg.get("n_micro", 4), pp_degree=cfg.get("pp"),
+        checkpoint_dir=cfg.get("ckpt_dir"), resume=cfg.get("resume"), save_every_n_steps=cfg.get("every"),
+        keep_last=cfg.get("keep_last"), async_save=cfg.get("async_save", False), timeout=cfg.get("timeout", 60),
+    )
+    callbacks = []
+    if "kill_at" in cfg:
+        callbacks.append(_KillAt(cfg["kill_at"], cfg.get("kill_rank", 1), os.path.join(cfg["out"], "killed_at")))
+        callbacks.append(_FirstStepStamp(os.path.join(cfg["out"], "first_step_after_restart" if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" else "first_step")))
+    if cfg.get("mc_dirpath"):
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=cfg["mc_dirpath"], save_last=True, every_n_train_steps=cfg["every"], save_top_k=1))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=cfg.get("devices", 2), num_nodes=1, strategy=strategy, max_steps=cfg["steps"],
+        logger=False, enable_checkpointing=bool(cfg.get("ckpt_dir") or cfg.get("mc_dirpath")), enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+        default_root_dir=cfg["out"],
+    )
+    train, val = loaders(cfg.get("batch", 16))
+    trainer.fit(model, train, val, ckpt_path=cfg.get("ckpt_path"))
+    from lightning_hpp.checkpoint.lightning_state import optimizer_to_named, param_names
+
+    optim, groups = optimizer_to_named(trainer.optimizers[0], param_names(model))
+    out = {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optim": optim,
+        "groups": groups,
+        "global_step": trainer.global_step,
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "resumed_from": strategy.resumed_from,
+    }
+    os.makedirs(cfg["out"], exist_ok=True)
+    torch.save(out, os.path.join(cfg["out"], f"{cfg['tag']}_rank{trainer.global_rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
