@@ -246,20 +246,22 @@ class HPPPrecision(Precision):
         return self._strategy.runner.parameters() if self._strategy is not None and self._strategy.runner is not None else []
 
     def _unscale_and_check(self) -> bool:
-        params = [p for p in self._params() if p.grad is not None]
-        local_bad = 0.0
-        if self._scaled:
-            inv = 1.0 / self.scaler.scale
-            for p in params:
-                p.grad.mul_(inv)
-        for p in params:
-            if not bool(torch.isfinite(p.grad).all()):
-                local_bad = 1.0
-                break
-        flag = torch.tensor([local_bad], device=params[0].device if params else "cpu")
+        """Unscale fp16-scaled gradients and decide, on every rank together, whether to skip the step.
+
+        Only plans with fp16 stages need the decision (an overflow is expected there now and then);
+        without them non-finite values are caught by the boundary guard instead.
+        """
+        if not self._scaled:
+            return False
+        grads = [p.grad for p in self._params() if p.grad is not None]
+        bad = torch.zeros(1)
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+            norms = torch._foreach_norm(grads)
+            bad = (~torch.isfinite(torch.stack(norms).float())).any().float().reshape(1).cpu()
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return bool(bad.item() > 0)
 
     def _clip_gradients(self, model: Any, optimizer: Any, clip_val: float | None = None, gradient_clip_algorithm: Any = None) -> None:
         strategy = self._strategy
@@ -268,33 +270,31 @@ class HPPPrecision(Precision):
         algorithm = str(gradient_clip_algorithm or "norm").lower().replace("gradclipalgorithmtype.", "")
         plan = strategy.plan
         num = plan.num_stages
+        per_stage = {k: [p.grad for p in sm.parameters() if p.grad is not None] for k, sm in strategy.runner.stage_modules.items()}
         norms = torch.zeros(num, dtype=torch.float64)
-        per_stage_params = {k: [p for p in sm.parameters() if p.grad is not None] for k, sm in strategy.runner.stage_modules.items()}
-        for k, ps in per_stage_params.items():
-            norms[k] = math.sqrt(sum(float(p.grad.detach().float().pow(2).sum()) for p in ps))
+        for k, grads in per_stage.items():
+            if grads:
+                norms[k] = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double()))
         if strategy.mesh is not None and strategy.mesh.pp > 1:
             dist.all_reduce(norms, group=strategy.mesh.pp_group)  # each stage's entry comes from one rank
         if algorithm == "value":
-            for k, ps in per_stage_params.items():
+            for k, grads in per_stage.items():
                 limit = plan.stages[k].clip_norm or clip_val
-                if limit:
-                    for p in ps:
-                        p.grad.clamp_(-limit, limit)
+                if limit and grads:
+                    torch._foreach_clamp_min_(grads, -limit)
+                    torch._foreach_clamp_max_(grads, limit)
         elif self.clip == "global":
-            if clip_val:
-                total = math.sqrt(float((norms**2).sum()))
+            total = math.sqrt(float((norms**2).sum()))
+            if clip_val and total > clip_val:
                 coef = clip_val / (total + 1e-6)
-                if coef < 1.0:
-                    for ps in per_stage_params.values():
-                        for p in ps:
-                            p.grad.mul_(coef)
+                for grads in per_stage.values():
+                    if grads:
+                        torch._foreach_mul_(grads, coef)
         else:
-            for k, ps in per_stage_params.items():
+            for k, grads in per_stage.items():
                 limit = plan.stages[k].clip_norm or clip_val
-                coef = (limit / (float(norms[k]) + 1e-6)) if limit else 1.0
-                if coef < 1.0:
-                    for p in ps:
-                        p.grad.mul_(coef)
+                if limit and grads and float(norms[k]) > limit:
+                    torch._foreach_mul_(grads, limit / (float(norms[k]) + 1e-6))
         self.last_grad_norms = {k: float(v) for k, v in enumerate(norms)}
         for k, v in self.last_grad_norms.items():
             model.log(f"grad_norm/stage_{k}", v, on_step=True, on_epoch=False)

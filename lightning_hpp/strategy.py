@@ -44,6 +44,8 @@ from torch import Tensor, nn
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
+from lightning_hpp.bias.determinism import determinism_seed, enable_determinism, ensure_hash_seed, worker_init_fn
+from lightning_hpp.bias.guard import BiasGuard
 from lightning_hpp.devices import detect_device_kind
 from lightning_hpp.mesh import Mesh, stages_of_position
 from lightning_hpp.microbatch import split_batch
@@ -89,6 +91,16 @@ class HPPStrategy(ParallelStrategy):
         fp8_backend: ``"te"`` (Transformer Engine) or ``"emulate"`` (quantize-dequantize, any device).
         fp8_recipe: ``"delayed"`` or ``"current"`` scaling for fp8 stages.
         nonfinite: NaN/Inf at a stage boundary: ``"raise"``, ``"warn"`` or ``"sanitize"``.
+        checkpoint_dir: Where ``step-<N>`` sharded checkpoints go (any fsspec URL, ``s3://`` too).
+        resume: ``"auto"`` (newest valid checkpoint in ``checkpoint_dir``, or start fresh) or a path.
+        save_every_n_steps: Checkpoint cadence into ``checkpoint_dir`` (default: every epoch).
+        keep_last: Keep only the newest ``k`` checkpoints in ``checkpoint_dir`` (never the resumed one).
+        async_save: Write checkpoints in the background (at most one in flight).
+        save_on_error: A save that fails after retries ``"raise"`` s or ``"warn"`` s and training goes on.
+        deterministic: Deterministic algorithms, PYTHONHASHSEED for launched ranks, per-replica worker seeds.
+        seed: Seed for ``deterministic`` (default: ``PL_GLOBAL_SEED``).
+        audit: Data-loading audit at fit start: ``"warn"``, ``"error"`` or ``"off"``.
+        fingerprint: Environment-fingerprint comparison across ranks: ``"warn"``, ``"error"`` or ``"off"``.
         timeout: Timeout of every collective and pipeline send/recv; a rank that stops answering ends
             the job after at most this long.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
@@ -112,6 +124,10 @@ class HPPStrategy(ParallelStrategy):
         keep_last: int | None = None,
         async_save: bool = False,
         save_on_error: Literal["raise", "warn"] = "raise",
+        deterministic: bool = False,
+        seed: int | None = None,
+        audit: Literal["warn", "error", "off"] = "warn",
+        fingerprint: Literal["warn", "error", "off"] = "warn",
         timeout: timedelta | float = timedelta(minutes=5),
         process_group_backend: str | None = None,
         accelerator: Any = None,
@@ -160,6 +176,12 @@ class HPPStrategy(ParallelStrategy):
         self._resumed_from: str | None = None
         self._pending_rng: dict | None = None
         self._resume_batches = 0
+        self._deterministic = bool(deterministic)
+        self._seed = seed
+        self._guard = BiasGuard(fingerprint=fingerprint, audit=audit)  # validates the policies
+        self._active_guard: BiasGuard | None = None
+        if self._deterministic:
+            ensure_hash_seed(self._determinism_seed())  # before Lightning launches the other ranks
         self._plan_arg = plan
         self._schedule = schedule
         self._n_microbatches = n_microbatches
@@ -268,13 +290,25 @@ class HPPStrategy(ParallelStrategy):
         pp = self._pp_degree()
         return rank % (self.world_size // pp)
 
+    def _determinism_seed(self) -> int:
+        return self._seed if self._seed is not None else determinism_seed()
+
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        # Trainer(deterministic=True) has set torch's flag by now, before any rank is launched
+        if torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled():
+            self._deterministic = True
+        if self._deterministic:
+            ensure_hash_seed(self._determinism_seed())
         self._launcher = _Launcher(self, self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
+        if self._deterministic:
+            enable_determinism(self._determinism_seed())
+        if self._guard.fingerprint_policy != "off" or self._guard.audit_policy != "off":
+            self._active_guard = self._guard.attach(self.lightning_module.trainer)
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -525,6 +559,11 @@ class HPPStrategy(ParallelStrategy):
         """Point a user's own ``DistributedSampler`` at the dp replicas, not at all ranks."""
         if self._mesh is None:
             return dataloader
+        # seed workers per dp replica (Lightning's own seeding is per global rank, which would give the
+        # stages of one replica different random augmentations of the same batch)
+        if (getattr(dataloader, "num_workers", 0) > 0 and getattr(dataloader, "worker_init_fn", False) is None
+                and (self._deterministic or int(os.environ.get("PL_SEED_WORKERS", 0)))):
+            dataloader.worker_init_fn = worker_init_fn(self._determinism_seed(), self._mesh.replica)
         batch_sampler = getattr(dataloader, "batch_sampler", None)
         sampler = getattr(batch_sampler, "sampler", None) or getattr(dataloader, "sampler", None)
         if isinstance(sampler, DistributedSampler) and (sampler.num_replicas, sampler.rank) != (self._mesh.dp, self._mesh.replica):
@@ -589,7 +628,7 @@ class HPPStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, Tensor) and v.numel() == 1}
         extra = {"plan": self._plan.to_dict(), "metrics": metrics, "hyper_parameters": checkpoint.get("hyper_parameters"),
-                 "fingerprint": getattr(self, "fingerprint", None)}
+                 "fingerprint": self._active_guard.checkpoint_metadata() if self._active_guard is not None else None}
         retention = None
         if self._keep_last is not None and self._checkpoint_dir is not None and url.rstrip("/").rsplit("/", 1)[0] == self._checkpoint_dir.rstrip("/"):
             retention = Retention(keep_last=self._keep_last)

@@ -35,9 +35,11 @@ from lightning_hpp.bias.fingerprint import (
     load_fingerprints,
     save_fingerprints,
 )
+from lightning_hpp.bias.determinism import enable_determinism, ensure_hash_seed, worker_init_fn
 from lightning_hpp.bias.samplers import DistributedWeightedSampler, SamplerError
 
 if TYPE_CHECKING:
+    from lightning_hpp.bias.guard import BiasGuard
     from lightning_hpp.bias.monitor import BiasMonitor
 
 
@@ -47,11 +49,16 @@ def __getattr__(name: str) -> Any:
         from lightning_hpp.bias.monitor import BiasMonitor
 
         return BiasMonitor
+    if name == "BiasGuard":
+        from lightning_hpp.bias.guard import BiasGuard
+
+        return BiasGuard
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "BiasConfigError",
+    "BiasGuard",
     "BiasMonitor",
     "CodedBiasError",
     "CodedBiasWarning",
@@ -67,8 +74,11 @@ __all__ = [
     "compare_fingerprints",
     "compare_with_saved",
     "enforce",
+    "enable_determinism",
     "enforce_audit",
+    "ensure_hash_seed",
     "gather_fingerprints",
     "load_fingerprints",
     "save_fingerprints",
+    "worker_init_fn",
 ]

@@ -110,7 +110,7 @@ def collect_fingerprint(device: torch.device | str | None = None, cwd: str | Non
         "os": platform.system(),
         "machine": platform.machine(),
         "hostname": socket.gethostname(),
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),
         "torch_git": getattr(torch.version, "git_version", None),
         "lightning": _dist_version("lightning"),
         "pytorch_lightning": _dist_version("pytorch_lightning"),
