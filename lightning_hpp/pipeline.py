@@ -351,6 +351,11 @@ class PipelineRunner:
 
         return generate_stage_to_rank_mapping(self.mesh.pp, self.num_stages, style=self.kind.style)[self.num_stages - 1]
 
+    @property
+    def schedules(self) -> list[Any]:
+        """Every schedule built so far (one per mode and batch size)."""
+        return list(self._schedules.values())
+
     def current_microbatch(self, stage: int) -> int:
         return self.stage_modules[stage].microbatch
 

@@ -101,6 +101,8 @@ class HPPStrategy(ParallelStrategy):
         seed: Seed for ``deterministic`` (default: ``PL_GLOBAL_SEED``).
         audit: Data-loading audit at fit start: ``"warn"``, ``"error"`` or ``"off"``.
         fingerprint: Environment-fingerprint comparison across ranks: ``"warn"``, ``"error"`` or ``"off"``.
+        telemetry: ``True`` or a dict of :class:`~lightning_hpp.telemetry.PipelineTelemetry` options:
+            per-stage forward/backward/communication/idle times and the measured bubble, logged.
         timeout: Timeout of every collective and pipeline send/recv; a rank that stops answering ends
             the job after at most this long.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
@@ -128,6 +130,7 @@ class HPPStrategy(ParallelStrategy):
         seed: int | None = None,
         audit: Literal["warn", "error", "off"] = "warn",
         fingerprint: Literal["warn", "error", "off"] = "warn",
+        telemetry: bool | dict = False,
         timeout: timedelta | float = timedelta(minutes=5),
         process_group_backend: str | None = None,
         accelerator: Any = None,
@@ -176,6 +179,9 @@ class HPPStrategy(ParallelStrategy):
         self._resumed_from: str | None = None
         self._pending_rng: dict | None = None
         self._resume_batches = 0
+        if not isinstance(telemetry, (bool, dict)):
+            raise PlanError(f"`telemetry` must be True/False or a dict of PipelineTelemetry options, got {telemetry!r}.")
+        self._telemetry = telemetry
         self._deterministic = bool(deterministic)
         self._seed = seed
         self._guard = BiasGuard(fingerprint=fingerprint, audit=audit)  # validates the policies
@@ -334,6 +340,7 @@ class HPPStrategy(ParallelStrategy):
         if self._runner is None or self._runner.module is not module:
             self._prepare(trainer, module)
         self._add_checkpoint_callback(trainer)
+        self._add_telemetry_callback(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -359,6 +366,14 @@ class HPPStrategy(ParallelStrategy):
         )
         cb.FILE_EXTENSION = ""
         trainer.callbacks.append(cb)
+
+    def _add_telemetry_callback(self, trainer: Any) -> None:
+        if not self._telemetry:
+            return
+        from lightning_hpp.telemetry import PipelineTelemetry
+
+        if not any(isinstance(cb, PipelineTelemetry) for cb in trainer.callbacks):
+            trainer.callbacks.append(PipelineTelemetry(**(self._telemetry if isinstance(self._telemetry, dict) else {})))
 
     def _install_precision(self, trainer: Any) -> HPPPrecision:
         if not isinstance(self.precision_plugin, HPPPrecision):

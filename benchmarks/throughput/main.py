@@ -1,0 +1,627 @@
+"""Throughput, peak memory and pipeline bubble: HPPStrategy vs raw torch pipelining, DDP and FSDP.
+
+One invocation runs, per model and on the same global batch and data:
+
+* ``hpp``  — Lightning + :class:`lightning_hpp.HPPStrategy` (gpipe, 1f1b, interleaved1f1b, zbv),
+* ``raw``  — ``torch.distributed.pipelining`` in a plain loop, the same schedules and cuts,
+* ``ddp``  — Lightning's DDPStrategy,
+* ``fsdp`` — on CPU torch's ``fully_shard`` over gloo in a plain loop; on GPU Lightning's
+  FSDPStrategy,
+
+and a micro-batch sweep of HPPStrategy 1F1B (m = 4, 8, 16).
+
+Figures. Samples/s: global batch over the median step time after warm-up (the slowest rank's).
+Every pipeline run records telemetry on every other timed step: the throughput uses the steps
+without recording, the bubble and communication share come from the recorded ones, and the median
+ratio of neighbouring recorded / unrecorded steps is the telemetry's overhead. "HPP ÷ raw" comes
+from a third, paired run in which every HPPStrategy step is followed by one raw step on the same
+batch, so that both see the same load of a shared machine; it is the median of the per-step
+throughput ratios. Peak memory is per rank and configuration (CPU: the RSS high-water mark above
+the process's RSS when the configuration started, via /proc/self/clear_refs; GPU: the caching
+allocator's peak).
+
+Each model runs in one launch of ``--devices`` processes (this file, ``--worker``) that go through
+every configuration in turn.
+
+Usage::
+
+    python benchmarks/throughput/main.py                      # CPU, 2 ranks, both models
+    python benchmarks/throughput/main.py --accelerator gpu --size gpu --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(HERE), str(ROOT)]
+
+PIPELINE_SCHEDULES = ["gpipe", "1f1b", "interleaved1f1b", "zbv"]
+MULTI = {"interleaved1f1b", "zbv", "interleaved_zb", "dualpipev", "looped_bfs"}
+
+
+# ============================================================================================ configs
+def configs(m: int, sweep: list[int], schedules: list[str]) -> list[dict[str, Any]]:
+    """Every configuration one model runs, in order."""
+    out: list[dict[str, Any]] = []
+    for s in schedules:
+        out += [{"kind": k, "schedule": s, "m": m} for k in ("hpp", "raw", "paired")]
+    out += [{"kind": "ddp"}, {"kind": "fsdp"}]
+    out += [{"kind": "hpp", "schedule": "1f1b", "m": k, "sweep": True} for k in sweep if k != m]
+    return out
+
+
+def label(cfg: dict[str, Any]) -> str:
+    if cfg["kind"] in ("hpp", "raw", "paired"):
+        return f"{cfg['kind']} {cfg['schedule']} m={cfg['m']}"
+    return cfg["kind"]
+
+
+# ============================================================================================ memory
+def _vm(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakMemory:
+    """Peak memory of this process over one configuration.
+
+    CPU: freed heap is handed back to the kernel (``malloc_trim``), the kernel's RSS high-water
+    mark is reset (``/proc/self/clear_refs``) and the RSS then is the baseline; the configuration's
+    figure is its high-water mark above that baseline. GPU: the caching allocator's peak.
+    """
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.torch = torch
+        self.baseline = 0.0
+
+    def reset(self) -> None:
+        gc.collect()
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+            self.torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = self.torch.cuda.memory_allocated(self.device) / 2**20
+            return
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+        except OSError:
+            pass
+        self.baseline = _vm("VmRSS") / 2**20
+
+    def peak_mb(self) -> float:
+        """Peak above the baseline, MB."""
+        if self.cuda:
+            return self.torch.cuda.max_memory_allocated(self.device) / 2**20 - self.baseline
+        return _vm("VmHWM") / 2**20 - self.baseline
+
+
+# ============================================================================================ worker
+def worker(job: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from models import SIZES, Size
+
+    torch.set_num_threads(job["threads"])
+    rank = int(os.environ["RANK"])
+    gpu = job["accelerator"] == "gpu"
+    if gpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if gpu else torch.device("cpu")
+    dist.init_process_group("nccl" if gpu else "gloo", device_id=device if gpu else None)
+    size = Size(**job["size"]) if isinstance(job["size"], dict) else SIZES[job["model"]][job["size"]]
+    import lightning  # noqa: F401  (imported before the baseline is taken, as every configuration needs it)
+
+    baseline_mb = _vm("VmRSS") / 2**20 if os.path.exists("/proc/self/status") else 0.0
+    results = []
+    for cfg in job["configs"]:
+        run = {"hpp": run_hpp, "raw": run_raw, "paired": run_paired, "ddp": run_ddp, "fsdp": run_fsdp}[cfg["kind"]]
+        t0 = time.perf_counter()
+        res = run(job, cfg, size, device)
+        res.update(cfg=cfg, label=label(cfg), rank=rank, wall_s=time.perf_counter() - t0, baseline_mb=baseline_mb)
+        results.append(res)
+        dist.barrier()
+    out = Path(job["out"]) / f"{job['model']}_rank{rank}.json"
+    out.write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _timing(times: list[float], warmup: int, record: bool) -> dict[str, Any]:
+    """Split the timed steps: with recording, even steps ran without it and odd steps with it."""
+    timed = times[warmup:]
+    res: dict[str, Any] = {"times": times, "plain": timed[0::2] if record else timed}
+    if record:
+        res["recorded"] = timed[1::2]
+        res["pairs"] = [b / a for a, b in zip(timed[0::2], timed[1::2])]
+    return res
+
+
+def _history(history: list[Any]) -> dict[str, Any]:
+    """What each recorded step measured (bubble, theory, expected, communication, per-stage ms)."""
+    return {
+        "steps": [
+            {"bubble": m.bubble, "bubble_theory": m.bubble_theory, "bubble_expected": m.bubble_expected,
+             "comm_share": m.comm_share, "step_ms": m.step_ms, "stages": {k: vars(t) for k, t in m.stages.items()}}
+            for m in history
+        ]
+    }
+
+
+def _lightning_timer(job: dict[str, Any], memory: PeakMemory, telemetry: Any = None) -> Any:
+    import torch
+    from lightning.pytorch import Callback
+
+    warmup = job["warmup"]
+
+    class Timer(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self._t = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if telemetry is not None and telemetry.recorder is not None:
+                telemetry.recorder.enabled = batch_idx >= warmup and (batch_idx - warmup) % 2 == 1
+            if memory.cuda:
+                torch.cuda.synchronize()
+            self._t = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if memory.cuda:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self._t)
+
+    return Timer()
+
+
+def _trainer(job: dict[str, Any], strategy: Any, callbacks: list[Any]) -> Any:
+    import lightning as L
+
+    return L.Trainer(
+        accelerator=job["accelerator"],
+        devices=job["devices"],
+        strategy=strategy,
+        max_steps=job["warmup"] + job["steps"],
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=True,
+    )
+
+
+def _loader(job: dict[str, Any], size: Any, per_rank_batch: int) -> Any:
+    from torch.utils.data import DataLoader
+
+    from models import dataset
+
+    return DataLoader(dataset(job["model"], size, job["warmup"] + job["steps"]), batch_size=per_rank_batch, drop_last=True)
+
+
+def run_hpp(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) -> dict[str, Any]:
+    from models import build, split
+
+    from lightning_hpp import HPPStrategy, StagePlan, StageSpec
+    from lightning_hpp.telemetry import PipelineTelemetry
+
+    n_stages = job["devices"] * (2 if cfg["schedule"] in MULTI else 1)
+    plan = StagePlan([StageSpec(modules=u) for u in split(job["model"], size, n_stages)])
+    memory = PeakMemory(device)
+    memory.reset()
+    telemetry = PipelineTelemetry(every_n_steps=10**9)
+    timer = _lightning_timer(job, memory, telemetry)
+    strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["m"], timeout=300, **_hpp_options(HPPStrategy))
+    trainer = _trainer(job, strategy, [telemetry, timer])
+    trainer.fit(build(job["model"], size), _loader(job, size, size.batch))
+    return {**_timing(timer.times, job["warmup"], True), "peak_mb": memory.peak_mb(), **_history(telemetry.history)}
+
+
+def _hpp_options(cls: type) -> dict[str, Any]:
+    # torch's shape inference runs each stage once on uninitialized tensors in the first step; a
+    # non-finite guard that raises can trip on that garbage, so the benchmark asks it to warn. The
+    # check itself (and its cost) is the same.
+    import inspect
+    import warnings
+
+    if "nonfinite" in inspect.signature(cls).parameters:
+        warnings.filterwarnings("ignore", message="NaN/Inf in the", category=RuntimeWarning)
+        return {"nonfinite": "warn"}
+    return {}
+
+
+def run_ddp(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) -> dict[str, Any]:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from models import build
+
+    memory = PeakMemory(device)
+    memory.reset()
+    timer = _lightning_timer(job, memory)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    trainer = _trainer(job, DDPStrategy(process_group_backend=backend), [timer])
+    trainer.fit(build(job["model"], size), _loader(job, size, size.batch // job["devices"]))
+    return {**_timing(timer.times, job["warmup"], False), "peak_mb": memory.peak_mb()}
+
+
+def run_fsdp(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) -> dict[str, Any]:
+    if device.type == "cuda":
+        return _run_fsdp_lightning(job, size, device)
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from models import build, dataset, loss_fn
+
+    memory = PeakMemory(device)
+    memory.reset()
+    model = build(job["model"], size)
+    net = nn.Sequential(*model.units())
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for unit in net:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    opt = torch.optim.SGD(net.parameters(), lr=model.lr, momentum=0.9)
+    ds = dataset(job["model"], size, job["warmup"] + job["steps"])
+    per = size.batch // dist.get_world_size()
+    rank = dist.get_rank()
+    times = []
+    for i in range(job["warmup"] + job["steps"]):
+        lo = i * size.batch + rank * per
+        x, y = ds.tensors[0][lo : lo + per], ds.tensors[1][lo : lo + per]
+        t0 = time.perf_counter()
+        loss_fn(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    return {**_timing(times, job["warmup"], False), "peak_mb": memory.peak_mb()}
+
+
+def _run_fsdp_lightning(job: dict[str, Any], size: Any, device: Any) -> dict[str, Any]:
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from models import Block, build
+
+    memory = PeakMemory(device)
+    memory.reset()
+    timer = _lightning_timer(job, memory)
+    model = build(job["model"], size)
+    wrap = {Block} if job["model"] == "lm" else {type(model.blocks[0])}
+    trainer = _trainer(job, FSDPStrategy(auto_wrap_policy=wrap), [timer])
+    trainer.fit(model, _loader(job, size, size.batch // job["devices"]))
+    return {**_timing(timer.times, job["warmup"], False), "peak_mb": memory.peak_mb()}
+
+
+class RawPipeline:
+    """The same model, cut and schedule as the HPPStrategy run, driven by torch pipelining alone."""
+
+    def __init__(self, job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any, record: bool) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch import nn
+        from torch.distributed.pipelining import PipelineStage
+
+        from lightning_hpp.pipeline import SCHEDULES
+        from lightning_hpp.telemetry import PipelineRecorder
+        from models import build, dataset, loss_fn, split
+
+        kind = SCHEDULES[cfg["schedule"]]
+        pp, rank = dist.get_world_size(), dist.get_rank()
+        n_stages = pp * (2 if kind.multi else 1)
+        cuts = split(job["model"], size, n_stages)
+        mine = _stages_of(rank, pp, n_stages, kind.style)
+        model = build(job["model"], size)
+        stages = [
+            PipelineStage(nn.Sequential(*[model.get_submodule(n) for n in cuts[k]]).to(device), k, n_stages, device)
+            for k in mine
+        ]
+        self.sched = kind.cls(stages if kind.multi else stages[0], cfg["m"], loss_fn=loss_fn, scale_grads=True)
+        self.recorder = PipelineRecorder(rank, 0, rank, cfg["schedule"]) if record else None
+        if self.recorder is not None:
+            self.recorder.instrument(self.sched)
+        params = [p for st in stages for p in st.submod.parameters()]
+        self.opt = torch.optim.SGD(params, lr=model.lr, momentum=0.9)
+        self.data = dataset(job["model"], size, job["warmup"] + job["steps"]).tensors
+        self.first, self.last = 0 in mine, n_stages - 1 in mine
+        self.batch, self.device, self.torch = size.batch, device, torch
+        del model  # the units of the other ranks
+
+    def step(self, i: int) -> float:
+        """Train on global batch ``i``; return the step's wall time in seconds."""
+        x, y = (t[i * self.batch : (i + 1) * self.batch].to(self.device) for t in self.data)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            self.torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        self.sched.step(*((x,) if self.first else ()), target=y if self.last else None)
+        self.opt.step()
+        self.opt.zero_grad()
+        if cuda:
+            self.torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
+def run_raw(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) -> dict[str, Any]:
+    from lightning_hpp.telemetry import collect
+
+    memory = PeakMemory(device)
+    memory.reset()
+    raw = RawPipeline(job, cfg, size, device, record=True)
+    times = []
+    for i in range(job["warmup"] + job["steps"]):
+        raw.recorder.enabled = i >= job["warmup"] and (i - job["warmup"]) % 2 == 1
+        times.append(raw.step(i))
+    history = collect(raw.recorder)
+    raw.recorder.close()
+    return {**_timing(times, job["warmup"], True), "peak_mb": memory.peak_mb(), **_history(history)}
+
+
+def run_paired(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) -> dict[str, Any]:
+    """HPPStrategy steps, each followed by one raw torch pipelining step on the same batch.
+
+    Neighbouring steps share the machine's load of the moment, so the median of the per-step
+    ratios compares the two far more steadily than two separate runs on a shared machine do.
+    """
+    from lightning.pytorch import Callback
+
+    from lightning_hpp import HPPStrategy, StagePlan, StageSpec
+    from models import build, split
+
+    n_stages = job["devices"] * (2 if cfg["schedule"] in MULTI else 1)
+    plan = StagePlan([StageSpec(modules=u) for u in split(job["model"], size, n_stages)])
+    memory = PeakMemory(device)
+    timer = _lightning_timer(job, memory)
+    raw = RawPipeline(job, cfg, size, device, record=False)
+
+    class RawAfterEach(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.times.append(raw.step(batch_idx))
+
+    paired = RawAfterEach()
+    strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["m"], timeout=300, **_hpp_options(HPPStrategy))
+    trainer = _trainer(job, strategy, [timer, paired])
+    trainer.fit(build(job["model"], size), _loader(job, size, size.batch))
+    w = job["warmup"]
+    return {"plain": timer.times[w:], "raw": paired.times[w:], "ratios": [h / r for h, r in zip(timer.times[w:], paired.times[w:])], "peak_mb": 0.0}
+
+
+def _stages_of(rank: int, pp: int, n_stages: int, style: str) -> list[int]:
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+    mapping = generate_stage_to_rank_mapping(pp, n_stages, style=style)
+    return sorted(s for s, r in mapping.items() if r == rank)
+
+
+# ============================================================================================ launch
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(job: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """Run one model's configurations in ``job['devices']`` fresh processes; return each rank's results."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(job["devices"]), "NODE_RANK": "0"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", str(job["threads"]))
+    procs = []
+    for r in range(job["devices"]):
+        penv = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+        log = open(Path(job["out"]) / f"{job['model']}_rank{r}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(job)], env=penv, stdout=log, stderr=subprocess.STDOUT), log))
+    codes = [p.wait() for p, _ in procs]
+    for _, log in procs:
+        log.close()
+    if any(codes):
+        tail = (Path(job["out"]) / f"{job['model']}_rank{codes.index(next(c for c in codes if c))}.log").read_text()[-4000:]
+        raise SystemExit(f"benchmark worker for {job['model']!r} failed with exit codes {codes}:\n{tail}")
+    return [json.loads((Path(job["out"]) / f"{job['model']}_rank{r}.json").read_text()) for r in range(job["devices"])]
+
+
+def merge(per_rank: list[list[dict[str, Any]]], batch: int) -> list[dict[str, Any]]:
+    """One row per configuration (repeated runs pooled).
+
+    Step time: per rank the median of its pooled unrecorded steps, then the slowest rank. Peak
+    memory: per rank, the largest of its runs. Bubble and communication share: medians over the
+    recorded steps. Telemetry overhead: median over ranks and step pairs of recorded / unrecorded - 1.
+    """
+    groups: dict[str, list[list[dict[str, Any]]]] = {}
+    paired: dict[tuple[str, int], dict[str, float]] = {}
+    for results in zip(*per_rank):
+        cfg = results[0]["cfg"]
+        if cfg["kind"] == "paired":
+            hpp = [max(ts) for ts in zip(*(r["plain"] for r in results))]  # the slowest rank, step by step
+            raw = [max(ts) for ts in zip(*(r["raw"] for r in results))]
+            paired[(cfg["schedule"], cfg["m"])] = {
+                "hpp_over_raw": statistics.median(r / h for h, r in zip(hpp, raw)),
+                "hpp_ms": statistics.median(hpp) * 1e3,
+                "raw_ms": statistics.median(raw) * 1e3,
+            }
+            continue
+        groups.setdefault(results[0]["label"], []).append(list(results))
+    rows = []
+    for name, runs in groups.items():
+        ranks = list(zip(*runs))  # per rank: its runs
+        step = max(statistics.median([t for run in rank_runs for t in run["plain"]]) for rank_runs in ranks)
+        r0 = runs[0][0]
+        row: dict[str, Any] = {
+            "label": name,
+            "cfg": r0["cfg"],
+            "runs": len(runs),
+            "step_ms": step * 1e3,
+            "samples_s": batch / step,
+            "peak_mb": [max(run["peak_mb"] for run in rank_runs) for rank_runs in ranks],
+            "wall_s": sum(max(r["wall_s"] for r in run) for run in runs),
+            "idle_mb": [rank_runs[0]["baseline_mb"] for rank_runs in ranks],
+        }
+        steps = [st for run in runs for st in run[0].get("steps", [])]
+        if steps:
+            med = lambda key: statistics.median(st[key] for st in steps)  # noqa: E731
+            row.update(
+                bubble=med("bubble"), bubble_theory=steps[0]["bubble_theory"], bubble_expected=med("bubble_expected"),
+                comm_share=med("comm_share"), sched_ms=med("step_ms"), stages=steps[len(steps) // 2]["stages"],
+            )
+            row["telemetry_overhead"] = statistics.median(p for run in runs for r in run for p in r["pairs"]) - 1
+        key = (row["cfg"].get("schedule"), row["cfg"].get("m"))
+        if row["cfg"]["kind"] == "hpp" and key in paired:
+            row["paired"] = paired[key]
+        rows.append(row)
+    return rows
+
+
+# ============================================================================================ report
+def table(model: str, rows: list[dict[str, Any]]) -> str:
+    ddp = next((r["samples_s"] for r in rows if r["cfg"]["kind"] == "ddp"), None)
+    lines = [
+        f"| {model} | samples/s | × DDP | HPP ÷ raw (paired) | step ms | in schedule ms | peak MB per rank | bubble (theory / expected) | comm share | telemetry overhead |",
+        "|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
+    ]
+    for r in rows:
+        vs_raw = f"{r['paired']['hpp_over_raw']:.3f}" if "paired" in r else ""
+        bubble = f"{r['bubble']:.3f} ({r['bubble_theory']:.3f} / {r['bubble_expected']:.3f})" if "bubble" in r else ""
+        comm = f"{r['comm_share']:.3f}" if "comm_share" in r else ""
+        sched = f"{r['sched_ms']:.0f}" if "sched_ms" in r else ""
+        over = f"{100 * r['telemetry_overhead']:+.1f}%" if "telemetry_overhead" in r else ""
+        lines.append(
+            f"| {r['label']} | {r['samples_s']:.1f} | {r['samples_s'] / ddp:.2f} | {vs_raw} | {r['step_ms']:.0f} | {sched} | "
+            f"{' / '.join(f'{m:.0f}' for m in r['peak_mb'])} | {bubble} | {comm} | {over} |"
+        )
+    return "\n".join(lines)
+
+
+def chart(all_rows: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    models = list(all_rows)
+    fig = Figure(figsize=(6 * len(models), 9))
+    FigureCanvasAgg(fig)
+    for col, model in enumerate(models):
+        rows = [r for r in all_rows[model] if not r["cfg"].get("sweep")]
+        names = [r["label"].replace(" m=", "\nm=") for r in rows]
+        colors = [{"hpp": "#4C72B0", "raw": "#8C8C8C", "ddp": "#DD8452", "fsdp": "#55A868"}[r["cfg"]["kind"]] for r in rows]
+        ax = fig.add_subplot(3, len(models), 1 + col)
+        ax.bar(range(len(rows)), [r["samples_s"] for r in rows], color=colors)
+        for i, r in enumerate(rows):
+            if "bubble" in r:
+                ax.text(i, r["samples_s"], f"b={r['bubble']:.2f}", ha="center", va="bottom", fontsize=6)
+        ax.set_xticks(range(len(rows)), names, fontsize=6, rotation=90)
+        ax.set_title(f"{model}: samples/s (median step)", fontsize=9)
+        ax = fig.add_subplot(3, len(models), 1 + len(models) + col)
+        ax.bar(range(len(rows)), [max(r["peak_mb"]) for r in rows], color=colors)
+        ax.set_xticks(range(len(rows)), names, fontsize=6, rotation=90)
+        ax.set_title(f"{model}: peak memory, largest rank (MB)", fontsize=9)
+        sweep = sorted((r for r in all_rows[model] if r["cfg"]["kind"] == "hpp" and r["cfg"]["schedule"] == "1f1b"), key=lambda r: r["cfg"]["m"])
+        ax = fig.add_subplot(3, len(models), 1 + 2 * len(models) + col)
+        ms = [r["cfg"]["m"] for r in sweep]
+        ax.plot(ms, [r["bubble"] for r in sweep], "o-", label="bubble (measured)")
+        ax.plot(ms, [r["bubble_theory"] for r in sweep], "o--", label="bubble (theory)")
+        ax.plot(ms, [r["comm_share"] for r in sweep], "s-", label="communication share")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.set_xlabel("micro-batches (HPPStrategy 1f1b, same global batch)", fontsize=8)
+        ax.set_title(f"{model}: micro-batch sweep", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def environment(job: dict[str, Any]) -> dict[str, Any]:
+    import lightning
+    import torch
+
+    cpu = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), cpu)
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "threads_per_rank": job["threads"],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["mlp", "lm"], choices=["mlp", "lm"])
+    p.add_argument("--size", default="cpu", help="size preset of models.SIZES (cpu, gpu)")
+    p.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
+    p.add_argument("--devices", type=int, default=2, help="ranks (pipeline ranks for the pipeline runs)")
+    p.add_argument("--m", type=int, default=8, help="micro-batches of the main comparison")
+    p.add_argument("--sweep", type=int, nargs="*", default=[4, 8, 16], help="micro-batch counts of the 1f1b sweep")
+    p.add_argument("--schedules", nargs="+", default=PIPELINE_SCHEDULES)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per rank")
+    p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+    from models import SIZES, build, n_params
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    all_rows: dict[str, list[dict[str, Any]]] = {}
+    env: dict[str, Any] = {}
+    started = time.time()
+    for model in args.models:
+        size = SIZES[model][args.size]
+        job = {
+            "model": model, "size": args.size, "accelerator": args.accelerator, "devices": args.devices,
+            "warmup": args.warmup, "steps": args.steps, "threads": args.threads, "out": str(out),
+            "configs": configs(args.m, args.sweep, args.schedules),
+        }
+        env = environment(job)
+        rows = merge(launch(job), size.batch)
+        all_rows[model] = rows
+        print(f"\n{model}: {n_params(build(model, size)) / 1e6:.1f}M parameters, global batch {size.batch}, {vars(size)}")
+        print(table(model, rows), flush=True)
+    env["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    env["wall_s"] = time.time() - started
+    env["command"] = " ".join([Path(sys.executable).name, *sys.argv])
+    (out / "results.json").write_text(json.dumps({"environment": env, "size": args.size, "models": all_rows}, indent=1))
+    md = [f"Environment: {json.dumps(env)}", ""]
+    for model, rows in all_rows.items():
+        md += [table(model, rows), ""]
+    (out / "results.md").write_text("\n".join(md))
+    chart(all_rows, out / "throughput.png")
+    print(f"\nwrote {out / 'results.md'}, {out / 'results.json'}, {out / 'throughput.png'} in {env['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
