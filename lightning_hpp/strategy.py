@@ -46,7 +46,7 @@ from typing_extensions import override
 
 from lightning_hpp.bias.determinism import determinism_seed, enable_determinism, ensure_hash_seed, worker_init_fn
 from lightning_hpp.bias.guard import BiasGuard
-from lightning_hpp.devices import detect_device_kind
+from lightning_hpp.placement import auto_plan, gather_kinds, kind_grid
 from lightning_hpp.mesh import Mesh, stages_of_position
 from lightning_hpp.microbatch import split_batch
 from lightning_hpp.pipeline import SCHEDULES, PipelineRunner, StageModule, capture_input, check_schedule
@@ -78,8 +78,9 @@ class HPPStrategy(ParallelStrategy):
     """Pipeline-parallel (× data-parallel) training of an unchanged LightningModule.
 
     Args:
-        plan: ``None`` (use the ``@stage`` decorators), a :class:`StagePlan`, or the path of a
-            ``stage_plan.json``.
+        plan: ``None`` (use the ``@stage`` decorators), a :class:`StagePlan`, the path of a
+            ``stage_plan.json``, or ``"auto"`` (profile the units on the ranks' device kinds and let
+            the exact partitioner choose cuts, kinds and precisions; gpipe and 1f1b).
         schedule: One of ``gpipe``, ``1f1b``, ``interleaved1f1b``, ``looped_bfs``,
             ``interleaved_zb``, ``zbv``, ``dualpipev``.
         n_microbatches: Micro-batches per training batch (the batch size must be divisible by it).
@@ -101,6 +102,9 @@ class HPPStrategy(ParallelStrategy):
         seed: Seed for ``deterministic`` (default: ``PL_GLOBAL_SEED``).
         audit: Data-loading audit at fit start: ``"warn"``, ``"error"`` or ``"off"``.
         fingerprint: Environment-fingerprint comparison across ranks: ``"warn"``, ``"error"`` or ``"off"``.
+        device_map: Override of the ranks' device kinds (``"0:a100,1:h100"``, a dict or a list);
+            also ``HPP_DEVICE_KIND`` in the environment. Stages with ``device=`` go to ranks of that kind.
+        auto_profile: A cost-profile JSON for ``plan="auto"`` instead of measuring.
         telemetry: ``True`` or a dict of :class:`~lightning_hpp.telemetry.PipelineTelemetry` options:
             per-stage forward/backward/communication/idle times and the measured bubble, logged.
         timeout: Timeout of every collective and pipeline send/recv; a rank that stops answering ends
@@ -130,6 +134,8 @@ class HPPStrategy(ParallelStrategy):
         seed: int | None = None,
         audit: Literal["warn", "error", "off"] = "warn",
         fingerprint: Literal["warn", "error", "off"] = "warn",
+        device_map: Any = None,
+        auto_profile: str | None = None,
         telemetry: bool | dict = False,
         timeout: timedelta | float = timedelta(minutes=5),
         process_group_backend: str | None = None,
@@ -152,13 +158,15 @@ class HPPStrategy(ParallelStrategy):
             raise PlanError(f"`n_microbatches` must be a positive integer, got {n_microbatches!r}.")
         if pp_degree is not None and (not isinstance(pp_degree, int) or pp_degree < 1):
             raise PlanError(f"`pp_degree` must be a positive integer or None, got {pp_degree!r}.")
-        if isinstance(plan, (str, os.PathLike)):
+        if isinstance(plan, (str, os.PathLike)) and plan != "auto":
             plan = StagePlan.load(os.fspath(plan))
-        if plan is not None and not isinstance(plan, StagePlan):
+        if plan is not None and plan != "auto" and not isinstance(plan, StagePlan):
             raise PlanError(
-                f"`plan` must be None (use `@stage` decorators), a `StagePlan` or a path to a stage_plan.json; "
-                f"got {type(plan).__name__}."
+                f"`plan` must be None (use `@stage` decorators), a `StagePlan`, a path to a stage_plan.json or "
+                f"'auto'; got {type(plan).__name__}."
             )
+        self._device_map = device_map
+        self._auto_profile = auto_profile
         self._precision_options = dict(clip=clip, fp8_backend=fp8_backend, fp8_recipe=fp8_recipe, nonfinite=nonfinite)
         HPPPrecision(**self._precision_options)  # validates the options now, before any process starts
         if resume is not None and resume != "auto" and not isinstance(resume, str):
@@ -283,6 +291,8 @@ class HPPStrategy(ParallelStrategy):
     def _num_stages_hint(self) -> int | None:
         if self._plan is not None:
             return self._plan.num_stages
+        if self._plan_arg == "auto":
+            return None
         if self._plan_arg is not None:
             return self._plan_arg.num_stages
         if self.lightning_module is not None:
@@ -385,12 +395,24 @@ class HPPStrategy(ParallelStrategy):
         trainer_precision = None if isinstance(self.precision_plugin, HPPPrecision) else str(self.precision_plugin.precision)
         units = find_units(module)
         names = [n for n, _ in units]
-        plan = self._plan_arg if self._plan_arg is not None else StagePlan.from_decorators(units)
+        step_fn = _step_for(module, trainer.state.fn)
+        args = None
+        batch = self._sample_batch(trainer)
+        if batch is not None:
+            with _preserved_rng():
+                mb = self.batch_to_device(_first_microbatch(batch, self._n_microbatches))
+                args = capture_input(module, step_fn, mb, 0)
+        rank_kinds = gather_kinds(self.root_device, self.global_rank, self._device_map)
+        grid = None
+        if self._plan_arg == "auto":
+            plan, grid = self._auto_plan(units, args, rank_kinds)
+        else:
+            plan = self._plan_arg if self._plan_arg is not None else StagePlan.from_decorators(units)
         if plan is None:
             raise PlanError(
                 f"HPPStrategy needs a stage plan: decorate unit classes with `@stage(k, ...)`, or pass "
-                f"`HPPStrategy(plan=StagePlan([...]))` / a stage_plan.json path. The model's units are: "
-                f"{', '.join(names)}."
+                f"`HPPStrategy(plan=StagePlan([...]))`, a stage_plan.json path or plan='auto'. The model's units "
+                f"are: {', '.join(names)}."
             )
         resolved = plan.resolve(names)
         self._plan = plan.with_modules(resolved)
@@ -401,21 +423,19 @@ class HPPStrategy(ParallelStrategy):
                 f"least {pp} processes (`Trainer(devices=..., num_nodes=...)`), or a plan with fewer stages."
             )
         check_schedule(self._schedule, self._plan.num_stages, pp, self._n_microbatches)
-        self._mesh = Mesh.build(self.world_size, pp, self.global_rank)
+        style = SCHEDULES[self._schedule].style
+        positions = [stages_of_position(r, pp, self._plan.num_stages, style) for r in range(pp)]
+        if grid is None:
+            grid = kind_grid(self._plan, positions, rank_kinds, pp, self.world_size // pp)
+        self._mesh = Mesh.build(self.world_size, pp, self.global_rank, grid=grid)
+        self._plan.meta["device_kinds"] = rank_kinds
 
         unit_stage = {n: k for k, ms in enumerate(resolved) for n in ms}
-        boundaries = [names.index(ms[-1]) for ms in resolved[:-1]]
-        batch = self._sample_batch(trainer)
-        if batch is not None:
-            with _preserved_rng():
-                mb = _first_microbatch(batch, self._n_microbatches)
-                mb = self.batch_to_device(mb)
-                step_fn = _step_for(module, trainer.state.fn)
-                args = capture_input(module, step_fn, mb, 0)
-                check_sequential_forward(module, units, args, boundaries)
+        if args is not None:
+            check_sequential_forward(module, units, args, [names.index(ms[-1]) for ms in resolved[:-1]])
 
         self._mesh.init_groups()
-        self._stage_ids = stages_of_position(self._mesh.position, pp, self._plan.num_stages, SCHEDULES[self._schedule].style)
+        self._stage_ids = positions[self._mesh.position]
         for name, _ in units:
             if unit_stage[name] not in self._stage_ids:
                 replace_unit(module, name, _RemoteUnit(name, unit_stage[name]))
@@ -425,7 +445,7 @@ class HPPStrategy(ParallelStrategy):
         }
         self.model_to_device()
         precision = self._install_precision(trainer)
-        precision.configure_stages(self, self._plan, trainer_precision, stage_modules, self.root_device, detect_device_kind(self.root_device, rank=self.global_rank))
+        precision.configure_stages(self, self._plan, trainer_precision, stage_modules, self.root_device, rank_kinds[self.global_rank])
         self._runner = PipelineRunner(
             module, stage_modules, self._plan.num_stages, self._mesh, self._schedule, self._n_microbatches, self.root_device
         )
@@ -434,6 +454,18 @@ class HPPStrategy(ParallelStrategy):
             f"HPPStrategy: {self._plan.num_stages} stages, schedule={self._schedule}, "
             f"n_microbatches={self._n_microbatches}, pp={pp} × dp={self._mesh.dp}\n{self._plan.table()}"
         )
+
+    def _auto_plan(self, units: list, args: tuple | None, rank_kinds: list[str]) -> tuple[StagePlan, list[list[int]]]:
+        if args is None:
+            raise PlanError("plan='auto' profiles the units on one real micro-batch, but the dataloader gave no batch.")
+        if self._schedule not in ("gpipe", "1f1b"):
+            raise PlanError(f"plan='auto' plans 'gpipe' and '1f1b' schedules; got schedule={self._schedule!r}.")
+        dp = self.world_size // self._pp_arg if self._pp_arg else 1
+        plan, grid, table = auto_plan(units, args, self.global_rank, rank_kinds, dp_degree=dp, schedule=self._schedule,
+                                      n_microbatches=self._n_microbatches, profile_path=self._auto_profile)
+        self._pp_arg = plan.num_stages
+        rank_zero_info(f"HPPStrategy: plan='auto' chose\n{table}")
+        return plan, grid
 
     def _scale_loss(self, loss: Tensor) -> Tensor:
         trainer = self.lightning_module.trainer

@@ -18,9 +18,9 @@ from tests.models import MLP, loaders
 def run(cfg: dict, devices: int) -> None:
     L.seed_everything(0)
     model = MLP(depth=cfg.get("depth", 4))
-    precisions = cfg.get("precisions") or [None] * len(cfg["stages"])
-    clip_norms = cfg.get("clip_norms") or [None] * len(cfg["stages"])
-    plan = StagePlan([StageSpec(modules=m, precision=p, clip_norm=c) for m, p, c in zip(cfg["stages"], precisions, clip_norms)])
+    precisions = cfg.get("precisions") or [None] * len(cfg.get("stages") or [])
+    clip_norms = cfg.get("clip_norms") or [None] * len(cfg.get("stages") or [])
+    plan = StagePlan([StageSpec(modules=m, precision=p, clip_norm=c, device=d) for m, p, c, d in zip(cfg["stages"], precisions, clip_norms, cfg.get("devices_kinds") or [None] * len(cfg["stages"]))]) if cfg.get("stages") else "auto"
     strategy = HPPStrategy(
         plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["n_micro"], pp_degree=cfg.get("pp"), timeout=cfg.get("timeout", 60),
         **cfg.get("strategy", {}),
@@ -57,6 +57,8 @@ def run(cfg: dict, devices: int) -> None:
         "skipped_steps": getattr(strategy.precision_plugin, "skipped_steps", None),
         "loss_scale": getattr(strategy.precision_plugin, "loss_scale", None),
         "plan_meta": strategy.plan.meta,
+        "plan": strategy.plan.to_dict(),
+        "grid": strategy.mesh.grid,
     }
     if cfg.get("validate"):
         out["validate"] = trainer.validate(model, val, verbose=False)

@@ -1,0 +1,63 @@
+"""Placement inside HPPStrategy: stages by device kind, and plan="auto" on a running job."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_hpp.devices import PlacementError
+from lightning_hpp.placement import kind_grid
+from lightning_hpp.plan import StagePlan, StageSpec
+from lightning_hpp.profile import CostProfile, ProfileEntry, UnitCost
+from tests.launch import load_rank, merged_state, run_script
+from tests.reference import train_reference
+
+pytestmark = pytest.mark.slow
+
+
+def _synthetic_profile(path, names):
+    """Equal units; kind 'slow' takes twice as long as kind 'fast' (the cgroup-halved core)."""
+    def entry(kind, scale):
+        return ProfileEntry(kind, "32-true", [UnitCost(n, 1.0 * scale, 2.0 * scale, 1024, 256) for n in names], source="synthetic")
+
+    prof = CostProfile(model="MLP", unit_names=list(names), param_counts=[0] * len(names), input_shapes=[[4, 8]],
+                       entries=[entry("fast", 1.0), entry("slow", 2.0)])
+    prof.save(str(path))
+
+
+def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(tmp_path):
+    names = [f"layers.{i}" for i in range(11)]  # MLP(depth=6)
+    _synthetic_profile(tmp_path / "profile.json", names)
+    runs = [
+        # measured on this machine's ranks: whatever the cut, training equals single-process training
+        {"name": "measured", "strategy": {}, "depth": 4},
+        # a profile of two device kinds, rank 0 'fast' and rank 1 'slow' (2x): the fast rank gets ~2/3
+        {"name": "kinds", "depth": 6, "strategy": {"device_map": "0:fast,1:slow", "auto_profile": str(tmp_path / "profile.json")}},
+    ]
+    for r in runs:
+        r.update(schedule="1f1b", n_micro=4, steps=4, batch=16, out=str(tmp_path / r["name"]))
+    run_script("tests.workers.run_hpp", {"devices": 2, "runs": runs})
+    reference, _ = train_reference(steps=4, batch=16)
+    got = merged_state(tmp_path / "measured", [0, 1])
+    for k, v in reference.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+    meta = load_rank(tmp_path / "measured", 0)["plan_meta"]
+    assert "predicted" in meta and len(meta["predicted"]["stage_ms"]) == 2
+
+    plan = load_rank(tmp_path / "kinds", 0)["plan"]
+    sizes = [len(s["modules"]) for s in plan["stages"]]
+    assert [s["device"] for s in plan["stages"]] == ["fast", "slow"]
+    assert sizes[0] in (7, 8) and sum(sizes) == 11, sizes
+    assert load_rank(tmp_path / "kinds", 1)["plan"] == plan  # every rank chose the same plan
+
+
+def test_stages_follow_device_kinds_and_absent_kinds_are_refused():
+    plan = StagePlan([StageSpec(modules=["a"], device="h100"), StageSpec(modules=["b"], device="a100")])
+    # rank 0 is an a100 and rank 1 an h100: the first stage (h100) must be on rank 1 - not ascending,
+    # so the placement is refused rather than silently swapped
+    grid = kind_grid(StagePlan([StageSpec(modules=["a"], device="a100"), StageSpec(modules=["b"], device="h100")]),
+                     [[0], [1]], ["a100", "h100"], 2, 1)
+    assert grid == [[0], [1]]
+    with pytest.raises(PlacementError, match="cpu"):
+        kind_grid(plan, [[0], [1]], ["cpu", "cpu"], 2, 1)
+    assert kind_grid(StagePlan([StageSpec(modules=["a"]), StageSpec(modules=["b"])]), [[0], [1]], ["cpu", "cpu"], 2, 1) is None
