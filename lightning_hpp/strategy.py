@@ -333,6 +333,13 @@ class HPPStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not dist.is_initialized():
+            # torchrun's c10d rendezvous keeps one store across restarts; without a prefix per attempt
+            # the restarted ranks read the dead ranks' gloo addresses and fail to connect.
+            store = dist.TCPStore(self.cluster_environment.main_address, self.cluster_environment.main_port,
+                                  self.world_size, is_master=False, timeout=self._timeout)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            kwargs["store"] = dist.PrefixStore(f"/lightning_hpp/attempt_{attempt}", store)
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
 
     def set_world_ranks(self) -> None:
@@ -378,12 +385,17 @@ class HPPStrategy(ParallelStrategy):
         trainer.callbacks.append(cb)
 
     def _add_telemetry_callback(self, trainer: Any) -> None:
-        if not self._telemetry:
+        auto = self._plan_arg == "auto" and trainer.state.fn == TrainerFn.FITTING
+        if not self._telemetry and not auto:
             return
+        from lightning_hpp.placement_report import PlacementReport
         from lightning_hpp.telemetry import PipelineTelemetry
 
         if not any(isinstance(cb, PipelineTelemetry) for cb in trainer.callbacks):
-            trainer.callbacks.append(PipelineTelemetry(**(self._telemetry if isinstance(self._telemetry, dict) else {})))
+            options = self._telemetry if isinstance(self._telemetry, dict) else ({} if self._telemetry else {"every_n_steps": 5})
+            trainer.callbacks.append(PipelineTelemetry(**options))
+        if auto and not any(isinstance(cb, PlacementReport) for cb in trainer.callbacks):
+            trainer.callbacks.append(PlacementReport())
 
     def _install_precision(self, trainer: Any) -> HPPPrecision:
         if not isinstance(self.precision_plugin, HPPPrecision):

@@ -30,19 +30,25 @@ def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(tmp_pat
     _synthetic_profile(tmp_path / "profile.json", names)
     runs = [
         # measured on this machine's ranks: whatever the cut, training equals single-process training
-        {"name": "measured", "strategy": {}, "depth": 4},
+        {"name": "measured", "strategy": {}, "depth": 4, "steps": 10},
         # a profile of two device kinds, rank 0 'fast' and rank 1 'slow' (2x): the fast rank gets ~2/3
         {"name": "kinds", "depth": 6, "strategy": {"device_map": "0:fast,1:slow", "auto_profile": str(tmp_path / "profile.json")}},
     ]
     for r in runs:
-        r.update(schedule="1f1b", n_micro=4, steps=4, batch=16, out=str(tmp_path / r["name"]))
+        r.setdefault("steps", 4)
+        r.update(schedule="1f1b", n_micro=4, batch=16, out=str(tmp_path / r["name"]))
     run_script("tests.workers.run_hpp", {"devices": 2, "runs": runs})
-    reference, _ = train_reference(steps=4, batch=16)
+    reference, _ = train_reference(steps=10, batch=16)
     got = merged_state(tmp_path / "measured", [0, 1])
     for k, v in reference.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
     meta = load_rank(tmp_path / "measured", 0)["plan_meta"]
     assert "predicted" in meta and len(meta["predicted"]["stage_ms"]) == 2
+    # after 10 steps the strategy logged predicted against measured stage times (telemetry is on)
+    metrics = load_rank(tmp_path / "measured", 0)["metrics"]
+    for k in (0, 1):
+        assert metrics[f"placement/stage_{k}/predicted_ms"] == pytest.approx(meta["predicted"]["stage_ms"][k])
+        assert metrics[f"placement/stage_{k}/measured_ms"] > 0
 
     plan = load_rank(tmp_path / "kinds", 0)["plan"]
     sizes = [len(s["modules"]) for s in plan["stages"]]

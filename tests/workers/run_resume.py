@@ -49,6 +49,7 @@ def main(cfg: dict) -> None:
         plan=plan, schedule=cfg.get("schedule", "1f1b"), n_microbatches=cfg.get("n_micro", 4), pp_degree=cfg.get("pp"),
         checkpoint_dir=cfg.get("ckpt_dir"), resume=cfg.get("resume"), save_every_n_steps=cfg.get("every"),
         keep_last=cfg.get("keep_last"), async_save=cfg.get("async_save", False), timeout=cfg.get("timeout", 60),
+        **cfg.get("strategy", {}),
     )
     callbacks = []
     if "kill_at" in cfg:

@@ -1,0 +1,55 @@
+"""Predicted against measured stage times, for plans made by ``plan="auto"``.
+
+The partitioner predicts each stage's time per micro-batch (forward + backward + its sends);
+:class:`PipelineTelemetry` measures forward and backward per step. After ``report_after`` steps
+this callback logs both per stage (``placement/stage_{k}/predicted_ms``, ``.../measured_ms``) and
+prints a table on rank 0, so a poor profile or a drifting device shows up early.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from lightning_hpp.plan import PlanError
+
+
+class PlacementReport(Callback):
+    """Log predicted vs measured per-micro-batch stage times once, after ``report_after`` steps."""
+
+    def __init__(self, report_after: int = 10) -> None:
+        if not isinstance(report_after, int) or report_after < 1:
+            raise PlanError(f"`report_after` must be a positive integer, got {report_after!r}.")
+        self.report_after = report_after
+        self.rows: list[tuple[int, float, float]] = []
+        self._done = False
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        if self._done or trainer.global_step < self.report_after:
+            return
+        from lightning_hpp.telemetry import PipelineTelemetry
+
+        strategy = trainer.strategy
+        predicted = (strategy.plan.meta.get("predicted") or {}).get("stage_ms") if strategy.plan else None
+        telemetry = next((cb for cb in trainer.callbacks if isinstance(cb, PipelineTelemetry)), None)
+        if not predicted or telemetry is None or not telemetry.history:
+            return
+        m = strategy.n_microbatches
+        self.rows = []
+        for k, pred in enumerate(predicted):
+            per_step = [(h.stages[k].fwd_ms + h.stages[k].bwd_ms) for h in telemetry.history if k in h.stages]
+            if not per_step:
+                return
+            measured = statistics.median(per_step) / m
+            self.rows.append((k, float(pred), measured))
+        self._done = True
+        for k, pred, meas in self.rows:
+            pl_module.log(f"placement/stage_{k}/predicted_ms", pred, on_step=True, on_epoch=False, batch_size=1)
+            pl_module.log(f"placement/stage_{k}/measured_ms", meas, on_step=True, on_epoch=False, batch_size=1)
+        if trainer.is_global_zero:
+            lines = ["plan='auto': stage time per micro-batch, predicted vs measured (fwd+bwd, median)",
+                     "stage  predicted_ms  measured_ms  ratio"]
+            lines += [f"{k:<5}  {p:>12.3f}  {q:>11.3f}  {q / p if p else float('nan'):>5.2f}" for k, p, q in self.rows]
+            print("\n".join(lines), flush=True)
