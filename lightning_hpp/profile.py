@@ -3,8 +3,9 @@
 :func:`profile_units` runs each unit forward and backward on a real micro-batch (each unit gets the
 previous unit's output, as it would inside the pipeline) and records, per unit:
 
-* ``fwd_ms`` / ``bwd_ms``: median wall time of the forward and of the backward (input gradients
-  and parameter gradients), synchronised on CUDA;
+* ``fwd_ms`` / ``bwd_ms``: mean wall time of the forward and of the backward (input gradients
+  and parameter gradients) over at least :data:`MIN_WINDOW_S` of repetitions, synchronised on
+  CUDA (a mean over a window, so CPU quotas that pause the process are counted);
 * ``param_bytes``: bytes of the unit's parameters in the measured precision;
 * ``activation_bytes``: bytes of the unit's output, i.e. what crosses a stage boundary cut after it;
 * ``saved_bytes``: bytes the forward keeps alive for the backward (autograd's saved tensors,
@@ -38,6 +39,9 @@ from lightning_hpp.plan import normalize_precision
 log = logging.getLogger(__name__)
 
 FORMAT = "lightning_hpp.cost_profile/1"
+
+MIN_WINDOW_S = 0.3
+"""Least timed work per unit: three 100 ms CFS periods, so a CPU quota's pauses are sampled."""
 
 
 class ProfileError(ValueError):
@@ -400,7 +404,13 @@ def _measure_unit(
     del out
 
     fwd, bwd = [], []
-    for i in range(warmup + repeats):
+    i, start = 0, None
+    # Repeat for at least MIN_WINDOW_S of timed work and keep the mean: a CPU quota (cgroups,
+    # Kubernetes limits) stops a process for whole scheduler periods, which a median of a few short
+    # repetitions would skip, so a throttled device would look as fast as a free one.
+    while i < warmup + repeats or (time.perf_counter() - start) < MIN_WINDOW_S:
+        if i == warmup:
+            start = time.perf_counter()
         _sync(device)
         t0 = time.perf_counter()
         out = run_forward()
@@ -412,10 +422,13 @@ def _measure_unit(
         if i >= warmup:
             fwd.append((t1 - t0) * 1e3)
             bwd.append((t2 - t1) * 1e3)
+        i += 1
+        if start is None:
+            start = time.perf_counter()
     cost = UnitCost(
         name="",
-        fwd_ms=statistics.median(fwd),
-        bwd_ms=statistics.median(bwd),
+        fwd_ms=statistics.fmean(fwd),
+        bwd_ms=statistics.fmean(bwd),
         param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
         activation_bytes=sum(t.numel() * t.element_size() for t in _tensors(out)),
         saved_bytes=saved,
@@ -455,7 +468,7 @@ def profile_units(
         device_kind: Kind to record the costs under (see ``devices.detect_device_kind``).
         precision: One of ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``,
             ``"bf16-true"``.
-        repeats: Timed repetitions per unit (the median is kept).
+        repeats: Minimum timed repetitions per unit (more run until MIN_WINDOW_S has passed; the mean is kept).
         warmup: Untimed repetitions before them.
         model_name: Name recorded in the profile's signature (default ``"model"``).
         prepare: Converts a copy of each unit before it is measured (the model is untouched).

@@ -228,7 +228,8 @@ def test_backend_hooks_convert_a_copy_and_wrap_the_forward():
     entry = prof.get("h100", "fp8")
     assert entry.source == "hooks test"
     assert len(converted) == 4 and all(c is not m for c, (_, m) in zip(converted, units))
-    assert len(entered) == 4 * (1 + 1 + 2)  # per unit: the saved-bytes pass, warmup, repeats
+    # per unit: the saved-bytes pass, the warmup, and timed repetitions filling the time window
+    assert len(entered) >= 4 * (1 + 1 + 2)
     assert not any(isinstance(m, Marked) for _, m in units)
 
 
