@@ -14,6 +14,7 @@ Order of events on every rank:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -341,6 +342,7 @@ class HPPStrategy(ParallelStrategy):
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             kwargs["store"] = dist.PrefixStore(f"/lightning_hpp/attempt_{attempt}", store)
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        atexit.register(_shutdown)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -790,6 +792,19 @@ class HPPStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Heterogeneous pipeline parallelism (lightning_hpp)")
+
+
+def _shutdown() -> None:
+    """At interpreter exit: finish a background checkpoint upload, then close the process groups.
+
+    Process groups left to static destructors can abort the interpreter at exit ("terminate called
+    without an active exception") while gloo's threads are still joinable.
+    """
+    from lightning_hpp.checkpoint.sharded import wait_for_pending_save
+
+    wait_for_pending_save()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class _Launcher(_SubprocessScriptLauncher):
