@@ -574,11 +574,15 @@ class HPPStrategy(ParallelStrategy):
         """Each held stage's gradient norm before the dp all-reduce (what BiasMonitor compares)."""
         assert self._runner is not None
         where = {id(p): k for k, sm in self._runner.stage_modules.items() for p in sm.parameters()}
-        sq: dict[int, float] = {k: 0.0 for k in self._runner.stage_modules}
+        per_stage: dict[int, list[Tensor]] = {k: [] for k in self._runner.stage_modules}
         for p, g in zip(params, grads):
             if g is not None:
-                sq[where[id(p)]] += float(g.detach().float().pow(2).sum())
-        return {k: v**0.5 for k, v in sq.items()}
+                per_stage[where[id(p)]].append(g)
+        # one host sync per stage, not per parameter
+        return {
+            k: float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double())) if gs else 0.0
+            for k, gs in per_stage.items()
+        }
 
     def _all_reduce_dp(self, grads: list[Tensor | None]) -> None:
         if self._mesh is None or self._mesh.dp == 1:

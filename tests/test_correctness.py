@@ -97,3 +97,8 @@ def test_pp2_dp2_with_gradient_accumulation(tmp_path):
         _assert_matches(reference, r["out"], [0, 2])
         _assert_matches(reference, r["out"], [1, 3])
         assert load_rank(r["out"], 0)["global_step"] == 3
+    # the gradient norms BiasMonitor compares are taken before the dp all-reduce: the two replicas of
+    # stage 0 saw different data, so their local norms differ although their parameters are equal
+    n0 = load_rank(tmp_path / "1f1b", 0)["step_stats"]["local_grad_norms"][0]
+    n1 = load_rank(tmp_path / "1f1b", 1)["step_stats"]["local_grad_norms"][0]
+    assert n0 > 0 and n1 > 0 and n0 != n1

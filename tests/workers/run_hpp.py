@@ -58,6 +58,7 @@ def run(cfg: dict, devices: int) -> None:
         "loss_scale": getattr(strategy.precision_plugin, "loss_scale", None),
         "plan_meta": strategy.plan.meta,
         "plan": strategy.plan.to_dict(),
+        "step_stats": dict(strategy.step_stats),
         "grid": strategy.mesh.grid,
     }
     if cfg.get("validate"):
