@@ -51,3 +51,11 @@ def test_a_rank_that_raises_ends_the_job_with_its_exception(tmp_path):
     assert proc.returncode != 0
     assert "boom in training_step at step 3" in proc.stderr
     assert elapsed < 60, f"job took {elapsed:.0f}s to end"
+
+
+def test_registered_with_lightning_as_hpp():
+    import lightning as L
+
+    trainer = L.Trainer(strategy="hpp", accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
+    assert isinstance(trainer.strategy, HPPStrategy)
+    assert trainer.strategy.schedule == "1f1b" and trainer.strategy.n_microbatches == 4
