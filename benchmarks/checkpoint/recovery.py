@@ -142,11 +142,7 @@ def stall_worker(job: dict[str, Any]) -> None:
     rank = int(os.environ["RANK"])
     os.chdir(job["out"])  # stage_plan.json and fingerprints.json land next to the results
     dist.init_process_group("gloo")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("throughput_main", ROOT / "benchmarks" / "throughput" / "main.py")
-    tp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tp)  # also puts benchmarks/throughput (its models) on sys.path
+    tp = _throughput()
     results = []
     for rnd in range(job["rounds"]):
         for mode in ("sync", "async"):
@@ -188,27 +184,18 @@ def stall_run(tp: Any, job: dict[str, Any], async_save: bool, rnd: int) -> list[
     return [b - a for a, b in zip(starts, starts[1:])]
 
 
+def _throughput() -> Any:
+    """benchmarks/throughput/main.py as a module (its models, timing and launch helpers)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("throughput_main", ROOT / "benchmarks" / "throughput" / "main.py")
+    tp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp)  # also puts benchmarks/throughput (its models) on sys.path
+    return tp
+
+
 def launch_stall(job: dict[str, Any]) -> list[list[dict[str, Any]]]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "NODE_RANK": "0",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    procs = []
-    try:
-        for r in range(2):
-            log = open(Path(job["out"]) / f"stall_rank{r}.log", "w")
-            procs.append((subprocess.Popen([sys.executable, __file__, "--stall-worker", json.dumps(job)],
-                                           env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT), log))
-        codes = [p.wait() for p, _ in procs]
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
-    if any(codes):
-        bad = next(r for r, c in enumerate(codes) if c)
-        tail = (Path(job["out"]) / f"stall_rank{bad}.log").read_text()[-4000:]
-        raise SystemExit(f"stall rank {bad} failed (exit codes {codes}):\n{tail}")
-    return [json.loads((Path(job["out"]) / f"stall_rank{r}.json").read_text()) for r in range(2)]
+    return _throughput().launch_ranks(__file__, job, 2, flag="--stall-worker", prefix="stall_rank")
 
 
 def summarize_stall(per_rank: list[list[dict[str, Any]]], every: int, warmup: int) -> dict[str, Any]:

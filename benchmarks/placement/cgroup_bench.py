@@ -303,31 +303,10 @@ def run_ddp(tp: Any, job: dict[str, Any], size: Any) -> dict[str, Any]:
 # ============================================================================================ launch
 def launch(job: dict[str, Any], procs_file: str | None) -> list[dict[str, Any]]:
     tp = _throughput_helpers()
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(tp._free_port()), "WORLD_SIZE": "2", "NODE_RANK": "0",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("HPP_DEVICE_KIND", None)
+    os.environ.pop("HPP_DEVICE_KIND", None)  # the kinds come from device_map or, per rank, from here
     job = {**job, "procs_file": procs_file}
-    procs = []
-    try:
-        for r in range(2):
-            penv = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
-            if job["kind_source"] == "env":
-                penv["HPP_DEVICE_KIND"] = KINDS[r]
-            log = open(Path(job["out"]) / f"rank{r}.log", "w")
-            procs.append((subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(job)], env=penv, stdout=log,
-                                           stderr=subprocess.STDOUT), log))
-        codes = [p.wait() for p, _ in procs]
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
-    if any(codes):
-        bad = next(r for r, c in enumerate(codes) if c)
-        tail = (Path(job["out"]) / f"rank{bad}.log").read_text()[-4000:]
-        raise SystemExit(f"benchmark rank {bad} failed with exit codes {codes}:\n{tail}")
-    return [json.loads((Path(job["out"]) / f"rank{r}.json").read_text()) for r in range(2)]
+    rank_env = (lambda r: {"HPP_DEVICE_KIND": KINDS[r]}) if job["kind_source"] == "env" else None
+    return tp.launch_ranks(__file__, job, 2, rank_env=rank_env)
 
 
 # ============================================================================================ report

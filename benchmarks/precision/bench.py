@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -113,27 +112,7 @@ def run(tp: Any, job: dict[str, Any], name: str) -> dict[str, Any]:
 
 # ============================================================================================ launch
 def launch(job: dict[str, Any]) -> list[list[dict[str, Any]]]:
-    tp = _throughput_helpers()
-    n = job["devices"]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(tp._free_port()), "WORLD_SIZE": str(n), "NODE_RANK": "0",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    procs = []
-    try:
-        for r in range(n):
-            log = open(Path(job["out"]) / f"rank{r}.log", "w")
-            procs.append((subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(job)],
-                                           env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT), log))
-        codes = [p.wait() for p, _ in procs]
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
-    if any(codes):
-        bad = next(r for r, c in enumerate(codes) if c)
-        raise SystemExit(f"rank {bad} failed (exit codes {codes}):\n{(Path(job['out']) / f'rank{bad}.log').read_text()[-4000:]}")
-    return [json.loads((Path(job["out"]) / f"rank{r}.json").read_text()) for r in range(n)]
+    return _throughput_helpers().launch_ranks(__file__, job, job["devices"])
 
 
 # ============================================================================================ report

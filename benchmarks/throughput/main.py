@@ -428,23 +428,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_ranks(
+    script: str | Path, job: dict[str, Any], n: int, *, flag: str = "--worker", prefix: str = "rank",
+    threads: int = 1, rank_env: Any = None,
+) -> list[Any]:
+    """Run ``python script flag '<job json>'`` as ranks 0..n-1 of one gloo job on this machine.
+
+    Each rank logs to ``OUT/<prefix><r>.log`` and writes its results to ``OUT/<prefix><r>.json``
+    (``OUT`` = ``job['out']``); the results are returned in rank order. ``rank_env(r)`` adds
+    per-rank environment variables. A failed rank ends the benchmark with its log's tail.
+    """
+    out = Path(job["out"])
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(n),
+           "NODE_RANK": "0", "OMP_NUM_THREADS": str(threads),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    procs = []
+    try:
+        for r in range(n):
+            penv = {**env, "RANK": str(r), "LOCAL_RANK": str(r), **(rank_env(r) if rank_env else {})}
+            log = open(out / f"{prefix}{r}.log", "w")
+            procs.append((subprocess.Popen([sys.executable, str(script), flag, json.dumps(job)], env=penv,
+                                           stdout=log, stderr=subprocess.STDOUT), log))
+        codes = [p.wait() for p, _ in procs]
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    if any(codes):
+        bad = next(r for r, c in enumerate(codes) if c)
+        tail = (out / f"{prefix}{bad}.log").read_text()[-4000:]
+        raise SystemExit(f"rank {bad} of {Path(script).name} failed (exit codes {codes}):\n{tail}")
+    return [json.loads((out / f"{prefix}{r}.json").read_text()) for r in range(n)]
+
+
 def launch(job: dict[str, Any]) -> list[list[dict[str, Any]]]:
     """Run one model's configurations in ``job['devices']`` fresh processes; return each rank's results."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(job["devices"]), "NODE_RANK": "0"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env.setdefault("OMP_NUM_THREADS", str(job["threads"]))
-    procs = []
-    for r in range(job["devices"]):
-        penv = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
-        log = open(Path(job["out"]) / f"{job['model']}_rank{r}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(job)], env=penv, stdout=log, stderr=subprocess.STDOUT), log))
-    codes = [p.wait() for p, _ in procs]
-    for _, log in procs:
-        log.close()
-    if any(codes):
-        tail = (Path(job["out"]) / f"{job['model']}_rank{codes.index(next(c for c in codes if c))}.log").read_text()[-4000:]
-        raise SystemExit(f"benchmark worker for {job['model']!r} failed with exit codes {codes}:\n{tail}")
-    return [json.loads((Path(job["out"]) / f"{job['model']}_rank{r}.json").read_text()) for r in range(job["devices"])]
+    return launch_ranks(__file__, job, job["devices"], prefix=f"{job['model']}_rank", threads=job["threads"])
 
 
 def merge(per_rank: list[list[dict[str, Any]]], batch: int) -> list[dict[str, Any]]:
