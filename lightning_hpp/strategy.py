@@ -45,15 +45,25 @@ from torch import Tensor, nn
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
-from lightning_hpp.bias.determinism import determinism_seed, enable_determinism, ensure_hash_seed, worker_init_fn
+from lightning_hpp.bias.determinism import (
+    determinism_seed,
+    enable_determinism,
+    ensure_hash_seed,
+    worker_init_fn,
+)
 from lightning_hpp.bias.guard import BiasGuard
-from lightning_hpp.placement import auto_plan, gather_kinds, kind_grid
-from lightning_hpp.mesh import Mesh, stages_of_position
-from lightning_hpp.microbatch import split_batch
-from lightning_hpp.pipeline import SCHEDULES, PipelineRunner, StageModule, capture_input, check_schedule
-from lightning_hpp.plan import PlanError, StagePlan
-from lightning_hpp.precision import HPPPrecision
-from lightning_hpp.units import check_sequential_forward, find_units, replace_unit
+from lightning_hpp.errors import PlanError
+from lightning_hpp.model.sequential import check_sequential_forward
+from lightning_hpp.model.units import find_units, replace_unit
+from lightning_hpp.pipeline.mesh import Mesh, stages_of_position
+from lightning_hpp.pipeline.microbatch import split_batch
+from lightning_hpp.pipeline.runner import PipelineRunner
+from lightning_hpp.pipeline.schedules import SCHEDULES, check_schedule
+from lightning_hpp.pipeline.stage import StageModule
+from lightning_hpp.pipeline.steps import capture_input
+from lightning_hpp.planning.placement import auto_plan, gather_kinds, kind_grid
+from lightning_hpp.planning.plan import StagePlan
+from lightning_hpp.precision.plugin import HPPPrecision
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +116,7 @@ class HPPStrategy(ParallelStrategy):
         device_map: Override of the ranks' device kinds (``"0:a100,1:h100"``, a dict or a list);
             also ``HPP_DEVICE_KIND`` in the environment. Stages with ``device=`` go to ranks of that kind.
         auto_profile: A cost-profile JSON for ``plan="auto"`` instead of measuring.
-        telemetry: ``True`` or a dict of :class:`~lightning_hpp.telemetry.PipelineTelemetry` options:
+        telemetry: ``True`` or a dict of :class:`~lightning_hpp.telemetry.callback.PipelineTelemetry` options:
             per-stage forward/backward/communication/idle times and the measured bubble, logged.
         timeout: Timeout of every collective and pipeline send/recv; a rank that stops answering ends
             the job after at most this long.
@@ -390,8 +400,8 @@ class HPPStrategy(ParallelStrategy):
         auto = self._plan_arg == "auto" and trainer.state.fn == TrainerFn.FITTING
         if not self._telemetry and not auto:
             return
-        from lightning_hpp.placement_report import PlacementReport
-        from lightning_hpp.telemetry import PipelineTelemetry
+        from lightning_hpp.planning.report import PlacementReport
+        from lightning_hpp.telemetry.callback import PipelineTelemetry
 
         if not any(isinstance(cb, PipelineTelemetry) for cb in trainer.callbacks):
             options = self._telemetry if isinstance(self._telemetry, dict) else ({} if self._telemetry else {"every_n_steps": 5})
@@ -716,9 +726,10 @@ class HPPStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load this rank's part of a sharded checkpoint, whatever layout saved it (collective)."""
-        from lightning_hpp.checkpoint import CheckpointError, checkpoint_keys, load_sharded, verify
+        from lightning_hpp.checkpoint import checkpoint_keys, load_sharded, verify
         from lightning_hpp.checkpoint.lightning_state import from_sharded, load_template
-        from lightning_hpp.checkpoint.store import CorruptCheckpointError, newest_valid_anywhere
+        from lightning_hpp.checkpoint.store import newest_valid_anywhere
+        from lightning_hpp.errors import CheckpointError, CorruptCheckpointError
 
         url = str(checkpoint_path)
         try:

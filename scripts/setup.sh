@@ -8,12 +8,16 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip >/dev/null
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  python -m pip install -q "torch==2.13.0"
+pip_q() { python -m pip install -qq --disable-pip-version-check "$@"; }
+if python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+  :  # torch 2.13.0 already there
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  pip_q "torch==2.13.0"
+elif pip_q --no-index --no-deps "torch==2.13.0" 2>/dev/null; then
+  # a local CPU wheel (pip's find-links): torch itself from it, its dependencies from the ordinary index
+  pip_q "torch==2.13.0"
 else
-  # a local CPU wheel if the machine has one, else PyTorch's CPU index (never the multi-GB CUDA build)
-  python -m pip install -q --no-index "torch==2.13.0" 2>/dev/null \
-    || python -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+  # no local wheel: PyTorch's CPU index (never the multi-GB CUDA build)
+  pip_q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
 fi
-python -m pip install -q -e ".[dev,examples,s3,hydra,bench]"
+pip_q -e ".[dev,examples,s3,hydra,bench]"

@@ -12,7 +12,13 @@ import pytest
 import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.fabric.utilities.seed import pl_worker_init_function
-from torch.utils.data import DataLoader, RandomSampler, Sampler, TensorDataset, WeightedRandomSampler
+from torch.utils.data import (
+    DataLoader,
+    RandomSampler,
+    Sampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_hpp.bias.audit import (
@@ -24,14 +30,14 @@ from lightning_hpp.bias.audit import (
     SEED_EQUAL,
     WORKER_STREAMS,
     WRAPPED_RANK_DEPENDENT,
-    CodedBiasError,
     analyze_audit_records,
     audit_dataloader,
     collect_audit_record,
     enforce_audit,
 )
-from lightning_hpp.bias.fingerprint import BiasConfigError, CodedBiasWarning
+from lightning_hpp.bias.fingerprint import CodedBiasWarning
 from lightning_hpp.bias.samplers import DistributedWeightedSampler
+from lightning_hpp.errors import BiasConfigError, CodedBiasError
 
 try:
     from bias_workers.launch import coded_bias_gloo_run

@@ -12,9 +12,7 @@ import torch
 
 from lightning_hpp.bias.fingerprint import (
     HASH_PROBE,
-    BiasConfigError,
     CodedBiasWarning,
-    FingerprintMismatchError,
     collect_fingerprint,
     compare_fingerprints,
     compare_with_saved,
@@ -24,6 +22,7 @@ from lightning_hpp.bias.fingerprint import (
     load_fingerprints,
     save_fingerprints,
 )
+from lightning_hpp.errors import BiasConfigError, FingerprintMismatchError
 
 try:
     from bias_workers.launch import coded_bias_gloo_run

@@ -19,9 +19,7 @@ from torch.utils.data import DataLoader, WeightedRandomSampler
 from lightning_hpp.bias.audit import HASHSEED_DIFFERS, IDENTICAL_SAMPLING, NO_SET_EPOCH
 from lightning_hpp.bias.fingerprint import (
     HASH_PROBE,
-    BiasConfigError,
     CodedBiasWarning,
-    FingerprintMismatchError,
     collect_fingerprint,
     load_fingerprints,
 )
@@ -33,6 +31,7 @@ from lightning_hpp.bias.guard import (
     compare_runs,
     pipeline_peer_hazards,
 )
+from lightning_hpp.errors import BiasConfigError, FingerprintMismatchError
 from tests.bias_workers.spawn import finish, start_module
 from tests.models import MLP, make_dataset
 

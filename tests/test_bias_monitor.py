@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_hpp.bias.fingerprint import BiasConfigError, CodedBiasWarning
+from lightning_hpp.bias.fingerprint import CodedBiasWarning
 from lightning_hpp.bias.monitor import BiasMonitor, _step_metrics, index_overlap_metrics
 from lightning_hpp.bias.samplers import DistributedWeightedSampler
+from lightning_hpp.errors import BiasConfigError
 
 try:
     from bias_workers import monitor_ddp as script

@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_hpp.bias.samplers import DistributedWeightedSampler, SamplerError
+from lightning_hpp.bias.samplers import DistributedWeightedSampler
+from lightning_hpp.errors import SamplerError
 
 
 def shards(weights, world, **kw) -> list[list[int]]:

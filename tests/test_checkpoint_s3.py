@@ -14,12 +14,9 @@ import pytest
 import torch
 
 from lightning_hpp.checkpoint import (
-    CheckpointError,
-    CheckpointSaveError,
     CheckpointWarning,
     Retention,
     RetryPolicy,
-    S3ConfigError,
     checkpoint_url,
     latest_valid,
     list_checkpoints,
@@ -29,6 +26,7 @@ from lightning_hpp.checkpoint import (
     save_sharded,
     verify,
 )
+from lightning_hpp.errors import CheckpointError, CheckpointSaveError, S3ConfigError
 from tests.ckpt_workers.common import big_state
 from tests.s3_server import FaultProxy, S3Env, fault_proxy, s3_env  # noqa: F401
 

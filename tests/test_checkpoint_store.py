@@ -15,10 +15,7 @@ from botocore.exceptions import ClientError
 
 from lightning_hpp.checkpoint import (
     METADATA_FILE,
-    CheckpointError,
-    CheckpointSaveError,
     CheckpointWarning,
-    CorruptCheckpointError,
     Retention,
     RetryPolicy,
     checkpoint_url,
@@ -30,6 +27,11 @@ from lightning_hpp.checkpoint import (
     verify,
 )
 from lightning_hpp.checkpoint.store import CheckpointInfo
+from lightning_hpp.errors import (
+    CheckpointError,
+    CheckpointSaveError,
+    CorruptCheckpointError,
+)
 
 
 def _state(step: int) -> dict:

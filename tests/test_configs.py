@@ -18,17 +18,27 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, ModelSummary
+from lightning.pytorch.callbacks import (
+    EarlyStopping,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    ModelSummary,
+)
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from omegaconf import DictConfig, open_dict
 
 from lightning_hpp import HPPStrategy, PlanError, StagePlan
-from lightning_hpp.snapshot import code_version, scrub_hydra_files, write_snapshot
-from lightning_hpp.sweep_summary import SweepError, SweepSummary, load_trials, summarize, swept_parameters
-from lightning_hpp.train import (
+from lightning_hpp.errors import SweepError, TrainConfigError
+from lightning_hpp.hydra.snapshot import code_version, scrub_hydra_files, write_snapshot
+from lightning_hpp.hydra.summary import (
+    SweepSummary,
+    load_trials,
+    summarize,
+    swept_parameters,
+)
+from lightning_hpp.hydra.train import (
     CONFIG_DIR,
-    TrainConfigError,
     build,
     build_plan,
     check_config,
@@ -64,7 +74,7 @@ def compose_cfg(tmp_path: Path, *overrides: str, keep_hydra: bool = False) -> Di
 
 
 def _units(model) -> list[str]:
-    from lightning_hpp.units import find_units
+    from lightning_hpp.model.units import find_units
 
     return [n for n, _ in find_units(model)]
 

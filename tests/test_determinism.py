@@ -23,7 +23,8 @@ from lightning_hpp.bias.determinism import (
     hash_seed_effective,
     worker_init_fn,
 )
-from lightning_hpp.bias.fingerprint import HASH_PROBE, BiasConfigError, CodedBiasWarning
+from lightning_hpp.bias.fingerprint import HASH_PROBE, CodedBiasWarning
+from lightning_hpp.errors import BiasConfigError
 from tests.bias_workers.spawn import finish, start_module
 
 WORKER = "tests.bias_workers.determinism_worker"

@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 
-from lightning_hpp.devices import (
+from lightning_hpp.errors import PlacementError
+from lightning_hpp.planning.devices import (
     ENV_VAR,
-    PlacementError,
     assign_ranks,
     detect_device_kind,
     kind_from_name,
@@ -175,7 +175,7 @@ def test_detects_the_real_gpu():
     cap = torch.cuda.get_device_capability(0)
     kind = detect_device_kind(0)
     assert kind == kind_from_name(name, cap)
-    from lightning_hpp.devices import DEVICE_SPECS
+    from lightning_hpp.planning.devices import DEVICE_SPECS
 
     if kind in DEVICE_SPECS:
         assert DEVICE_SPECS[kind].capability == cap

@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_hpp.fp8 import (
+from lightning_hpp.errors import FP8Error
+from lightning_hpp.precision.fp8 import (
     E4M3,
     E4M3_MAX,
     E5M2,
     E5M2_MAX,
     EmulatedFP8Linear,
-    FP8Error,
     FP8Recipe,
     check_fp8_stage,
     convert_module_to_fp8,

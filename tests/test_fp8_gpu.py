@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hpp.fp8 import (
+from lightning_hpp.errors import FP8Error
+from lightning_hpp.precision.fp8 import (
     E4M3,
-    EmulatedFP8Linear,
-    FP8Error,
     MIN_CAPABILITY,
+    EmulatedFP8Linear,
     check_fp8_stage,
     convert_module_to_fp8,
     describe_backend,

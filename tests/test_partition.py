@@ -8,17 +8,17 @@ import random
 
 import pytest
 
-from lightning_hpp.partition import (
+from lightning_hpp.errors import PartitionError
+from lightning_hpp.planning.partition import (
     Cluster,
     DeviceGroup,
-    PartitionError,
     evaluate,
     partition,
     plan_for_ranks,
     uniform_partition,
 )
-from lightning_hpp.plan import StagePlan
-from lightning_hpp.profile import CostProfile, ProfileEntry, UnitCost
+from lightning_hpp.planning.plan import StagePlan
+from lightning_hpp.planning.profile import CostProfile, ProfileEntry, UnitCost
 
 
 def make_profile(kinds: dict[str, list[tuple]], precision: str = "32-true") -> CostProfile:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_hpp.devices import PlacementError
-from lightning_hpp.placement import kind_grid
-from lightning_hpp.plan import StagePlan, StageSpec
-from lightning_hpp.profile import CostProfile, ProfileEntry, UnitCost
+from lightning_hpp.errors import PlacementError
+from lightning_hpp.planning.placement import kind_grid
+from lightning_hpp.planning.plan import StagePlan, StageSpec
+from lightning_hpp.planning.profile import CostProfile, ProfileEntry, UnitCost
 from tests.launch import load_rank, merged_state, run_script
 from tests.reference import train_reference
 

@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 from lightning_hpp import PlanError, StagePlan, StageSpec, stage
-from lightning_hpp.units import find_units
+from lightning_hpp.model.units import find_units
 
 
 @stage(0, device="a100", precision="16-mixed", clip_norm=1.0)

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from lightning_hpp.partition import partition, uniform_partition
-from lightning_hpp.plan import StagePlan
-from lightning_hpp.plan_cli import main, simulate_cluster
-from lightning_hpp.profile import CostProfile
+from lightning_hpp.planning.cli import main, simulate_cluster
+from lightning_hpp.planning.partition import partition, uniform_partition
+from lightning_hpp.planning.plan import StagePlan
+from lightning_hpp.planning.profile import CostProfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILE = os.path.join(ROOT, "benchmarks", "placement", "field_report_profile.json")
@@ -99,7 +99,7 @@ def test_cli_reports_a_profile_that_does_not_exist(tmp_path, capsys):
 
 def test_module_entry_point_runs():
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_hpp.plan_cli", "--profile", PROFILE, "--cluster", "1xa100,1xh100",
+        [sys.executable, "-m", "lightning_hpp.planning.cli", "--profile", PROFILE, "--cluster", "1xa100,1xh100",
          "--global-microbatches", "8", "--no-compare"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lightning_hpp import StagePlan, StageSpec
-from lightning_hpp.fp8 import FP8Error
-from lightning_hpp.pipeline import StageModule
-from lightning_hpp.precision import HPPPrecision
+from lightning_hpp.errors import FP8Error
+from lightning_hpp.pipeline.stage import StageModule
+from lightning_hpp.precision.plugin import HPPPrecision
 from tests.launch import load_rank, merged_state, run_script
 from tests.models import MLP
 from tests.reference import train_reference
@@ -72,9 +72,9 @@ def test_clipping_per_stage_and_global_equal_hand_computed_reference(tmp_path):
     run_script("tests.workers.run_hpp", {"devices": 2, "runs": runs})
 
     # hand-computed: the first batch of the (shuffled) reference order, one SGD step (momentum buffer = grad)
+    import torch.nn.functional as F
     from torch.utils.data import DataLoader, DistributedSampler
 
-    import torch.nn.functional as F
     from tests.models import make_dataset
 
     ds = make_dataset(128)

@@ -10,11 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hpp.partition import partition
-from lightning_hpp.profile import (
+from lightning_hpp.errors import ProfileError, ProfileMismatchError
+from lightning_hpp.planning.partition import partition
+from lightning_hpp.planning.profile import (
     CostProfile,
-    ProfileError,
-    ProfileMismatchError,
     check_profile_matches,
     load_or_profile,
     profile_units,

@@ -11,19 +11,17 @@ import lightning as L
 import pytest
 from PIL import Image
 
-from lightning_hpp.pipeline import SCHEDULES, ScheduleError
-from lightning_hpp.telemetry import (
+from lightning_hpp.errors import ScheduleError, TelemetryError
+from lightning_hpp.pipeline.schedules import SCHEDULES
+from lightning_hpp.telemetry.callback import PipelineTelemetry
+from lightning_hpp.telemetry.model import (
     Act,
-    PipelineTelemetry,
-    RankStep,
-    ScheduleInfo,
-    TelemetryError,
-    analyze,
     schedule_actions,
     simulate,
     theoretical_bubble,
 )
-from lightning_hpp.telemetry_render import schedule_grid
+from lightning_hpp.telemetry.recorder import RankStep, ScheduleInfo, analyze
+from lightning_hpp.telemetry.render import schedule_grid
 from tests.launch import run_script
 from tests.models import MLP, loaders
 

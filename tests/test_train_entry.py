@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import yaml
 
 from lightning_hpp.checkpoint import export_to_lightning_ckpt
-from lightning_hpp.train import _group_members, end_process_group, main
+from lightning_hpp.hydra.train import _group_members, end_process_group, main
 from tests.models import MLP, make_dataset
 from tests.s3_server import s3_env  # noqa: F401  (fixture)
 
@@ -35,7 +35,7 @@ def _env() -> dict[str, str]:
 
 def _train(*args: str, cwd: Path = ROOT, timeout: float = 300, exe: list[str] | None = None) -> subprocess.CompletedProcess:
     """Run the entry point; on timeout end its whole process group and fail with its output."""
-    cmd = (exe or [sys.executable, "-m", "lightning_hpp.train"]) + list(args)
+    cmd = (exe or [sys.executable, "-m", "lightning_hpp.hydra.train"]) + list(args)
     proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

@@ -6,9 +6,15 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hpp.microbatch import MicroBatchError, batch_size_of, largest_divisor_at_most, split_batch
-from lightning_hpp.pipeline import ScheduleError, check_schedule
-from lightning_hpp.units import SequentialForwardError, check_sequential_forward, find_units
+from lightning_hpp.errors import MicroBatchError, ScheduleError, SequentialForwardError
+from lightning_hpp.model.sequential import check_sequential_forward
+from lightning_hpp.model.units import find_units
+from lightning_hpp.pipeline.microbatch import (
+    batch_size_of,
+    largest_divisor_at_most,
+    split_batch,
+)
+from lightning_hpp.pipeline.schedules import check_schedule
 
 
 class Chain(nn.Module):

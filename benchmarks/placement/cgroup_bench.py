@@ -191,7 +191,7 @@ def worker(job: dict[str, Any]) -> None:
 def mean_profile(job: dict[str, Any], size: Any, rank: int) -> str:
     """A cost profile of every unit on this rank's kind, timed as the mean over a window (collective).
 
-    ``plan="auto"`` measures with :func:`lightning_hpp.profile.profile_units`, which keeps the median
+    ``plan="auto"`` measures with :func:`lightning_hpp.planning.profile.profile_units`, which keeps the median
     of 5 short repetitions. Under a CFS quota a process runs at full speed for 50 ms and then waits
     50 ms, so most short repetitions never meet a wait and the median misses the throttling. Here
     each unit's forward and backward are repeated back to back for at least ``MEAN_WINDOW_S`` and
@@ -202,8 +202,8 @@ def mean_profile(job: dict[str, Any], size: Any, rank: int) -> str:
     import torch.distributed as dist
     from models import build, dataset
 
-    from lightning_hpp.profile import CostProfile, profile_units
-    from lightning_hpp.units import find_units
+    from lightning_hpp.model.units import find_units
+    from lightning_hpp.planning.profile import CostProfile, profile_units
 
     units = find_units(build("mlp", size))
     x = dataset("mlp", size, 1).tensors[0][: size.batch // job["m"]]
@@ -238,7 +238,7 @@ def _timer(warmup: int) -> Any:
     """
     from lightning.pytorch import Callback
 
-    from lightning_hpp.telemetry import PipelineTelemetry
+    from lightning_hpp.telemetry.callback import PipelineTelemetry
 
     class Timer(Callback):
         def __init__(self) -> None:
@@ -291,7 +291,6 @@ def run_pipeline(tp: Any, job: dict[str, Any], size: Any, name: str) -> dict[str
 
 def run_ddp(tp: Any, job: dict[str, Any], size: Any) -> dict[str, Any]:
     from lightning.pytorch.strategies import DDPStrategy
-
     from models import build
 
     timer = _timer(job["warmup"])

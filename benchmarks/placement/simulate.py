@@ -18,9 +18,9 @@ import argparse
 import os
 import sys
 
-from lightning_hpp.devices import DEVICE_SPECS
-from lightning_hpp.plan_cli import simulate_cluster
-from lightning_hpp.profile import CostProfile, ProfileEntry, UnitCost
+from lightning_hpp.planning.cli import simulate_cluster
+from lightning_hpp.planning.devices import DEVICE_SPECS
+from lightning_hpp.planning.profile import CostProfile, ProfileEntry, UnitCost
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROFILE = os.path.join(HERE, "field_report_profile.json")

@@ -84,7 +84,7 @@ def run(tp: Any, job: dict[str, Any], name: str) -> dict[str, Any]:
 
     from lightning_hpp import HPPStrategy
     from lightning_hpp.examples_data import DigitsDataModule
-    from lightning_hpp.telemetry import PipelineTelemetry
+    from lightning_hpp.telemetry.callback import PipelineTelemetry
 
     L.seed_everything(0, verbose=False)
     memory = tp.PeakMemory(torch.device("cpu"))

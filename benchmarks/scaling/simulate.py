@@ -8,10 +8,10 @@ Nothing here runs on 256 devices: the numbers are a prediction from
 * **a stated network model** (:class:`Network`): devices per node, bandwidth and latency inside a
   node and between nodes; a point-to-point transfer takes ``latency + bytes / bandwidth``, a
   data-parallel gradient all-reduce is a ring: ``2(n-1)/n · bytes / bandwidth + 2(n-1) · latency``;
-* **torch's own schedule orders**, replayed by :func:`lightning_hpp.telemetry.simulate` with those
+* **torch's own schedule orders**, replayed by :func:`lightning_hpp.telemetry.model.simulate` with those
   costs, every cross-rank dependency delayed by its link's transfer time.
 
-Ranks are laid out pipeline-outer as :class:`lightning_hpp.mesh.Mesh` does (rank = position · dp +
+Ranks are laid out pipeline-outer as :class:`lightning_hpp.pipeline.mesh.Mesh` does (rank = position · dp +
 replica), so a stage's data-parallel group is contiguous (inside a node while dp ≤ devices per
 node) and neighbouring pipeline positions are dp ranks apart. The global batch and micro-batch
 size are fixed; for every device count and pipeline degree, ``m = global / (dp · micro-batch)``.
@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks" / "throughput")]
 
-from lightning_hpp.telemetry import schedule_actions, simulate  # noqa: E402
+from lightning_hpp.telemetry.model import schedule_actions, simulate  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,8 @@ class Costs:
 def profile(model: str, width: int, seq: int, mb: int, reps: int = 15) -> Costs:
     """Time one block of the benchmark model on one micro-batch, single thread, median of ``reps``."""
     import torch
-    from torch import nn
-
     from models import Block
+    from torch import nn
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -122,7 +122,6 @@ class PeakMemory:
 def worker(job: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
-
     from models import SIZES, Size
 
     torch.set_num_threads(job["threads"])
@@ -216,9 +215,8 @@ def _trainer(job: dict[str, Any], strategy: Any, callbacks: list[Any]) -> Any:
 
 
 def _loader(job: dict[str, Any], size: Any, per_rank_batch: int) -> Any:
-    from torch.utils.data import DataLoader
-
     from models import dataset
+    from torch.utils.data import DataLoader
 
     return DataLoader(dataset(job["model"], size, job["warmup"] + job["steps"]), batch_size=per_rank_batch, drop_last=True)
 
@@ -227,7 +225,7 @@ def run_hpp(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) ->
     from models import build, split
 
     from lightning_hpp import HPPStrategy, StagePlan, StageSpec
-    from lightning_hpp.telemetry import PipelineTelemetry
+    from lightning_hpp.telemetry.callback import PipelineTelemetry
 
     n_stages = job["devices"] * (2 if cfg["schedule"] in MULTI else 1)
     plan = StagePlan([StageSpec(modules=u) for u in split(job["model"], size, n_stages)])
@@ -256,7 +254,6 @@ def _hpp_options(cls: type) -> dict[str, Any]:
 
 def run_ddp(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) -> dict[str, Any]:
     from lightning.pytorch.strategies import DDPStrategy
-
     from models import build
 
     memory = PeakMemory(device)
@@ -273,11 +270,10 @@ def run_fsdp(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) -
         return _run_fsdp_lightning(job, size, device)
     import torch
     import torch.distributed as dist
+    from models import build, dataset, loss_fn
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from models import build, dataset, loss_fn
 
     memory = PeakMemory(device)
     memory.reset()
@@ -305,7 +301,6 @@ def run_fsdp(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) -
 
 def _run_fsdp_lightning(job: dict[str, Any], size: Any, device: Any) -> dict[str, Any]:
     from lightning.pytorch.strategies import FSDPStrategy
-
     from models import Block, build
 
     memory = PeakMemory(device)
@@ -324,12 +319,12 @@ class RawPipeline:
     def __init__(self, job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any, record: bool) -> None:
         import torch
         import torch.distributed as dist
+        from models import build, dataset, loss_fn, split
         from torch import nn
         from torch.distributed.pipelining import PipelineStage
 
-        from lightning_hpp.pipeline import SCHEDULES
-        from lightning_hpp.telemetry import PipelineRecorder
-        from models import build, dataset, loss_fn, split
+        from lightning_hpp.pipeline.schedules import SCHEDULES
+        from lightning_hpp.telemetry.recorder import PipelineRecorder
 
         kind = SCHEDULES[cfg["schedule"]]
         pp, rank = dist.get_world_size(), dist.get_rank()
@@ -368,7 +363,7 @@ class RawPipeline:
 
 
 def run_raw(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) -> dict[str, Any]:
-    from lightning_hpp.telemetry import collect
+    from lightning_hpp.telemetry.recorder import collect
 
     memory = PeakMemory(device)
     memory.reset()
@@ -389,9 +384,9 @@ def run_paired(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any)
     ratios compares the two far more steadily than two separate runs on a shared machine do.
     """
     from lightning.pytorch import Callback
+    from models import build, split
 
     from lightning_hpp import HPPStrategy, StagePlan, StageSpec
-    from models import build, split
 
     n_stages = job["devices"] * (2 if cfg["schedule"] in MULTI else 1)
     plan = StagePlan([StageSpec(modules=u) for u in split(job["model"], size, n_stages)])

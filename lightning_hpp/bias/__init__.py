@@ -15,18 +15,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_hpp.bias.audit import (
-    CodedBiasError,
     Hazard,
     analyze_audit_records,
     audit_dataloader,
     collect_audit_record,
     enforce_audit,
 )
+from lightning_hpp.bias.determinism import (
+    enable_determinism,
+    ensure_hash_seed,
+    worker_init_fn,
+)
 from lightning_hpp.bias.fingerprint import (
-    BiasConfigError,
     CodedBiasWarning,
     FingerprintDifference,
-    FingerprintMismatchError,
     collect_fingerprint,
     compare_fingerprints,
     compare_with_saved,
@@ -35,8 +37,13 @@ from lightning_hpp.bias.fingerprint import (
     load_fingerprints,
     save_fingerprints,
 )
-from lightning_hpp.bias.determinism import enable_determinism, ensure_hash_seed, worker_init_fn
-from lightning_hpp.bias.samplers import DistributedWeightedSampler, SamplerError
+from lightning_hpp.bias.samplers import DistributedWeightedSampler
+from lightning_hpp.errors import (
+    BiasConfigError,
+    CodedBiasError,
+    FingerprintMismatchError,
+    SamplerError,
+)
 
 if TYPE_CHECKING:
     from lightning_hpp.bias.guard import BiasGuard

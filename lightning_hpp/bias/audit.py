@@ -52,7 +52,13 @@ import torch
 from torch.utils.data import IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_hpp.bias.fingerprint import HASH_PROBE, BiasConfigError, CodedBiasWarning, check_policy, format_ranks
+from lightning_hpp.bias.fingerprint import (
+    HASH_PROBE,
+    CodedBiasWarning,
+    check_policy,
+    format_ranks,
+)
+from lightning_hpp.errors import BiasConfigError, CodedBiasError
 
 IDENTICAL_SAMPLING = "identical_sampling_across_ranks"
 SEED_EQUAL = "seed_equal_across_ranks"
@@ -62,10 +68,6 @@ WORKER_STREAMS = "duplicated_worker_streams"
 NO_SET_EPOCH = "sampler_without_set_epoch"
 HASHSEED_UNSET = "pythonhashseed_unset"
 HASHSEED_DIFFERS = "pythonhashseed_differs"
-
-
-class CodedBiasError(ValueError):
-    """The audit found coded bias and the policy is ``"error"``."""
 
 
 @dataclass(frozen=True)
@@ -224,7 +226,9 @@ def _effective_sampler(dataloader: Any) -> Any:
 def _wrapper_types() -> tuple[type, ...]:
     try:
         from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-        from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
+        from lightning.pytorch.overrides.distributed import (
+            UnrepeatedDistributedSamplerWrapper,
+        )
     except ImportError:  # Lightning absent: nothing can have wrapped the sampler
         return ()
     return (DistributedSamplerWrapper, UnrepeatedDistributedSamplerWrapper)

@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_hpp.bias.fingerprint import HASH_PROBE, BiasConfigError, CodedBiasWarning
+from lightning_hpp.bias.fingerprint import HASH_PROBE, CodedBiasWarning
+from lightning_hpp.errors import BiasConfigError
 
 HASH_SEED_VAR = "PYTHONHASHSEED"
 CUBLAS_VAR = "CUBLAS_WORKSPACE_CONFIG"

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from lightning_hpp.errors import BiasConfigError, FingerprintMismatchError
+
 POLICIES = ("warn", "error", "off")
 """What a guard does with a finding: warn, raise, or stay silent."""
 
@@ -55,16 +57,8 @@ HASH_PROBE = "lightning_hpp-probe"
 _TE_DISTRIBUTIONS = ("transformer_engine", "transformer-engine", "transformer_engine_torch")
 
 
-class BiasConfigError(ValueError):
-    """An invalid option given to a coded-bias guard (a policy, a threshold, a rank)."""
-
-
 class CodedBiasWarning(UserWarning):
     """A coded-bias guard found something that skews training between ranks or runs."""
-
-
-class FingerprintMismatchError(ValueError):
-    """Ranks (or a resumed run and its checkpoint) run in different environments."""
 
 
 def check_policy(policy: Any, where: str) -> str:

@@ -38,10 +38,14 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader
 
-from lightning_hpp.bias.audit import Hazard, analyze_audit_records, collect_audit_record, enforce_audit
+from lightning_hpp.bias.audit import (
+    Hazard,
+    analyze_audit_records,
+    collect_audit_record,
+    enforce_audit,
+)
 from lightning_hpp.bias.fingerprint import (
     DEVICE_FIELDS,
-    BiasConfigError,
     FingerprintDifference,
     check_policy,
     collect_fingerprint,
@@ -52,6 +56,7 @@ from lightning_hpp.bias.fingerprint import (
     load_fingerprints,
     save_fingerprints,
 )
+from lightning_hpp.errors import BiasConfigError
 
 FINGERPRINT_FILENAME = "fingerprints.json"
 
@@ -425,7 +430,7 @@ def _first_stage(strategy: Any) -> int:
 
 
 def _device_kind(trainer: Trainer) -> str:
-    from lightning_hpp.devices import detect_device_kind
+    from lightning_hpp.planning.devices import detect_device_kind
 
     return detect_device_kind(trainer.strategy.root_device, rank=trainer.global_rank)
 

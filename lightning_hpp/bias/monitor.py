@@ -55,7 +55,8 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader
 
-from lightning_hpp.bias.fingerprint import BiasConfigError, CodedBiasWarning
+from lightning_hpp.bias.fingerprint import CodedBiasWarning
+from lightning_hpp.errors import BiasConfigError
 
 _LIKELY_DATA = (
     "Likely cause: the ranks draw systematically different or identical data — a sampler without a "

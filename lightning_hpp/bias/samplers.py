@@ -31,9 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-
-class SamplerError(ValueError):
-    """A sampler configured with values that cannot work; the message names the value and the fix."""
+from lightning_hpp.errors import SamplerError
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from lightning_hpp.checkpoint.s3 import S3ConfigError, redact, s3_storage_options
+from lightning_hpp.checkpoint.s3 import redact, s3_storage_options
 from lightning_hpp.checkpoint.sharded import (
     KeyInfo,
     PendingSave,
@@ -24,11 +24,8 @@ from lightning_hpp.checkpoint.sharded import (
 from lightning_hpp.checkpoint.store import (
     FORMAT_VERSION,
     METADATA_FILE,
-    CheckpointError,
     CheckpointInfo,
-    CheckpointSaveError,
     CheckpointWarning,
-    CorruptCheckpointError,
     Retention,
     RetryPolicy,
     StorageFailure,
@@ -37,6 +34,12 @@ from lightning_hpp.checkpoint.store import (
     latest_valid,
     list_checkpoints,
     verify,
+)
+from lightning_hpp.errors import (
+    CheckpointError,
+    CheckpointSaveError,
+    CorruptCheckpointError,
+    S3ConfigError,
 )
 
 __all__ = [

@@ -33,7 +33,7 @@ import torch
 
 from lightning_hpp.checkpoint import store
 from lightning_hpp.checkpoint.sharded import checkpoint_keys, load_sharded
-from lightning_hpp.checkpoint.store import CheckpointError
+from lightning_hpp.errors import CheckpointError
 
 _OPTIONAL = ("hyper_parameters", "epoch", "global_step")
 

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlparse
 
+from lightning_hpp.errors import S3ConfigError
+
 ENDPOINT_ENV_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 """Endpoint variables, most specific first (the names botocore itself understands)."""
 
@@ -37,10 +39,6 @@ _KEY_QUALIFIERS = {"access", "api", "private", "account", "signing", "encryption
 _VOCAB_TOKENS = {"pad", "bos", "eos", "unk", "sep", "cls", "mask", "start", "end", "special"}
 _URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
 _MIN_SECRET_LEN = 6  # shorter values ("1", "true") would redact unrelated text
-
-
-class S3ConfigError(ValueError):
-    """An S3 setting in the environment that cannot be used."""
 
 
 def s3_storage_options(env: Mapping[str, str] | None = None) -> dict[str, Any]:

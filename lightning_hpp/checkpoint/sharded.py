@@ -47,10 +47,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import (
+    FileSystem as _FsspecFileSystem,
+)
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+)
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -61,13 +66,15 @@ from torch.distributed.checkpoint.metadata import (
 from lightning_hpp.checkpoint import store
 from lightning_hpp.checkpoint.s3 import redact
 from lightning_hpp.checkpoint.store import (
-    CheckpointError,
     CheckpointInfo,
-    CheckpointSaveError,
-    CorruptCheckpointError,
     Retention,
     RetryPolicy,
     StorageFailure,
+)
+from lightning_hpp.errors import (
+    CheckpointError,
+    CheckpointSaveError,
+    CorruptCheckpointError,
 )
 
 log = logging.getLogger(__name__)

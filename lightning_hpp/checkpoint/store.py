@@ -36,6 +36,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from lightning_hpp.checkpoint.s3 import redact, s3_storage_options
+from lightning_hpp.errors import CheckpointError, CorruptCheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -82,18 +83,6 @@ _TRANSIENT_S3_CODES = {
     "ServiceUnavailable",
     "InternalError",
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint request that cannot be honoured: the message gives the value, context and fix."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A checkpoint directory that is incomplete or does not match its ``metadata.json``."""
-
-
-class CheckpointSaveError(RuntimeError):
-    """A save that failed after its retries; every earlier checkpoint is left as it was."""
 
 
 class CheckpointWarning(UserWarning):

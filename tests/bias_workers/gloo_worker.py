@@ -19,12 +19,12 @@ from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 from lightning_hpp.bias.audit import audit_dataloader
 from lightning_hpp.bias.fingerprint import (
     HASH_PROBE,
-    FingerprintMismatchError,
     compare_fingerprints,
     enforce,
     gather_fingerprints,
 )
 from lightning_hpp.bias.samplers import DistributedWeightedSampler
+from lightning_hpp.errors import FingerprintMismatchError
 
 N = 64
 

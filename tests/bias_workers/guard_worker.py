@@ -27,11 +27,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, WeightedRandomSampler
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
-from lightning_hpp.bias.audit import CodedBiasError
 from lightning_hpp.bias.determinism import ensure_hash_seed
-from lightning_hpp.bias.fingerprint import FingerprintMismatchError
 from lightning_hpp.bias.guard import BiasGuard
 from lightning_hpp.bias.samplers import DistributedWeightedSampler
+from lightning_hpp.errors import CodedBiasError, FingerprintMismatchError
 from tests.models import MLP, make_dataset
 
 N = 64

@@ -13,9 +13,16 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lightning_hpp.checkpoint import CheckpointError, load_sharded
+from lightning_hpp.checkpoint import load_sharded
 from lightning_hpp.checkpoint.store import read_metadata
-from tests.ckpt_workers.common import compare_stage, rng_equal, rng_state, stage_names, stage_state
+from lightning_hpp.errors import CheckpointError
+from tests.ckpt_workers.common import (
+    compare_stage,
+    rng_equal,
+    rng_state,
+    stage_names,
+    stage_state,
+)
 
 
 def template(rank: int, saved_world: int) -> dict:

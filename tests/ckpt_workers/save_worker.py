@@ -17,7 +17,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lightning_hpp.checkpoint import CheckpointError, checkpoint_url, save_sharded
+from lightning_hpp.checkpoint import checkpoint_url, save_sharded
+from lightning_hpp.errors import CheckpointError
 from tests.ckpt_workers.common import stage_state
 
 

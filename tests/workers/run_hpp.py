@@ -27,7 +27,7 @@ def run(cfg: dict, devices: int) -> None:
     )
     plugins = []
     if "init_scale" in cfg:  # the plugin given to the Trainer is the one the strategy uses
-        from lightning_hpp.precision import HPPPrecision
+        from lightning_hpp.precision.plugin import HPPPrecision
 
         plugins.append(HPPPrecision(init_scale=cfg["init_scale"], **cfg.get("strategy", {})))
     trainer = L.Trainer(

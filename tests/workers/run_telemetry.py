@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
-from lightning_hpp.telemetry import PipelineTelemetry
+from lightning_hpp.telemetry.callback import PipelineTelemetry
 from tests.models import loaders
 
 

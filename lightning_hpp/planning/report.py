@@ -13,7 +13,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_hpp.plan import PlanError
+from lightning_hpp.errors import PlanError
 
 
 class PlacementReport(Callback):
@@ -29,7 +29,7 @@ class PlacementReport(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         if self._done or trainer.global_step < self.report_after:
             return
-        from lightning_hpp.telemetry import PipelineTelemetry
+        from lightning_hpp.telemetry.callback import PipelineTelemetry
 
         strategy = trainer.strategy
         predicted = (strategy.plan.meta.get("predicted") or {}).get("stage_ms") if strategy.plan else None

@@ -1,10 +1,10 @@
 """Planning at scale: choose a placement for a cluster described on the command line, from a
 profile file, and compare its predicted throughput with homogeneous alternatives.
 
-    python -m lightning_hpp.plan_cli --profile profile.json --cluster "128xa100,128xh100" \\
+    python -m lightning_hpp.planning.cli --profile profile.json --cluster "128xa100,128xh100" \\
         --global-batch 4096
 
-Everything printed is a prediction of the cost model in :mod:`lightning_hpp.partition`; for
+Everything printed is a prediction of the cost model in :mod:`lightning_hpp.planning.partition`; for
 kinds the profile did not measure, costs are scaled by datasheet TFLOP/s, which the output says.
 """
 
@@ -15,17 +15,15 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lightning_hpp.devices import PlacementError
-from lightning_hpp.partition import (
+from lightning_hpp.errors import PartitionError, PlacementError, PlanError, ProfileError
+from lightning_hpp.planning.partition import (
     Cluster,
     DeviceGroup,
-    PartitionError,
     PartitionResult,
     partition,
     uniform_partition,
 )
-from lightning_hpp.plan import PlanError
-from lightning_hpp.profile import CostProfile, ProfileError
+from lightning_hpp.planning.profile import CostProfile
 
 
 @dataclass
@@ -128,7 +126,7 @@ def simulate_cluster(
         profile: Unit costs.
         cluster: The devices, e.g. ``"128xa100,128xh100"``.
         global_microbatches: Micro-batches per step over all replicas.
-        schedule, precision, optimizer_factor: As for :func:`~lightning_hpp.partition.partition`.
+        schedule, precision, optimizer_factor: As for :func:`~lightning_hpp.planning.partition.partition`.
         pp_degree, dp_degree: Constraints for the auto plan only (default: searched).
 
     Returns:
@@ -214,10 +212,10 @@ def _parse_precision(text: str | None):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m lightning_hpp.plan_cli",
+        prog="python -m lightning_hpp.planning.cli",
         description="Choose a pipeline placement from a cost profile for a cluster and predict its throughput.",
     )
-    p.add_argument("--profile", required=True, help="cost profile JSON (lightning_hpp.profile.CostProfile)")
+    p.add_argument("--profile", required=True, help="cost profile JSON (lightning_hpp.planning.profile.CostProfile)")
     p.add_argument("--cluster", required=True, help="devices, e.g. '128xa100,128xh100' or '2xa100:40' (40 GB)")
     p.add_argument("--global-batch", type=int, help="samples per step over all replicas")
     p.add_argument("--global-microbatches", type=int, help="micro-batches per step over all replicas")

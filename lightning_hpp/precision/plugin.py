@@ -37,7 +37,9 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 
-from lightning_hpp.plan import PlanError, normalize_precision
+from lightning_hpp.errors import NonFiniteError, PlanError
+from lightning_hpp.planning.plan import normalize_precision
+from lightning_hpp.precision import fp8
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,6 @@ MODES: dict[str, Mode] = {
 
 NONFINITE_POLICIES = ("raise", "warn", "sanitize")
 CLIP_MODES = ("per-stage", "global")
-
-
-class NonFiniteError(FloatingPointError):
-    """A NaN or Inf crossed a stage boundary."""
 
 
 class DynamicLossScaler:
@@ -151,7 +149,7 @@ class HPPPrecision(Precision):
 
         Called on every rank after the cut and before the optimizers are built.
         """
-        from lightning_hpp import fp8
+
 
         self._strategy = strategy
         precs = self.stage_precisions(plan, trainer_precision)
@@ -315,6 +313,6 @@ def _autocast(device_type: str, dtype: torch.dtype) -> Callable[[], contextlib.A
 
 
 def _fp8_context(backend: str, recipe: str, group: Any) -> Callable[[], contextlib.AbstractContextManager]:
-    from lightning_hpp import fp8
+
 
     return lambda: fp8.fp8_autocast_context(backend, recipe, group=group)

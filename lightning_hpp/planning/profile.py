@@ -33,8 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_hpp.devices import normalize_kind
-from lightning_hpp.plan import normalize_precision
+from lightning_hpp.errors import ProfileError, ProfileMismatchError
+from lightning_hpp.planning.devices import normalize_kind
+from lightning_hpp.planning.plan import normalize_precision
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +43,6 @@ FORMAT = "lightning_hpp.cost_profile/1"
 
 MIN_WINDOW_S = 0.3
 """Least timed work per unit: three 100 ms CFS periods, so a CPU quota's pauses are sampled."""
-
-
-class ProfileError(ValueError):
-    """A profile that cannot be used or measured (bad file, unsupported precision, bad input)."""
-
-
-class ProfileMismatchError(ProfileError):
-    """A profile whose units do not match the model's units."""
 
 
 @dataclass
@@ -459,7 +452,7 @@ def profile_units(
     ``"bf16-true"`` are measured on a converted copy of each unit; the autocast modes under
     ``torch.autocast``. ``"fp8"`` needs the two hooks of the fp8 backend, for example
     ``prepare=lambda m: convert_module_to_fp8(m, "te")`` and
-    ``context=lambda: fp8_autocast_context("te")`` from :mod:`lightning_hpp.fp8`, on a GPU that
+    ``context=lambda: fp8_autocast_context("te")`` from :mod:`lightning_hpp.precision.fp8`, on a GPU that
     supports fp8.
 
     Args:
@@ -495,7 +488,7 @@ def profile_units(
         raise ProfileError(
             "`profile_units` cannot measure precision 'fp8' by itself: pass the fp8 backend's hooks, "
             "prepare=lambda m: convert_module_to_fp8(m, 'te') and context=lambda: fp8_autocast_context('te') "
-            "(lightning_hpp.fp8, on a GPU with compute capability >= 8.9), or add fp8 costs to the profile file."
+            "(lightning_hpp.precision.fp8, on a GPU with compute capability >= 8.9), or add fp8 costs to the profile file."
         )
     args = _as_args(example_input)
     first_param = next((p for _, m in units for p in m.parameters()), None)

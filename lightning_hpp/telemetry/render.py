@@ -11,7 +11,7 @@ rank, every action one slot (torchgpipe's ``clock_cycles`` table, built from tor
        ...
 
 :func:`write_chrome_trace` and :func:`render_timeline_png` draw recorded spans (from
-:class:`lightning_hpp.telemetry.PipelineTelemetry`): one track per rank, one slice per forward,
+:class:`lightning_hpp.telemetry.callback.PipelineTelemetry`): one track per rank, one slice per forward,
 backward, send and receive of each micro-batch.
 """
 
@@ -22,7 +22,13 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from lightning_hpp.telemetry import SCHEDULES, Span, schedule_actions, simulate, theoretical_bubble
+from lightning_hpp.pipeline.schedules import SCHEDULES
+from lightning_hpp.telemetry.model import (
+    Span,
+    schedule_actions,
+    simulate,
+    theoretical_bubble,
+)
 
 CATEGORY = {"F": "forward", "L": "loss", "B": "backward", "I": "backward", "W": "backward", "SEND_F": "send", "SEND_B": "send", "RECV_F": "recv", "RECV_B": "recv"}
 COLORS = {"F": "#4C72B0", "L": "#8172B2", "B": "#DD8452", "I": "#2A9D8F", "W": "#55A868"}
@@ -36,7 +42,7 @@ def schedule_grid(schedule_name: str, pp: int, n_microbatches: int, n_stages: in
     rank waits: the bubble of the schedule with equal action costs.
 
     Args:
-        schedule_name: A name of :data:`lightning_hpp.pipeline.SCHEDULES`.
+        schedule_name: A name of :data:`lightning_hpp.pipeline.schedules.SCHEDULES`.
         pp: Pipeline ranks.
         n_microbatches: Micro-batches per step.
         n_stages: Stages; default ``pp`` (one per rank) or ``2*pp`` for multi-stage schedules.
@@ -45,8 +51,8 @@ def schedule_grid(schedule_name: str, pp: int, n_microbatches: int, n_stages: in
         The grid, with a header line and a line giving the idle share.
 
     Raises:
-        lightning_hpp.telemetry.TelemetryError: Unknown schedule.
-        lightning_hpp.pipeline.ScheduleError: The schedule cannot run with these numbers.
+        lightning_hpp.errors.TelemetryError: Unknown schedule.
+        lightning_hpp.errors.ScheduleError: The schedule cannot run with these numbers.
     """
     orders = schedule_actions(schedule_name, pp, n_microbatches, n_stages)
     n_stages = 1 + max(a.stage for acts in orders.values() for a in acts)

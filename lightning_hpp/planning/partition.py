@@ -1,6 +1,6 @@
 """The heterogeneity-aware partitioner behind ``plan="auto"``.
 
-Given a :class:`~lightning_hpp.profile.CostProfile`, the devices available (a :class:`Cluster`:
+Given a :class:`~lightning_hpp.planning.profile.CostProfile`, the devices available (a :class:`Cluster`:
 count, memory and link speed per device kind), the schedule and the micro-batch count,
 :func:`partition` chooses the contiguous cuts, the device kind (and precision) of every stage and,
 optionally, the pipeline and data-parallel degrees, minimising the predicted step time
@@ -21,7 +21,7 @@ levels of its threshold (each level is one constrained programme), and the outer
 ``p`` and ``dp``. Tests check it against brute force.
 
 Costs for a kind the profile has not measured are scaled from another kind by the ratio of the
-datasheet TFLOP/s in :data:`~lightning_hpp.devices.DEVICE_SPECS`; the result says so per stage.
+datasheet TFLOP/s in :data:`~lightning_hpp.planning.devices.DEVICE_SPECS`; the result says so per stage.
 """
 
 from __future__ import annotations
@@ -34,17 +34,17 @@ from typing import Any
 
 import numpy as np
 
-from lightning_hpp.devices import (
+from lightning_hpp.errors import PartitionError, PlacementError
+from lightning_hpp.planning.devices import (
     DEVICE_SPECS,
-    PlacementError,
     assign_ranks,
     normalize_kind,
     precision_preference,
     stage_kind_orders,
     supports_fp8,
 )
-from lightning_hpp.plan import StagePlan, StageSpec, normalize_precision
-from lightning_hpp.profile import CostProfile
+from lightning_hpp.planning.plan import StagePlan, StageSpec, normalize_precision
+from lightning_hpp.planning.profile import CostProfile
 
 SCHEDULES = ("gpipe", "1f1b")
 """Schedules the partitioner models: one stage per rank, bubble (p - 1) / (m + p - 1)."""
@@ -64,10 +64,6 @@ _PRECISION_CLASS = {
 }
 
 _INF = math.inf
-
-
-class PartitionError(ValueError):
-    """No valid partition: impossible memory limits, missing devices or costs, bad arguments."""
 
 
 # ---------------------------------------------------------------------------- the cluster
@@ -967,7 +963,7 @@ def plan_for_ranks(
     """The best placement on the ranks of a running job (what ``plan="auto"`` needs).
 
     Every rank is used: ``pp_degree = len(rank_kinds) / dp_degree``. Only stage-kind orders that
-    :func:`~lightning_hpp.devices.assign_ranks` can lay out with ascending pipelines are
+    :func:`~lightning_hpp.planning.devices.assign_ranks` can lay out with ascending pipelines are
     considered; the result carries the rank grid in ``result.ranks`` (and ``plan.meta["ranks"]``).
 
     Args:

@@ -18,8 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hpp.devices import PlacementError, assign_ranks, detect_device_kind, precision_preference
-from lightning_hpp.plan import StagePlan
+from lightning_hpp.errors import PlacementError
+from lightning_hpp.planning.devices import (
+    assign_ranks,
+    detect_device_kind,
+    precision_preference,
+)
+from lightning_hpp.planning.plan import StagePlan
 
 
 def gather_kinds(device: torch.device, rank: int, device_map: Any = None) -> list[str]:
@@ -85,8 +90,12 @@ def auto_plan(
         The plan (with ``meta["predicted"]``), the rank grid ``grid[position][replica]`` and a table
         of the result for the log.
     """
-    from lightning_hpp.partition import DEFAULT_LINK_GBPS, plan_for_ranks
-    from lightning_hpp.profile import CostProfile, check_profile_matches, profile_units
+    from lightning_hpp.planning.partition import DEFAULT_LINK_GBPS, plan_for_ranks
+    from lightning_hpp.planning.profile import (
+        CostProfile,
+        check_profile_matches,
+        profile_units,
+    )
 
     names = [n for n, _ in units]
     if profile_path is not None:

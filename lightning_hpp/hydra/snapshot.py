@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from lightning_hpp.checkpoint.s3 import REDACTED, redact
-from lightning_hpp.plan import StagePlan
+from lightning_hpp.planning.plan import StagePlan
 
 SNAPSHOT_DIR = "snapshot"
 _UNTRACKED_LIMIT = 16 * 2**20

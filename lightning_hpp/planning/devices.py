@@ -24,14 +24,12 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from lightning_hpp.errors import PlacementError
+
 ENV_VAR = "HPP_DEVICE_KIND"
 """Environment variable that overrides the detected device kind."""
 
 _KIND_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
-
-
-class PlacementError(ValueError):
-    """Stages cannot be placed on the ranks (kinds absent or too few, or a bad device map)."""
 
 
 @dataclass(frozen=True)
@@ -340,7 +338,7 @@ def assign_ranks(
 
     Returns:
         ``ranks[stage][dp_index]``; replica ``d`` is the pipeline ``[ranks[s][d] for s in stages]``.
-        This is the ``grid`` of :class:`lightning_hpp.mesh.Mesh`.
+        This is the ``grid`` of :class:`lightning_hpp.pipeline.mesh.Mesh`.
 
     Raises:
         PlacementError: wrong lengths, kinds that are absent or too few, or kinds whose ranks cannot

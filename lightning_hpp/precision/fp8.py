@@ -31,6 +31,8 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
+from lightning_hpp.errors import FP8Error
+
 E4M3 = torch.float8_e4m3fn
 """Forward format (activations and weights): 4 exponent bits, 3 mantissa bits, max 448."""
 E5M2 = torch.float8_e5m2
@@ -50,10 +52,6 @@ FP8_ALIGNMENT = 16
 # Columns of an EmulatedFP8Linear's amax history, one per quantized tensor (TE's layout).
 _INPUT, _WEIGHT, _GRAD_OUTPUT = 0, 1, 2
 _SLOT_FORMAT = {_INPUT: E4M3, _WEIGHT: E4M3, _GRAD_OUTPUT: E5M2}
-
-
-class FP8Error(ValueError):
-    """An fp8 request that cannot be honoured: the message names the value, the context and the fix."""
 
 
 # --------------------------------------------------------------------------------------- recipe
@@ -139,7 +137,8 @@ def te_version() -> str:
 
     version = getattr(transformer_engine, "__version__", None)
     if version is None:
-        from importlib.metadata import PackageNotFoundError, version as dist_version
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
 
         for dist in ("transformer_engine", "transformer-engine"):
             try:

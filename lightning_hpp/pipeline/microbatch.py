@@ -12,11 +12,7 @@ from typing import Any
 
 import torch
 
-from lightning_hpp.plan import PlanError
-
-
-class MicroBatchError(PlanError):
-    """A batch that cannot be split into the requested number of micro-batches."""
+from lightning_hpp.errors import MicroBatchError
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The Hydra entry point: ``lightning-hpp-train`` and ``python -m lightning_hpp.train``.
+"""The Hydra entry point: ``lightning-hpp-train`` and ``python -m lightning_hpp.hydra.train``.
 
 A single run composes ``configs/train.yaml`` with the command-line overrides, builds every part
 with ``hydra.utils.instantiate``, checks the plan against the model's units, writes the experiment
@@ -10,12 +10,12 @@ A multirun (``-m``, or ``hparams_search=optuna``) does not train in the sweeping
 would re-launch the whole sweep command in every rank (Lightning issue #11300). Instead every trial
 is started as a fresh single-run process::
 
-    python -m lightning_hpp.train <the trial's overrides> hydra.run.dir=<trial dir> hydra.mode=RUN
+    python -m lightning_hpp.hydra.train <the trial's overrides> hydra.run.dir=<trial dir> hydra.mode=RUN
 
 in a session of its own, with a fresh ``MASTER_PORT``. The sweeper waits for it, ends whatever
 it left behind, and reads the metric from the ``result.json`` that the trial's rank 0 writes.
 Trials therefore run one after another and share no process, port or process group. Each trial
-dir gets a ``trial.json`` record, which :mod:`lightning_hpp.sweep_summary` reads at the end.
+dir gets a ``trial.json`` record, which :mod:`lightning_hpp.hydra.summary` reads at the end.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-from lightning_hpp.plan import PlanError, StagePlan, StageSpec
+from lightning_hpp.errors import PlanError, TrainConfigError
+from lightning_hpp.planning.plan import StagePlan, StageSpec
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,6 @@ _CREDENTIAL_SETS = (
 )
 _OBJECT_STORES = ("s3://", "s3a://")
 _SAFE_OVERRIDE_VALUE = re.compile(r"^[\w./:@+-]+$")
-
-
-class TrainConfigError(ValueError):
-    """A configuration the entry point cannot run; the message names the key, the value and the fix."""
 
 
 # --------------------------------------------------------------------------- config targets
@@ -246,7 +243,7 @@ def build_plan(node: DictConfig | None, model: Any) -> tuple[StagePlan | str | N
     Raises:
         TrainConfigError: the plan names units the model does not have, misses some, or is not a plan.
     """
-    from lightning_hpp.units import find_units
+    from lightning_hpp.model.units import find_units
 
     units = find_units(model)
     names = [n for n, _ in units]
@@ -363,7 +360,7 @@ def run(cfg: DictConfig) -> float | None:
     import lightning as L
     import torch
 
-    from lightning_hpp.snapshot import scrub_hydra_files, write_snapshot
+    from lightning_hpp.hydra.snapshot import scrub_hydra_files, write_snapshot
 
     run_dir = Path(cfg.paths.output_dir)
     if is_rank_zero():
@@ -411,7 +408,7 @@ def _override(key: str, value: str) -> str:
 
 def trial_command(hc: DictConfig, run_dir: str) -> list[str]:
     """The command of one trial: this module as a single run, pinned to the trial's directory."""
-    cmd = [sys.executable, "-m", "lightning_hpp.train"]
+    cmd = [sys.executable, "-m", "lightning_hpp.hydra.train"]
     if hc.job.config_name and hc.job.config_name != "train":
         cmd += ["--config-name", hc.job.config_name]
     for source in hc.runtime.config_sources:
@@ -484,7 +481,7 @@ def launch_trial(cfg: DictConfig) -> float:
         TrainConfigError: the trial's config fails the checks of :func:`check_config`.
     """
     from lightning_hpp.checkpoint.s3 import redact
-    from lightning_hpp.snapshot import scrub_hydra_files
+    from lightning_hpp.hydra.snapshot import scrub_hydra_files
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)

@@ -1,7 +1,7 @@
 """The end-of-sweep summary: a table of every trial, best first, and a plot of the metric.
 
 :class:`SweepSummary` is a Hydra callback (``hydra.callbacks.sweep_summary`` in configs/train.yaml).
-At the end of a multirun it reads the ``trial.json`` that :mod:`lightning_hpp.train` wrote into
+At the end of a multirun it reads the ``trial.json`` that :mod:`lightning_hpp.hydra.train` wrote into
 every trial directory, and
 
 * prints a table: rank, trial number, status, the swept values, the optimized metric and the
@@ -12,7 +12,7 @@ every trial directory, and
 
 The same summary can be rebuilt from a finished sweep directory::
 
-    python -m lightning_hpp.sweep_summary outputs/train/multiruns/2025-01-01_12-00-00 --metric val/loss
+    python -m lightning_hpp.hydra.summary outputs/train/multiruns/2025-01-01_12-00-00 --metric val/loss
 """
 
 from __future__ import annotations
@@ -28,14 +28,12 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from lightning_hpp.errors import SweepError
+
 log = logging.getLogger(__name__)
 
 TRIAL_FILE = "trial.json"
 MODES = ("min", "max")
-
-
-class SweepError(ValueError):
-    """A sweep that produced nothing to summarise, or a summary option that is not valid."""
 
 
 @dataclass
@@ -256,7 +254,7 @@ class SweepSummary(Callback):
         self.mode = mode
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        from lightning_hpp.snapshot import scrub_hydra_files
+        from lightning_hpp.hydra.snapshot import scrub_hydra_files
 
         sweep_dir = Path(config.hydra.sweep.dir)
         scrub_hydra_files(sweep_dir)
@@ -274,7 +272,7 @@ class SweepSummary(Callback):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lightning_hpp.sweep_summary SWEEP_DIR --metric M [--mode min|max]``."""
+    """``python -m lightning_hpp.hydra.summary SWEEP_DIR --metric M [--mode min|max]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir")
     parser.add_argument("--metric", required=True)

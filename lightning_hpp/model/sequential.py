@@ -1,9 +1,5 @@
-"""Pipeline units of a LightningModule and the sequential-forward check.
-
-The units are the module's top-level children in registration order; an ``nn.Sequential`` or
-``nn.ModuleList`` child is expanded into its items (``blocks.0``, ``blocks.1``, ...), so a model
-can be cut between any two blocks. Loss modules and torchmetrics metrics are not units: they hold
-no pipeline computation and stay on every rank.
+"""The sequential-forward check: ``forward(x)`` must equal applying the units in order for the
+sequential frontend to cut the model.
 """
 
 from __future__ import annotations
@@ -14,74 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_hpp.plan import PlanError
-
-
-class SequentialForwardError(PlanError):
-    """``forward`` is not the units applied in order, so the model cannot be cut into stages."""
-
-
-def _is_excluded(module: nn.Module) -> bool:
-    if isinstance(module, nn.modules.loss._Loss):
-        return True
-    try:
-        from torchmetrics import Metric, MetricCollection
-    except ImportError:  # pragma: no cover - torchmetrics ships with lightning
-        return False
-    return isinstance(module, (Metric, MetricCollection))
-
-
-def find_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The pipeline units of ``module`` in registration order.
-
-    Raises:
-        PlanError: when the module has no units, or registers parameters directly on itself
-            (such parameters belong to no unit, so no stage could own them).
-    """
-    direct = [n for n, _ in module.named_parameters(recurse=False)]
-    if direct:
-        raise PlanError(
-            f"`{type(module).__name__}` registers parameters {direct} directly on itself; pipeline "
-            f"stages are made of child modules, so move them into a submodule (e.g. an `nn.Module` "
-            f"that holds the parameter and applies it in its `forward`)."
-        )
-    units: list[tuple[str, nn.Module]] = []
-    for name, child in module.named_children():
-        if _is_excluded(child):
-            continue
-        if isinstance(child, (nn.Sequential, nn.ModuleList)):
-            for item_name, item in child.named_children():
-                units.append((f"{name}.{item_name}", item))
-        else:
-            units.append((name, child))
-    if not units:
-        raise PlanError(
-            f"`{type(module).__name__}` has no child modules to cut into stages; define the layers as "
-            f"attributes (e.g. `self.encoder = ...`) in `__init__`."
-        )
-    return units
-
-
-def get_unit(module: nn.Module, name: str) -> nn.Module:
-    return module.get_submodule(name)
-
-
-def replace_unit(module: nn.Module, name: str, new: nn.Module) -> None:
-    """Replace unit ``name`` (``"encoder"`` or ``"blocks.3"``) inside ``module``."""
-    parent_name, _, leaf = name.rpartition(".")
-    parent = module.get_submodule(parent_name) if parent_name else module
-    if isinstance(parent, (nn.Sequential, nn.ModuleList)):
-        parent[int(leaf)] = new
-    else:
-        setattr(parent, leaf, new)
-
-
-def apply_unit(unit: nn.Module, x: Any, first: bool) -> Any:
-    """Apply one unit the way the pipeline does: the first unit takes the forward's positional
-    arguments, every later unit takes the previous unit's output as one argument."""
-    if first:
-        return unit(*x)
-    return unit(x)
+from lightning_hpp.errors import SequentialForwardError
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_hpp.errors import PlanError
+
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "fp8")
 """Per-stage precision values a plan accepts."""
 
@@ -34,10 +36,6 @@ _PRECISION_ALIASES = {
 }
 
 _RANGE = re.compile(r"^(?P<prefix>.+)\.(?P<lo>\d+)-(?P<hi>\d+)$")
-
-
-class PlanError(ValueError):
-    """A stage plan that cannot be used: the message names the value, the context and the fix."""
 
 
 def normalize_precision(value: Any, where: str) -> str | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_hpp.plan import PlanError
+from lightning_hpp.errors import PlanError
 
 
 def stages_of_position(position: int, pp: int, num_stages: int, style: str) -> list[int]:

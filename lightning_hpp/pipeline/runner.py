@@ -1,0 +1,218 @@
+"""Running a LightningModule's steps through torch.distributed.pipelining.
+
+:class:`PipelineRunner` owns this rank's stages and runs one batch through a schedule: on the
+first stage it captures the pipeline input by calling the user's step with ``forward``
+redirected; on the last stage it calls the user's step once per micro-batch with ``forward``
+returning that micro-batch's pipeline output, so the user's own loss, metrics and ``self.log``
+calls run there. What the last stage logged reaches the other stages of the pipeline by one
+broadcast per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import schedules as S
+
+from lightning_hpp.pipeline.mesh import Mesh
+from lightning_hpp.pipeline.microbatch import (
+    batch_size_of,
+    largest_divisor_at_most,
+    split_batch,
+)
+from lightning_hpp.pipeline.schedules import SCHEDULES
+from lightning_hpp.pipeline.stage import StageModule, _Stage
+from lightning_hpp.pipeline.steps import (
+    _LogRecorder,
+    capture_input,
+    extract_loss,
+    merge_logs,
+    redirected,
+)
+
+
+class PipelineRunner:
+    """Runs batches through this rank's stages.
+
+    Args:
+        module: The LightningModule (its ``forward`` and ``log`` are redirected during steps).
+        stage_modules: This rank's stages, by stage index.
+        num_stages: Stages in the whole pipeline.
+        mesh: The world layout (pipeline group used for sends and the log broadcast).
+        schedule: A name from :data:`SCHEDULES`.
+        n_microbatches: Micro-batches per training batch.
+        device: This rank's device.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage_modules: dict[int, StageModule],
+        num_stages: int,
+        mesh: Mesh,
+        schedule: str,
+        n_microbatches: int,
+        device: torch.device,
+    ) -> None:
+        self.module = module
+        self.stage_modules = dict(sorted(stage_modules.items()))
+        self.num_stages = num_stages
+        self.mesh = mesh
+        self.kind = SCHEDULES[schedule]
+        self.schedule_name = schedule
+        self.n_microbatches = n_microbatches
+        self.device = device
+        self.loss_multiplier: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+        self.schedule_observers: list[Callable[[Any], None]] = []
+        self._schedules: dict[tuple, Any] = {}
+        self._mb: list[Any] = []
+        self._mb_size = 0
+        self._step_fn: Callable[..., Any] | None = None
+        self._step_args: tuple = ()
+        self._recorders: list[_LogRecorder] = []
+        self._losses: list[torch.Tensor] = []
+        self._mb_seen: list[int] = []
+
+    # ----------------------------------------------------------------- placement
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.stage_modules
+
+    @property
+    def holds_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_modules
+
+    @property
+    def last_position(self) -> int:
+        from torch.distributed.pipelining.schedules import (
+            generate_stage_to_rank_mapping,
+        )
+
+        return generate_stage_to_rank_mapping(self.mesh.pp, self.num_stages, style=self.kind.style)[self.num_stages - 1]
+
+    @property
+    def schedules(self) -> list[Any]:
+        """Every schedule built so far (one per mode and batch size)."""
+        return list(self._schedules.values())
+
+    def current_microbatch(self, stage: int) -> int:
+        return self.stage_modules[stage].microbatch
+
+    def _reset_counters(self) -> None:
+        for sm in self.stage_modules.values():
+            sm.microbatch = -1
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for sm in self.stage_modules.values():
+            for p in sm.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    # ----------------------------------------------------------------- schedules
+    def _schedule(self, train: bool, batch_size: int) -> tuple[Any, int]:
+        n = self.n_microbatches if train else largest_divisor_at_most(batch_size, self.n_microbatches)
+        key = (train, batch_size, n)
+        if key not in self._schedules:
+            stages = [
+                _Stage(sm, idx, self.num_stages, self.device, group=self.mesh.pp_group)
+                for idx, sm in self.stage_modules.items()
+            ]
+            loss_fn = self._loss_fn if train else None
+            if self.kind.multi:
+                cls = self.kind.cls
+                if not train and self.kind.style == "loop":
+                    cls = S.ScheduleLoopedBFS
+                sched = cls(stages, n, loss_fn=loss_fn, scale_grads=True)
+            else:
+                cls = self.kind.cls if train else S.ScheduleGPipe
+                sched = cls(stages[0], n, loss_fn=loss_fn, scale_grads=True)
+            for observe in self.schedule_observers:
+                observe(sched)
+            self._schedules[key] = sched
+        return self._schedules[key], n
+
+    def _loss_fn(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        mb = int(target[0]) // self._mb_size
+        rec = _LogRecorder()
+        with redirected(self.module, lambda *a, **k: output, rec):
+            result = self._step_fn(self._mb[mb], *self._step_args)
+        loss = extract_loss(result, getattr(self._step_fn, "__name__", "training_step"))
+        self._recorders.append(rec)
+        self._losses.append(loss.detach())
+        self._mb_seen.append(mb)
+        return self.loss_multiplier(loss)
+
+    # ----------------------------------------------------------------- steps
+    def train_step(self, step_fn: Callable[..., Any], batch: Any, *step_args: Any) -> tuple[torch.Tensor, list]:
+        """Forward and backward of one batch; gradients accumulate into the stage parameters.
+
+        Returns:
+            The batch's mean loss (same value on every rank of the pipeline) and what the last stage
+            logged, averaged over micro-batches.
+        """
+        size = batch_size_of(batch)
+        self._mb = split_batch(batch, self.n_microbatches)
+        self._mb_size = size // self.n_microbatches
+        sched, _ = self._schedule(True, size)
+        self._step_fn, self._step_args = step_fn, step_args
+        self._recorders, self._losses, self._mb_seen = [], [], []
+        args = capture_input(self.module, step_fn, batch, *step_args) if self.holds_first else ()
+        self._reset_counters()
+        target = torch.arange(size, device=self.device) if self.holds_last else None
+        try:
+            sched.step(*args, target=target)
+        finally:
+            self._step_fn, self._mb = None, []
+        payload = None
+        if self.holds_last:
+            loss = torch.stack([self._losses[self._mb_seen.index(i)].float() for i in range(self.n_microbatches)]).mean()
+            payload = {"loss": float(loss), "logs": merge_logs([self._recorders[self._mb_seen.index(i)] for i in range(self.n_microbatches)])}
+        payload = self._from_last(payload)
+        return torch.tensor(payload["loss"], device=self.device), payload["logs"]
+
+    def eval_step(self, step_fn: Callable[..., Any], batch: Any, *step_args: Any) -> tuple[Any, list]:
+        """A forward-only pass; the user's step runs once on the last stage with the whole output.
+
+        Returns:
+            The step's return value and what it logged (both from the last stage, on every rank).
+        """
+        size = batch_size_of(batch)
+        sched, _ = self._schedule(False, size)
+        args = capture_input(self.module, step_fn, batch, *step_args) if self.holds_first else ()
+        self._reset_counters()
+        with torch.no_grad():
+            out = sched.step(*args)
+        payload = None
+        if self.holds_last:
+            rec = _LogRecorder()
+            with redirected(self.module, lambda *a, **k: out, rec):
+                result = step_fn(batch, *step_args)
+            payload = {"output": _to_cpu(result), "logs": merge_logs([rec])}
+        payload = self._from_last(payload)
+        return payload["output"], payload["logs"]
+
+    def _from_last(self, payload: Any) -> Any:
+        if self.mesh.pp == 1:
+            return payload
+        box = [payload]
+        dist.broadcast_object_list(box, group_src=self.last_position, group=self.mesh.pp_group, device=_comm_device(self.device))
+        return box[0]
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_cpu(v)) for k, v in obj.items())
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _comm_device(device: torch.device) -> torch.device | None:
+    return device if device.type == "cuda" else None

@@ -1,0 +1,117 @@
+"""The user's Lightning step around a pipeline: capture the pipeline input from its ``self(...)``
+call, replay it on the last stage with the pipeline output, and record what it logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_hpp.errors import PlanError
+
+
+class _Captured(Exception):
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__("pipeline input captured")
+        self.args = args
+        self.kwargs = kwargs
+
+
+_LOG_SIGNATURE = None
+
+
+def _bind_log(name: Any, value: Any, args: tuple, kwargs: dict) -> dict:
+    global _LOG_SIGNATURE
+    if _LOG_SIGNATURE is None:
+        from lightning.pytorch import LightningModule
+
+        _LOG_SIGNATURE = inspect.signature(LightningModule.log)
+    bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs).arguments
+    return {k: v for k, v in bound.items() if k not in ("self", "name", "value", "sync_dist_group")}
+
+
+@contextlib.contextmanager
+def redirected(module: nn.Module, forward: Callable[..., Any], log: Callable[..., None] | None) -> Iterator[None]:
+    """Replace ``module.forward`` (and ``module.log`` if given) on the instance for the duration."""
+    module.forward = forward
+    if log is not None:
+        module.log = log
+    try:
+        yield
+    finally:
+        del module.forward
+        if log is not None:
+            del module.log
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def capture_input(module: nn.Module, step_fn: Callable[..., Any], batch: Any, *step_args: Any) -> tuple:
+    """Run ``step_fn(batch, ...)`` until it calls ``module(...)`` and return those positional args."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        raise _Captured(args, kwargs)
+
+    with redirected(module, forward, _no_log):
+        try:
+            step_fn(batch, *step_args)
+        except _Captured as c:
+            if c.kwargs:
+                raise PlanError(
+                    f"The step calls `self(...)` with keyword arguments {sorted(c.kwargs)}; a pipeline's first "
+                    f"stage takes positional tensors only. Pass them positionally."
+                ) from None
+            return c.args
+    raise PlanError(
+        f"`{getattr(step_fn, '__name__', 'step')}` never calls `self(...)`; under HPPStrategy the step must call "
+        f"the module's forward exactly once with the batch's inputs."
+    )
+
+
+class _LogRecorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any, dict]] = []
+
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        self.calls.append((name, value, _bind_log(name, value, args, kwargs)))
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().mean())
+    if hasattr(value, "compute"):  # a torchmetrics Metric
+        return float(value.compute())
+    return float(value)
+
+
+def merge_logs(recorders: list[_LogRecorder]) -> list[tuple[str, float, dict]]:
+    """Average what each micro-batch logged under one name, keeping first-seen order."""
+    order: list[str] = []
+    values: dict[str, list[float]] = {}
+    kwargs: dict[str, dict] = {}
+    for rec in recorders:
+        for name, value, kw in rec.calls:
+            if name not in values:
+                order.append(name)
+                values[name] = []
+                kwargs[name] = kw
+            values[name].append(_to_float(value))
+    return [(n, sum(values[n]) / len(values[n]), kwargs[n]) for n in order]
+
+
+def extract_loss(output: Any, fn_name: str) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    raise PlanError(
+        f"`{fn_name}` returned {type(output).__name__}; under HPPStrategy it must return the loss tensor or a "
+        f"dict with a 'loss' tensor (returning None to skip a batch is not supported in a pipeline)."
+    )

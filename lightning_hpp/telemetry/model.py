@@ -1,0 +1,265 @@
+"""A pure model of a pipeline schedule: theoretical bubbles, every schedule's per-rank action order
+built without processes, and a replay of an order with given costs and link latency.
+
+Shared by the recorder (expected bubble from measured costs), the renderers (text grid, pictures)
+and the planner; it starts no process and imports no Lightning.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+from torch.distributed.pipelining import schedules as _S
+
+from lightning_hpp.errors import TelemetryError
+from lightning_hpp.pipeline.schedules import SCHEDULES, check_schedule
+
+_now = time.perf_counter_ns
+
+COMM_KINDS = ("SEND_F", "SEND_B", "RECV_F", "RECV_B")
+ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
+
+
+# --------------------------------------------------------------------------------------------- theory
+def theoretical_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """The idle share of a step for ``p`` pipeline ranks and ``m`` micro-batches, equal stage costs.
+
+    GPipe and 1F1B: ``(p-1) / (m+p-1)``. Interleaved (and looped BFS) with ``v`` stages per rank:
+    ``(p-1) / (v*m + p-1)``, the same ``(p-1)/(v*m)`` bubble-to-compute ratio as Megatron's, read as
+    a share of the step so that every schedule is on one scale. Zero-bubble schedules
+    (``interleaved_zb``, ``zbv``, ``dualpipev``) fill the drain with weight-gradient work; with
+    F = I = W only the first forward chain stays idle: ``(p-1) / (3*v*m + p-1)``, close to 0.
+    Every value equals :func:`simulate` of torch's own action order with those equal costs.
+
+    Args:
+        schedule: A schedule name of :data:`lightning_hpp.pipeline.schedules.SCHEDULES`.
+        p: Pipeline ranks.
+        m: Micro-batches per step.
+        v: Stages per rank (1 for ``gpipe`` / ``1f1b``, 2 for the V schedules).
+
+    Returns:
+        The fraction of the step a rank is idle, in ``[0, 1)``.
+
+    Raises:
+        TelemetryError: Unknown schedule, non-positive counts, or a ``v`` the schedule cannot have.
+    """
+    if schedule not in SCHEDULES:
+        raise TelemetryError(f"Unknown schedule {schedule!r}. Valid schedules: {', '.join(SCHEDULES)}.")
+    for name, value in (("p", p), ("m", m), ("v", v)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise TelemetryError(f"`{name}` must be a positive integer, got {value!r} (schedule {schedule!r}).")
+    kind = SCHEDULES[schedule]
+    if not kind.multi and v != 1:
+        raise TelemetryError(f"Schedule {schedule!r} runs one stage per rank; got v={v!r}. Use v=1.")
+    if kind.multi and v < 2:
+        raise TelemetryError(f"Schedule {schedule!r} runs several stages per rank; got v={v!r}. Use v >= 2.")
+    if kind.style == "v" and v != 2:
+        raise TelemetryError(f"Schedule {schedule!r} places exactly 2 stages per rank; got v={v!r}. Use v=2.")
+    if schedule in ZERO_BUBBLE:
+        return (p - 1) / (3 * v * m + p - 1)
+    return (p - 1) / (v * m + p - 1)
+
+
+# --------------------------------------------------------------------------------------------- action orders
+class Act(NamedTuple):
+    """One compute action: stage, ``"F"``/``"B"``/``"I"``/``"W"``, micro-batch."""
+
+    stage: int
+    kind: str
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.mb}"
+
+
+def _single_stage_order(cls: type, stage: int, num_stages: int, m: int) -> list[Act]:
+    # torch's own pipeline_order of the single-stage schedules does not match what their
+    # _step_microbatches runs (1F1B's is off by one micro-batch on the last rank), so the order is
+    # rebuilt here from the loop structure of ScheduleGPipe / Schedule1F1B._step_microbatches.
+    if issubclass(cls, _S.Schedule1F1B):
+        warmup = min(m, num_stages - stage)
+        order = [Act(stage, "F", i) for i in range(warmup)]
+        f, b = warmup, 0
+        while True:
+            order.append(Act(stage, "B", b))
+            b += 1
+            if f == m:
+                break
+            order.append(Act(stage, "F", f))
+            f += 1
+        return order + [Act(stage, "B", i) for i in range(b, m)]
+    return [Act(stage, "F", i) for i in range(m)] + [Act(stage, "B", i) for i in range(m)]
+
+
+def _flatten(actions: Iterable[Any]) -> list[Act]:
+    out: list[Act] = []
+    for a in actions:
+        if a is None:
+            continue
+        if a.sub_actions:
+            out.extend(_flatten(a.sub_actions))
+        elif a.computation_type.value in ("F", "B", "I", "W"):
+            out.append(Act(a.stage_index, a.computation_type.value, a.microbatch_index))
+    return out
+
+
+def _orders_of(schedule: Any, num_stages: int, pp: int) -> dict[int, list[Act]]:
+    """The compute order of every pipeline rank for a live or offline schedule object."""
+    m = schedule._n_microbatches
+    if hasattr(schedule, "_stages"):
+        return {r: _flatten(schedule.pipeline_order[r]) for r in range(pp)}
+    return {s: _single_stage_order(type(schedule), s, num_stages, m) for s in range(num_stages)}
+
+
+def schedule_actions(schedule: str, pp: int, n_microbatches: int, n_stages: int | None = None) -> dict[int, list[Act]]:
+    """Build a schedule's per-rank compute order offline (no processes, no process group).
+
+    Args:
+        schedule: A name of :data:`lightning_hpp.pipeline.schedules.SCHEDULES`.
+        pp: Pipeline ranks.
+        n_microbatches: Micro-batches per step.
+        n_stages: Stages in the pipeline; default ``pp`` for one-stage-per-rank schedules, ``2*pp``
+            for the others.
+
+    Returns:
+        ``{rank: [Act, ...]}`` in the order each rank runs them.
+
+    Raises:
+        lightning_hpp.errors.ScheduleError: The schedule cannot run with these numbers.
+    """
+    if schedule not in SCHEDULES:
+        raise TelemetryError(f"Unknown schedule {schedule!r}. Valid schedules: {', '.join(SCHEDULES)}.")
+    kind = SCHEDULES[schedule]
+    if n_stages is None:
+        n_stages = 2 * pp if kind.multi else pp
+    check_schedule(schedule, n_stages, pp, n_microbatches)
+
+    def fake(index: int) -> SimpleNamespace:
+        return SimpleNamespace(num_stages=n_stages, group_size=pp, group_rank=0, stage_index=index, submod=None)
+
+    if kind.multi:
+        sched = kind.cls([fake(i) for i in range(n_stages // pp)], n_microbatches)
+    else:
+        sched = kind.cls(fake(0), n_microbatches)
+    return _orders_of(sched, n_stages, pp)
+
+
+# --------------------------------------------------------------------------------------------- simulation
+@dataclass
+class Simulation:
+    """A replayed schedule: when each action ran, the makespan and the bubble."""
+
+    starts: dict[int, list[tuple[Act, float, float]]]
+    makespan: float
+
+    def busy(self, rank: int) -> float:
+        return sum(e - s for _, s, e in self.starts[rank])
+
+    @property
+    def bubble(self) -> float:
+        """Mean over ranks of the idle share of the makespan."""
+        if self.makespan <= 0:
+            return 0.0
+        ranks = list(self.starts)
+        return sum(1 - self.busy(r) / self.makespan for r in ranks) / len(ranks)
+
+
+def _deps(a: Act, n_stages: int) -> list[tuple[str, int, int]]:
+    if a.kind == "F":
+        return [("F", a.stage - 1, a.mb)] if a.stage > 0 else []
+    if a.kind in ("B", "I"):
+        deps = [("F", a.stage, a.mb)]
+        if a.stage < n_stages - 1:
+            deps.append(("G", a.stage + 1, a.mb))
+        return deps
+    return [("G", a.stage, a.mb)]  # W after its I
+
+
+def simulate(
+    orders: dict[int, list[Act]],
+    cost: Callable[[Act], float],
+    latency: float | Callable[[int, int, Act], float] = 0.0,
+) -> Simulation:
+    """Replay per-rank action orders as soon as each action's inputs exist.
+
+    An action starts when its rank is free and its inputs have arrived: a forward needs the previous
+    stage's forward of the same micro-batch, a backward (B or I) its own forward and the next stage's
+    input gradient, a W its own I. A dependency from another rank arrives ``latency`` later.
+
+    Args:
+        orders: ``{rank: [Act, ...]}`` as from :func:`schedule_actions`.
+        cost: Duration of an action.
+        latency: Delay of a cross-rank dependency: a number, or ``f(src_rank, dst_rank, action)``.
+
+    Returns:
+        The :class:`Simulation`.
+
+    Raises:
+        TelemetryError: The orders deadlock (an action waits on one that never runs).
+    """
+    n_stages = 1 + max((a.stage for acts in orders.values() for a in acts), default=0)
+    lat = latency if callable(latency) else (lambda s, d, a, _v=float(latency): _v)
+    ptr = dict.fromkeys(orders, 0)
+    free = dict.fromkeys(orders, 0.0)
+    done: dict[tuple[str, int, int], tuple[float, int]] = {}
+    starts: dict[int, list[tuple[Act, float, float]]] = {r: [] for r in orders}
+    left = sum(len(v) for v in orders.values())
+    while left:
+        progress = False
+        for r, acts in orders.items():
+            while ptr[r] < len(acts):
+                a = acts[ptr[r]]
+                ready = free[r]
+                for dep in _deps(a, n_stages):
+                    if dep not in done:
+                        break
+                    t, src = done[dep]
+                    ready = max(ready, t + (lat(src, r, a) if src != r else 0.0))
+                else:
+                    end = ready + cost(a)
+                    starts[r].append((a, ready, end))
+                    done[("G" if a.kind in ("B", "I") else a.kind, a.stage, a.mb)] = (end, r)
+                    free[r] = end
+                    ptr[r] += 1
+                    left -= 1
+                    progress = True
+                    continue
+                break
+        if not progress:
+            stuck = {r: str(orders[r][ptr[r]]) for r in orders if ptr[r] < len(orders[r])}
+            raise TelemetryError(f"The action orders deadlock: ranks wait on {stuck} forever. Check the schedule's orders.")
+    return Simulation(starts, max(free.values(), default=0.0))
+
+
+# --------------------------------------------------------------------------------------------- records
+@dataclass(frozen=True)
+class Span:
+    """One recorded interval on one rank (times in ns on rank 0's monotonic clock).
+
+    Attributes:
+        rank: Global rank.
+        kind: ``F B I W L`` (compute), ``SEND_F SEND_B RECV_F RECV_B`` (a p2p wait) or ``POST``.
+        stage: Stage index.
+        mb: Micro-batch index (-1 for ``POST``).
+        start: Start, ns.
+        end: End, ns.
+        post: For p2p waits, when this rank posted the op.
+        comm: For p2p waits, the ns after the peer posted its matching op (filled by :func:`analyze`).
+    """
+
+    rank: int
+    kind: str
+    stage: int
+    mb: int
+    start: int
+    end: int
+    post: int | None = None
+    comm: int | None = None
+
+    @property
+    def ms(self) -> float:
+        return (self.end - self.start) / 1e6
