@@ -1,0 +1,43 @@
+"""The few ``torch.distributed`` helpers every layer shares.
+
+One object gather and one object broadcast (``[obj]`` / ``obj`` outside a process group), and
+the device a group's collectives need: NCCL groups take CUDA tensors only, gloo groups take CPU
+tensors, so a tensor handed to a collective is first moved to :func:`group_device`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def initialized() -> bool:
+    """Whether a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_device(group: Any = None) -> torch.device:
+    """Where tensors for ``group``'s collectives must live (the current CUDA device for NCCL)."""
+    if initialized() and dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` in group-rank order (collective over ``group``)."""
+    if not initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """``obj`` from global rank ``src`` on every rank of ``group`` (collective)."""
+    if not initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src, group=group, device=group_device(group))
+    return box[0]
