@@ -1,0 +1,369 @@
+"""Package layout: no import cycles inside ``lightning_hpp``, and Lightning's Trainer stays at the edges.
+
+A static scan: every module under ``lightning_hpp/`` is parsed with :mod:`ast`, nothing is imported.
+
+* Import graph: ``import lightning_hpp.x.y``, ``from lightning_hpp.x import y`` (``y`` a submodule
+  if ``x/y.py`` or ``x/y/__init__.py`` exists, else a name of ``x/__init__.py``) and relative
+  imports, at any depth (function-level imports included), except those under
+  ``if TYPE_CHECKING:``. Importing ``a.b.c`` also runs the ``__init__`` of ``a.b`` unless that package
+  is already being imported (it encloses the importer), so such an edge goes to ``a.b`` too. A
+  cycle is reported as ``a -> b -> a`` with the file and line of every edge.
+* Lightning's ``Trainer`` (and anything from ``lightning.pytorch.trainer``) is imported only by
+  ``lightning_hpp/strategy.py`` and ``lightning_hpp/hydra/train.py``; ``TrainerFn`` (anything from
+  ``lightning.pytorch.trainer.states``) only by ``strategy.py``. ``TYPE_CHECKING`` imports count
+  here. Attribute access such as ``pl.Trainer`` after ``import lightning.pytorch as pl`` is not an
+  import and is not looked at.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "lightning_hpp"
+
+TRAINER = "Trainer"
+TRAINER_FN = "TrainerFn"
+ALLOWED = {
+    TRAINER: ("lightning_hpp/strategy.py", "lightning_hpp/hydra/train.py"),
+    TRAINER_FN: ("lightning_hpp/strategy.py",),
+}
+"""Which files may import Lightning's Trainer, and its ``trainer.states`` (``TrainerFn``)."""
+
+_LIGHTNING_TOPS = ("lightning", "lightning.pytorch", "pytorch_lightning")
+_TRAINER_PACKAGES = ("lightning.pytorch.trainer", "pytorch_lightning.trainer")
+
+
+# ---------------------------------------------------------------------------------------- scanning
+@dataclass(frozen=True)
+class ImportStmt:
+    module: str
+    """Dotted name: the imported module, or a ``from`` import's (resolved, absolute) source."""
+    names: tuple[str, ...]
+    """Names of a ``from`` import; empty for ``import module``."""
+    line: int
+    source: str
+    type_checking: bool
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    path: Path
+    rel: str
+    """Path relative to the scan root, ``/``-separated (``lightning_hpp/strategy.py``)."""
+    is_package: bool
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: str
+    dst: str
+    rel: str
+    line: int
+    source: str
+    via: bool
+    """True when the edge is the ``__init__`` of a package on the way to the imported module."""
+
+
+def find_modules(root: Path, package: str) -> dict[str, Module]:
+    """Every ``.py`` file under ``root/package``, by dotted module name."""
+    modules: dict[str, Module] = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        name = ".".join(parts)
+        modules[name] = Module(name, path, path.relative_to(root).as_posix(), is_package)
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _absolute(module: Module, node: ast.ImportFrom) -> str | None:
+    if not node.level:
+        return node.module
+    package = module.name if module.is_package else module.name.rpartition(".")[0]
+    parts = package.split(".")
+    if node.level - 1 >= len(parts):
+        return None  # above the top-level package: Python refuses it too
+    base = parts[: len(parts) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def scan_imports(module: Module) -> list[ImportStmt]:
+    """Every import statement of a module, at any depth, marked when under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(module.path.read_text(encoding="utf-8"), filename=str(module.path))
+    found: list[ImportStmt] = []
+
+    def visit(node: ast.AST, tc: bool) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, True)
+            for child in node.orelse:
+                visit(child, tc)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.append(ImportStmt(alias.name, (), node.lineno, ast.unparse(node), tc))
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(module, node)
+            if base is not None:
+                names = tuple(a.name for a in node.names)
+                found.append(ImportStmt(base, names, node.lineno, ast.unparse(node), tc))
+        for child in ast.iter_child_nodes(node):
+            visit(child, tc)
+
+    visit(tree, False)
+    return found
+
+
+def _encloses(package: str, module: Module) -> bool:
+    """Whether ``package`` is already being imported when ``module`` runs: itself or an ancestor."""
+    return module.name == package or module.name.startswith(package + ".")
+
+
+def import_edges(modules: dict[str, Module]) -> list[Edge]:
+    """Module-level dependency edges inside the scanned package (TYPE_CHECKING imports left out)."""
+    edges: list[Edge] = []
+    for mod in modules.values():
+        for imp in scan_imports(mod):
+            if imp.type_checking:
+                continue
+            if imp.names:  # from X import a, b
+                targets = [
+                    f"{imp.module}.{n}" if f"{imp.module}.{n}" in modules else imp.module for n in imp.names
+                ]
+            else:  # import X.Y.Z
+                targets = [imp.module]
+            for target in dict.fromkeys(targets):
+                while target and target not in modules:  # `import pkg.mod.attr` style: nearest module
+                    target = target.rpartition(".")[0]
+                if not target:
+                    continue  # outside the package
+                parts = target.split(".")
+                for i in range(1, len(parts)):  # packages run on the way to the target
+                    pkg = ".".join(parts[:i])
+                    if pkg in modules and not _encloses(pkg, mod):
+                        edges.append(Edge(mod.name, pkg, mod.rel, imp.line, imp.source, True))
+                edges.append(Edge(mod.name, target, mod.rel, imp.line, imp.source, False))
+    return [e for e in edges if e.src != e.dst]
+
+
+def find_cycles(edges: list[Edge]) -> list[list[Edge]]:
+    """One shortest cycle through each module that is on a cycle, duplicates (rotations) removed."""
+    graph: dict[str, dict[str, Edge]] = {}
+    for e in edges:
+        graph.setdefault(e.src, {}).setdefault(e.dst, e)  # first statement that makes the edge
+        graph.setdefault(e.dst, {})
+
+    # Tarjan's strongly connected components
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            components.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+
+    cycles: dict[tuple[str, ...], list[Edge]] = {}
+    for comp in components:
+        if len(comp) < 2:
+            continue
+        for start in sorted(comp):
+            # breadth-first search from start back to start, inside the component
+            parent: dict[str, str] = {}
+            frontier = [start]
+            seen = {start}
+            closing: str | None = None
+            while frontier and closing is None:
+                nxt = []
+                for v in frontier:
+                    for w in sorted(graph[v]):
+                        if w == start:
+                            closing = v
+                            break
+                        if w in comp and w not in seen:
+                            seen.add(w)
+                            parent[w] = v
+                            nxt.append(w)
+                    if closing is not None:
+                        break
+                frontier = nxt
+            assert closing is not None
+            path = [closing]
+            while path[-1] != start:
+                path.append(parent[path[-1]])
+            path.reverse()  # start ... closing
+            i = path.index(min(path))
+            key = tuple(path[i:] + path[:i])
+            if key not in cycles:
+                nodes = list(key) + [key[0]]
+                cycles[key] = [graph[a][b] for a, b in itertools.pairwise(nodes)]
+    return [cycles[k] for k in sorted(cycles)]
+
+
+def format_cycle(cycle: list[Edge]) -> str:
+    chain = " -> ".join([e.src for e in cycle] + [cycle[0].src])
+    lines = [chain]
+    for e in cycle:
+        how = f"(runs package {e.dst}'s __init__ on the way)" if e.via else f"imports {e.dst}"
+        lines.append(f"    {e.rel}:{e.line}: `{e.source}` {how}")
+    return "\n".join(lines)
+
+
+def _trainer_kinds(imp: ImportStmt) -> set[str]:
+    """Which of Lightning's Trainer / TrainerFn (trainer.states) an import statement brings in."""
+
+    def of_module(name: str) -> str | None:
+        for pkg in _TRAINER_PACKAGES:
+            if name == pkg + ".states" or name.startswith(pkg + ".states."):
+                return TRAINER_FN
+            if name == pkg or name.startswith(pkg + "."):
+                return TRAINER
+        return None
+
+    if not imp.names:
+        kind = of_module(imp.module)
+        return {kind} if kind else set()
+    kinds: set[str] = set()
+    for n in imp.names:
+        if imp.module in _LIGHTNING_TOPS and n == "Trainer":
+            kinds.add(TRAINER)
+        elif kind := of_module(f"{imp.module}.{n}" if imp.module in _LIGHTNING_TOPS + _TRAINER_PACKAGES else imp.module):
+            kinds.add(kind)
+    return kinds
+
+
+def trainer_offenders(modules: dict[str, Module], allowed: dict[str, tuple[str, ...]]) -> list[str]:
+    """``path:line`` messages for every Trainer / TrainerFn import outside its allowed files."""
+    out = []
+    for mod in modules.values():
+        for imp in scan_imports(mod):
+            for kind in sorted(_trainer_kinds(imp)):
+                if mod.rel not in allowed[kind]:
+                    where = " (under TYPE_CHECKING)" if imp.type_checking else ""
+                    out.append(
+                        f"{mod.rel}:{imp.line}: module {mod.name} imports Lightning's {kind}{where}: "
+                        f"`{imp.source}`; only {', '.join(allowed[kind])} may"
+                    )
+    return out
+
+
+# ------------------------------------------------------------------------------------------- tests
+_CYCLE_HINT = (
+    "Break it: import the leaf module rather than the package `__init__`, or move the shared piece "
+    "into a module both can import. Moving the import into a function does not break it here "
+    "(function-level imports count); `if TYPE_CHECKING:` is fine for annotation-only imports."
+)
+_TRAINER_HINT = (
+    "Annotate with `pl.Trainer` after `import lightning.pytorch as pl` (or `Any`), and take what is "
+    "needed from the trainer object passed in; compare `trainer.state.fn` with strings (\"fit\", ...)."
+)
+
+
+def test_no_import_cycles_inside_lightning_hpp():
+    cycles = find_cycles(import_edges(find_modules(ROOT, PACKAGE)))
+    assert not cycles, (
+        f"{len(cycles)} import cycle(s) inside {PACKAGE}:\n"
+        + "\n".join(format_cycle(c) for c in cycles)
+        + "\n"
+        + _CYCLE_HINT
+    )
+
+
+def test_trainer_imported_only_by_strategy_and_hydra_entry():
+    offenders = trainer_offenders(find_modules(ROOT, PACKAGE), ALLOWED)
+    assert not offenders, "\n".join(offenders) + "\n" + _TRAINER_HINT
+
+
+def test_scan_finds_a_known_cycle_and_trainer_import(tmp_path):
+    files = {
+        "toypkg/__init__.py": "from toypkg.a import A\n",
+        # a -> b (a submodule named in a from-import) and b -> a (relative, inside a function)
+        "toypkg/a.py": "from toypkg import b\nA = 1\n",
+        "toypkg/b.py": "def f():\n    from .a import A\n    return A\n",
+        # child imports a name from its parent package's __init__, which imports the child
+        "toypkg/sub/__init__.py": "from .leaf import X\nY = 2\n",
+        "toypkg/sub/leaf.py": "X = 1\nfrom toypkg.sub import Y\n",
+        # importing toypkg.g.mod runs toypkg/g/__init__.py, which imports h back
+        "toypkg/g/__init__.py": "from toypkg.h import H\n",
+        "toypkg/g/mod.py": "M = 1\n",
+        "toypkg/h.py": "H = 1\nfrom toypkg.g.mod import M\n",
+        # TYPE_CHECKING: no cycle c <-> d, but the Trainer import is still found
+        "toypkg/c.py": textwrap.dedent(
+            """\
+            from typing import TYPE_CHECKING
+            import typing
+            if TYPE_CHECKING:
+                from toypkg.d import D
+                from lightning.pytorch import Trainer
+            if typing.TYPE_CHECKING:
+                import toypkg.d
+            else:
+                import lightning.pytorch as pl
+            """
+        ),
+        "toypkg/d.py": "import toypkg.c\nD = 1\n",
+        "toypkg/e.py": "def g():\n    from lightning.pytorch.trainer.states import TrainerFn\n",
+        "toypkg/f.py": "import pytorch_lightning.trainer.trainer\nfrom lightning import Trainer as T\n",
+        "toypkg/strategy.py": "from lightning.pytorch import Trainer\nfrom lightning.pytorch.trainer.states import TrainerFn\n",
+        "toypkg/entry.py": "from lightning.pytorch.trainer import Trainer, states\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+
+    modules = find_modules(tmp_path, "toypkg")
+    cycles = find_cycles(import_edges(modules))
+    chains = sorted(format_cycle(c).splitlines()[0] for c in cycles)
+    assert chains == [
+        "toypkg.a -> toypkg.b -> toypkg.a",
+        "toypkg.g -> toypkg.h -> toypkg.g",
+        "toypkg.sub -> toypkg.sub.leaf -> toypkg.sub",
+    ], "\n".join(format_cycle(c) for c in cycles)
+    ab = next(c for c in cycles if c[0].src == "toypkg.a")
+    assert [(e.rel, e.line) for e in ab] == [("toypkg/a.py", 1), ("toypkg/b.py", 2)]
+
+    allowed = {TRAINER: ("toypkg/strategy.py", "toypkg/entry.py"), TRAINER_FN: ("toypkg/strategy.py",)}
+    offenders = trainer_offenders(modules, allowed)
+    where = sorted((o.split(": module")[0], o.split("Lightning's ")[1].split()[0].rstrip(":")) for o in offenders)
+    assert where == [
+        ("toypkg/c.py:5", TRAINER),
+        ("toypkg/e.py:2", TRAINER_FN),
+        ("toypkg/entry.py:1", TRAINER_FN),
+        ("toypkg/f.py:1", TRAINER),
+        ("toypkg/f.py:2", TRAINER),
+    ], "\n".join(offenders)
+    assert any("under TYPE_CHECKING" in o and o.startswith("toypkg/c.py:5") for o in offenders)
