@@ -4,4 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
+# One str-hash seed for every rank: Lightning starts ranks 1..N-1 from this environment, so they
+# inherit it (unset, each process draws its own and the bias audit and fingerprint warn).
+export PYTHONHASHSEED=${PYTHONHASHSEED:-0}
 exec python examples/hybrid_vision/train.py "$@"

@@ -15,6 +15,7 @@ import time
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> float:
         default_root_dir=args.out,
         log_every_n_steps=5,
         enable_model_summary=False,
+        callbacks=[progress_bar()],
     )
     data = DigitsDataModule(batch_size=args.batch_size, n_microbatches=args.n_microbatches, seed=args.seed)
     model = HybridVisionModel()
@@ -72,6 +74,28 @@ def main(argv: list[str] | None = None) -> float:
             f"{strategy.plan.table()}\n"
         )
     return accuracy
+
+
+class _RichBar(RichProgressBar):
+    """Lightning's rich bar, with the logger version shown as the integer it is.
+
+    The rich bar formats every non-string metric with ``".3f"``, the logger's integer version
+    included, so the bar read ``v_num: 0.000``. Handed over as a string, it reads ``v_num: 0``.
+    """
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
+        items = super().get_metrics(trainer, pl_module)
+        if isinstance(items.get("v_num"), int):
+            items["v_num"] = str(items["v_num"])
+        return items
+
+
+def progress_bar() -> RichProgressBar | TQDMProgressBar:
+    """The bar Lightning would pick by itself (rich if installed, else tqdm), ``v_num`` unmangled."""
+    try:
+        return _RichBar()
+    except ModuleNotFoundError:  # rich is not installed
+        return TQDMProgressBar()
 
 
 def _precision_options(plan: str) -> dict:
