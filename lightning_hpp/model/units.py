@@ -76,3 +76,27 @@ def apply_unit(unit: nn.Module, x: Any, first: bool) -> Any:
     if first:
         return unit(*x)
     return unit(x)
+
+
+class RemoteUnit(nn.Module):
+    """Stands in for a unit that lives on another rank."""
+
+    def __init__(self, name: str, stage: int) -> None:
+        super().__init__()
+        self.unit_name = name
+        self.stage = stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"Unit {self.unit_name!r} belongs to pipeline stage {self.stage}, which runs on another rank; it "
+            f"cannot be called here. Under HPPStrategy call `self(...)` only inside the Lightning steps."
+        )
+
+
+def keep_stages(module: nn.Module, stage_units: list[list[str]], held: list[int]) -> None:
+    """Replace every unit of a stage not in ``held`` by a :class:`RemoteUnit` (in place), so this
+    rank keeps only its own stages' parameters."""
+    for k, names in enumerate(stage_units):
+        if k not in held:
+            for name in names:
+                replace_unit(module, name, RemoteUnit(name, k))

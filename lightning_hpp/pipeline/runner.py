@@ -19,20 +19,10 @@ from torch import nn
 from torch.distributed.pipelining import schedules as S
 
 from lightning_hpp.pipeline.mesh import Mesh
-from lightning_hpp.pipeline.microbatch import (
-    batch_size_of,
-    largest_divisor_at_most,
-    split_batch,
-)
+from lightning_hpp.pipeline.microbatch import batch_size_of, largest_divisor_at_most, split_batch
 from lightning_hpp.pipeline.schedules import SCHEDULES
 from lightning_hpp.pipeline.stage import StageModule, _Stage
-from lightning_hpp.pipeline.steps import (
-    _LogRecorder,
-    capture_input,
-    extract_loss,
-    merge_logs,
-    redirected,
-)
+from lightning_hpp.pipeline.steps import _LogRecorder, capture_input, extract_loss, merge_logs, redirected
 
 
 class PipelineRunner:
@@ -66,7 +56,7 @@ class PipelineRunner:
         self.schedule_name = schedule
         self.n_microbatches = n_microbatches
         self.device = device
-        self.loss_multiplier: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+        self._loss_scale = 1.0
         self.schedule_observers: list[Callable[[Any], None]] = []
         self._schedules: dict[tuple, Any] = {}
         self._mb: list[Any] = []
@@ -88,9 +78,7 @@ class PipelineRunner:
 
     @property
     def last_position(self) -> int:
-        from torch.distributed.pipelining.schedules import (
-            generate_stage_to_rank_mapping,
-        )
+        from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
 
         return generate_stage_to_rank_mapping(self.mesh.pp, self.num_stages, style=self.kind.style)[self.num_stages - 1]
 
@@ -145,11 +133,14 @@ class PipelineRunner:
         self._recorders.append(rec)
         self._losses.append(loss.detach())
         self._mb_seen.append(mb)
-        return self.loss_multiplier(loss)
+        return loss * self._loss_scale
 
     # ----------------------------------------------------------------- steps
-    def train_step(self, step_fn: Callable[..., Any], batch: Any, *step_args: Any) -> tuple[torch.Tensor, list]:
+    def train_step(self, step_fn: Callable[..., Any], batch: Any, *step_args: Any, loss_scale: float = 1.0) -> tuple[torch.Tensor, list]:
         """Forward and backward of one batch; gradients accumulate into the stage parameters.
+
+        ``loss_scale`` multiplies each micro-batch's loss before its backward (the fp16 loss scale over
+        the gradient-accumulation steps); the returned loss is unscaled.
 
         Returns:
             The batch's mean loss (same value on every rank of the pipeline) and what the last stage
@@ -159,7 +150,7 @@ class PipelineRunner:
         self._mb = split_batch(batch, self.n_microbatches)
         self._mb_size = size // self.n_microbatches
         sched, _ = self._schedule(True, size)
-        self._step_fn, self._step_args = step_fn, step_args
+        self._step_fn, self._step_args, self._loss_scale = step_fn, step_args, loss_scale
         self._recorders, self._losses, self._mb_seen = [], [], []
         args = capture_input(self.module, step_fn, batch, *step_args) if self.holds_first else ()
         self._reset_counters()

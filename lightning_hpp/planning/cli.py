@@ -16,13 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lightning_hpp.errors import PartitionError, PlacementError, PlanError, ProfileError
-from lightning_hpp.planning.partition import (
-    Cluster,
-    DeviceGroup,
-    PartitionResult,
-    partition,
-    uniform_partition,
-)
+from lightning_hpp.planning.partition import Cluster, DeviceGroup, PartitionResult, partition, uniform_partition
 from lightning_hpp.planning.profile import CostProfile
 
 

@@ -35,6 +35,9 @@ _PRECISION_ALIASES = {
     "transformer-engine": "fp8",
 }
 
+PLAN_FILENAME = "stage_plan.json"
+"""The name of the resolved plan a run writes into its log directory."""
+
 _RANGE = re.compile(r"^(?P<prefix>.+)\.(?P<lo>\d+)-(?P<hi>\d+)$")
 
 
@@ -277,11 +280,18 @@ class StagePlan:
             raise PlanError(f"The stage plan is not valid JSON: {err}.") from None
         return cls.from_dict(data)
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, **meta: Any) -> None:
+        """Write the plan as JSON to ``path`` (any fsspec URL; parent directories are created),
+        with ``meta`` added to its facts (schedule, degrees, ... of the run that used it)."""
         import fsspec
 
-        with fsspec.open(str(path), "w") as f:
-            f.write(self.to_json())
+        fs, fs_path = fsspec.core.url_to_fs(str(path))
+        parent = fs._parent(fs_path)
+        if parent:
+            fs.makedirs(parent, exist_ok=True)
+        plan = self if not meta else StagePlan(self.stages, {**self.meta, **meta})
+        with fs.open(fs_path, "w") as f:
+            f.write(plan.to_json())
 
     @classmethod
     def load(cls, path: str) -> StagePlan:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -35,67 +34,52 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
-from torch import Tensor
+from torch import Tensor, nn
 
-from lightning_hpp.errors import NonFiniteError, PlanError
+from lightning_hpp._dist import group_device, initialized
+from lightning_hpp.errors import PlanError
 from lightning_hpp.planning.plan import normalize_precision
 from lightning_hpp.precision import fp8
+from lightning_hpp.precision.guards import BoundaryGuard
+from lightning_hpp.precision.modes import CLIP_MODES, MODES, NONFINITE_POLICIES
+from lightning_hpp.precision.scaler import DynamicLossScaler
 
 
-@dataclass(frozen=True)
-class Mode:
-    param_dtype: torch.dtype
-    autocast_dtype: torch.dtype | None
-    wire_dtype: torch.dtype
-    scaled: bool
+@dataclass
+class StageView:
+    """What the plugin needs to know about this rank's part of the pipeline, handed over at setup.
 
+    Attributes:
+        stages: This rank's stage modules, by stage index.
+        pp_group: The pipeline group (stage norms are summed over it); ``None`` when pp is 1.
+        dp_group: The data-parallel group of this rank's stages (Transformer Engine's amax reduction).
+        microbatch: The index of the micro-batch a held stage is computing, ``stage -> index``.
+        step: The optimizer step being run.
+    """
 
-MODES: dict[str, Mode] = {
-    "32-true": Mode(torch.float32, None, torch.float32, False),
-    "16-mixed": Mode(torch.float32, torch.float16, torch.float16, True),
-    "bf16-mixed": Mode(torch.float32, torch.bfloat16, torch.bfloat16, False),
-    "16-true": Mode(torch.float16, None, torch.float16, True),
-    "bf16-true": Mode(torch.bfloat16, None, torch.bfloat16, False),
-    "fp8": Mode(torch.float32, None, torch.float32, False),
-}
+    stages: dict[int, nn.Module]
+    pp_group: Any = None
+    dp_group: Any = None
+    microbatch: Callable[[int], int] = lambda stage: -1
+    step: Callable[[], int] = lambda: -1
 
-NONFINITE_POLICIES = ("raise", "warn", "sanitize")
-CLIP_MODES = ("per-stage", "global")
-
-
-class DynamicLossScaler:
-    """Dynamic loss scaling (the same rule as ``torch.amp.GradScaler``), as plain state."""
-
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
-        self.scale = float(init_scale)
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.growth_interval = growth_interval
-        self.growth_tracker = 0
-
-    def update(self, found_inf: bool) -> None:
-        if found_inf:
-            self.scale *= self.backoff_factor
-            self.growth_tracker = 0
-        else:
-            self.growth_tracker += 1
-            if self.growth_tracker == self.growth_interval:
-                self.scale *= self.growth_factor
-                self.growth_tracker = 0
-
-    def state_dict(self) -> dict[str, float]:
-        return {"scale": self.scale, "growth_tracker": self.growth_tracker}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.scale = float(state["scale"])
-        self.growth_tracker = int(state["growth_tracker"])
+    def __post_init__(self) -> None:
+        seen: dict[int, Tensor] = {}
+        for _, sm in sorted(self.stages.items()):
+            for p in sm.parameters():
+                seen.setdefault(id(p), p)
+        self.params: list[Tensor] = list(seen.values())
 
 
 class HPPPrecision(Precision):
-    """Lightning precision plugin for heterogeneous pipelines (installed by :class:`HPPStrategy`).
+    """Lightning precision plugin for heterogeneous pipelines.
+
+    :class:`~lightning_hpp.HPPStrategy` installs one with these defaults; to change them pass your
+    own, as ``Trainer(plugins=[HPPPrecision(...)])`` or ``HPPStrategy(precision_plugin=HPPPrecision(...))``.
 
     Args:
-        default: Precision of stages whose spec leaves it unset (default: the Trainer's ``precision``).
+        default: Precision of stages whose spec leaves it unset (default: the Trainer's ``precision``;
+            giving both, different, is an error).
         clip: ``"per-stage"`` (each stage clips its own norm with its ``clip_norm``, default the
             Trainer's ``gradient_clip_val``) or ``"global"`` (one norm over all stages).
         fp8_backend: ``"te"`` (Transformer Engine, compute capability >= 8.9) or ``"emulate"``.
@@ -115,11 +99,13 @@ class HPPPrecision(Precision):
         init_scale: float = 2.0**16,
     ) -> None:
         if clip not in CLIP_MODES:
-            raise PlanError(f"`clip={clip!r}` is not supported; use one of {CLIP_MODES}.")
+            raise PlanError(f"`HPPPrecision(clip={clip!r})` is not supported; use one of {CLIP_MODES}.")
         if nonfinite not in NONFINITE_POLICIES:
-            raise PlanError(f"`nonfinite={nonfinite!r}` is not supported; use one of {NONFINITE_POLICIES}.")
+            raise PlanError(f"`HPPPrecision(nonfinite={nonfinite!r})` is not supported; use one of {NONFINITE_POLICIES}.")
         if fp8_backend not in (None, "te", "emulate"):
-            raise PlanError(f"`fp8_backend={fp8_backend!r}` is not supported; use 'te', 'emulate' or None.")
+            raise PlanError(f"`HPPPrecision(fp8_backend={fp8_backend!r})` is not supported; use 'te', 'emulate' or None.")
+        if fp8_recipe not in ("delayed", "current"):
+            raise PlanError(f"`HPPPrecision(fp8_recipe={fp8_recipe!r})` is not supported; use 'delayed' or 'current'.")
         self.default = normalize_precision(default, "`HPPPrecision(default=...)`")
         self.clip = clip
         self.fp8_backend = fp8_backend
@@ -129,7 +115,8 @@ class HPPPrecision(Precision):
         self.precision = "hpp"
         self.skipped_steps = 0
         self.last_grad_norms: dict[int, float] = {}
-        self._strategy: Any = None
+        self._view: StageView | None = None
+        self._plan: Any = None
         self._stage_precision: list[str] = []
         self._scaled = False
 
@@ -144,17 +131,16 @@ class HPPPrecision(Precision):
             raise PlanError(f"Trainer precision {default!r} cannot be a stage default; use one of {tuple(MODES)}.")
         return [s.precision or default for s in plan.stages]
 
-    def configure_stages(self, strategy: Any, plan: Any, trainer_precision: str | None, stage_modules: dict[int, Any], device: torch.device, device_kind: str) -> None:
+    def configure_stages(self, plan: Any, view: StageView, trainer_precision: str | None, device: torch.device, device_kind: str) -> None:
         """Set dtypes, casts, autocast/fp8 contexts and boundary guards of this rank's stages.
 
         Called on every rank after the cut and before the optimizers are built.
         """
-
-
-        self._strategy = strategy
+        self._view, self._plan = view, plan
         precs = self.stage_precisions(plan, trainer_precision)
         self._stage_precision = precs
         self._scaled = any(MODES[p].scaled for p in precs)
+        guard = BoundaryGuard(self.nonfinite, view.microbatch, view.step, self._scaled)
         last = len(precs) - 1
         labels: list[str] = []
         for k, p in enumerate(precs):
@@ -163,63 +149,24 @@ class HPPPrecision(Precision):
                 labels.append(fp8.describe_backend(backend, self.fp8_recipe, device.type))
             else:
                 labels.append(p)
-        for k, sm in stage_modules.items():
+        for k, sm in view.stages.items():
             mode = MODES[precs[k]]
             if precs[k] == "fp8":
                 backend = fp8.check_fp8_stage(k, device, device_kind, self.fp8_backend)
                 fp8.convert_module_to_fp8(sm, backend, self.fp8_recipe)
-                group = strategy.dp_group if backend == "te" else None
-                sm.context = _fp8_context(backend, self.fp8_recipe, group)
+                sm.context = _fp8_context(backend, self.fp8_recipe, view.dp_group if backend == "te" else None)
             elif mode.autocast_dtype is not None:
                 sm.context = _autocast(device.type, mode.autocast_dtype)
             if mode.param_dtype != torch.float32:
                 sm.to(mode.param_dtype)
             sm.input_dtype = mode.param_dtype
             sm.output_dtype = torch.float32 if k == last else mode.wire_dtype
-            sm.output_hooks.append(self._boundary_guard)
+            sm.output_hooks.append(guard)
+        view.__post_init__()  # parameters may have changed (fp8 conversion, dtype)
         plan.meta["precision"] = labels
         plan.meta["boundary_dtypes"] = [str(MODES[p].wire_dtype).replace("torch.", "") for p in precs[:-1]]
         if self._scaled:
             plan.meta["loss_scaling"] = "dynamic (fp16 stages present)"
-
-    # ------------------------------------------------------------------ non-finite guard
-    def _boundary_guard(self, stage: int, x: Any) -> Any:
-        step = self._step()
-        mb = self._strategy.runner.current_microbatch(stage) if self._strategy is not None else -1
-        tensors = x if isinstance(x, (tuple, list)) else (x,)
-        if any(not bool(torch.isfinite(t).all()) for t in tensors if isinstance(t, Tensor) and t.is_floating_point()):
-            x = self._on_nonfinite(x, f"forward activation leaving stage {stage} (micro-batch {mb}, step {step})")
-        for t in (x if isinstance(x, (tuple, list)) else (x,)):
-            if isinstance(t, Tensor) and t.requires_grad:
-                t.register_hook(lambda g, stage=stage, mb=mb, step=step: self._grad_guard(g, stage, mb, step))
-        return x
-
-    def _grad_guard(self, grad: Tensor, stage: int, mb: int, step: int) -> Tensor | None:
-        if self._scaled:  # overflowing fp16 gradients are the loss scaler's business
-            return None
-        if not bool(torch.isfinite(grad).all()):
-            return self._on_nonfinite(grad, f"gradient arriving at stage {stage} from stage {stage + 1} (micro-batch {mb}, step {step})")
-        return None
-
-    def _on_nonfinite(self, x: Any, where: str) -> Any:
-        msg = f"NaN/Inf in the {where}."
-        if self.nonfinite == "raise":
-            raise NonFiniteError(
-                msg + " Lower the learning rate, check the inputs, or use `HPPStrategy(nonfinite='warn')` / "
-                "`'sanitize'` to continue (sanitize replaces NaN/Inf with finite values)."
-            )
-        warnings.warn(msg + (" Replaced with finite values (nonfinite='sanitize')." if self.nonfinite == "sanitize" else ""), RuntimeWarning, stacklevel=2)
-        if self.nonfinite == "sanitize":
-            if isinstance(x, (tuple, list)):
-                return type(x)(torch.nan_to_num(t) if isinstance(t, Tensor) else t for t in x)
-            return torch.nan_to_num(x)
-        return x
-
-    def _step(self) -> int:
-        try:
-            return int(self._strategy.lightning_module.trainer.global_step)
-        except Exception:  # noqa: BLE001 - outside a Trainer the step is unknown
-            return -1
 
     # ------------------------------------------------------------------ Lightning hooks
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
@@ -241,7 +188,7 @@ class HPPPrecision(Precision):
         return out
 
     def _params(self) -> list[Tensor]:
-        return self._strategy.runner.parameters() if self._strategy is not None and self._strategy.runner is not None else []
+        return self._view.params if self._view is not None else []
 
     def _unscale_and_check(self) -> bool:
         """Unscale fp16-scaled gradients and decide, on every rank together, whether to skip the step.
@@ -256,25 +203,28 @@ class HPPPrecision(Precision):
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
             norms = torch._foreach_norm(grads)
-            bad = (~torch.isfinite(torch.stack(norms).float())).any().float().reshape(1).cpu()
-        if dist.is_available() and dist.is_initialized():
+            bad = (~torch.isfinite(torch.stack(norms).float())).any().float().reshape(1)
+        if initialized():  # one decision over the whole world: every stage of every replica
+            bad = bad.to(group_device())
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return bool(bad.item() > 0)
 
     def _clip_gradients(self, model: Any, optimizer: Any, clip_val: float | None = None, gradient_clip_algorithm: Any = None) -> None:
-        strategy = self._strategy
-        if strategy is None or strategy.runner is None or not getattr(model, "automatic_optimization", True):
+        view, plan = self._view, self._plan
+        if view is None or not getattr(model, "automatic_optimization", True):
             return
         algorithm = str(gradient_clip_algorithm or "norm").lower().replace("gradclipalgorithmtype.", "")
-        plan = strategy.plan
         num = plan.num_stages
-        per_stage = {k: [p.grad for p in sm.parameters() if p.grad is not None] for k, sm in strategy.runner.stage_modules.items()}
+        per_stage = {k: [p.grad for p in sm.parameters() if p.grad is not None] for k, sm in view.stages.items()}
         norms = torch.zeros(num, dtype=torch.float64)
         for k, grads in per_stage.items():
             if grads:
                 norms[k] = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double()))
-        if strategy.mesh is not None and strategy.mesh.pp > 1:
-            dist.all_reduce(norms, group=strategy.mesh.pp_group)  # each stage's entry comes from one rank
+        if view.pp_group is not None and dist.get_world_size(view.pp_group) > 1:
+            # each stage's entry comes from one rank of the pipeline
+            norms = norms.to(group_device(view.pp_group))
+            dist.all_reduce(norms, group=view.pp_group)
+            norms = norms.cpu()
         if algorithm == "value":
             for k, grads in per_stage.items():
                 limit = plan.stages[k].clip_norm or clip_val
@@ -313,6 +263,4 @@ def _autocast(device_type: str, dtype: torch.dtype) -> Callable[[], contextlib.A
 
 
 def _fp8_context(backend: str, recipe: str, group: Any) -> Callable[[], contextlib.AbstractContextManager]:
-
-
     return lambda: fp8.fp8_autocast_context(backend, recipe, group=group)

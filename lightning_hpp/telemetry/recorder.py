@@ -39,15 +39,7 @@ from torch.distributed.pipelining import schedules as _S
 
 from lightning_hpp.errors import TelemetryError
 from lightning_hpp.pipeline.schedules import SCHEDULES
-from lightning_hpp.telemetry.model import (
-    COMM_KINDS,
-    Act,
-    Span,
-    _now,
-    _orders_of,
-    simulate,
-    theoretical_bubble,
-)
+from lightning_hpp.telemetry.model import COMM_KINDS, Act, Span, _now, _orders_of, simulate, theoretical_bubble
 
 
 @dataclass

@@ -23,12 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from lightning_hpp.pipeline.schedules import SCHEDULES
-from lightning_hpp.telemetry.model import (
-    Span,
-    schedule_actions,
-    simulate,
-    theoretical_bubble,
-)
+from lightning_hpp.telemetry.model import Span, schedule_actions, simulate, theoretical_bubble
 
 CATEGORY = {"F": "forward", "L": "loss", "B": "backward", "I": "backward", "W": "backward", "SEND_F": "send", "SEND_B": "send", "RECV_F": "recv", "RECV_B": "recv"}
 COLORS = {"F": "#4C72B0", "L": "#8172B2", "B": "#DD8452", "I": "#2A9D8F", "W": "#55A868"}

@@ -1,0 +1,157 @@
+"""The typed option sections of :class:`~lightning_hpp.HPPStrategy`, one per concern.
+
+``HPPStrategy`` keeps the pipeline's own options (plan, schedule, micro-batches, pp degree,
+timeout, backend) and takes every other concern as one of these sections; precision lives in
+:class:`~lightning_hpp.HPPPrecision` alone. Each section is validated when it is built, before any
+process starts, and a plain ``dict`` of its fields (a Hydra config, say) is accepted wherever a
+section is::
+
+    HPPStrategy(schedule="1f1b", n_microbatches=8,
+                checkpoint=CheckpointOptions(dir="s3://bucket/run", every_n_steps=500, keep_last=3, resume="auto"),
+                bias=BiasOptions(deterministic=True, audit="error"),
+                telemetry=TelemetryOptions(trace_step=20),
+                placement=PlacementOptions(device_map="0:a100,1:h100"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from lightning_hpp.errors import PlanError
+
+POLICIES = ("warn", "error", "off")
+
+
+def _positive_int(section: str, name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise PlanError(f"`{section}({name}={value!r})`: must be a positive integer or None.")
+
+
+def _bool(section: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise PlanError(f"`{section}({name}={value!r})`: must be True or False (not a {type(value).__name__}).")
+
+
+def _choice(section: str, name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise PlanError(f"`{section}({name}={value!r})` is not supported; use one of {', '.join(map(repr, allowed))}.")
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """The strategy's own sharded ``step-<N>`` checkpoints (``ModelCheckpoint`` callbacks and
+    ``ckpt_path=`` work without this section; their checkpoints are sharded too)."""
+
+    dir: str | None = None
+    """Where ``step-<N>`` checkpoints go: any fsspec URL (local path, ``file://``, ``s3://``)."""
+    every_n_steps: int | None = None
+    """Save every this many optimizer steps; ``None``: at the end of every epoch."""
+    keep_last: int | None = None
+    """Keep only the newest this many checkpoints in ``dir`` (never the one the run resumed from)."""
+    async_save: bool = False
+    """Write in the background (at most one save in flight)."""
+    on_error: Literal["raise", "warn"] = "raise"
+    """A save that still fails after its retries raises, or warns and training goes on."""
+    resume: str | None = None
+    """``"auto"`` (newest valid checkpoint in ``dir``, else start fresh), a checkpoint path/URL, or ``None``."""
+
+    def __post_init__(self) -> None:
+        name = "CheckpointOptions"
+        if self.dir is not None:
+            if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir):
+                raise PlanError(f"`{name}(dir={self.dir!r})`: must be a path or URL.")
+            object.__setattr__(self, "dir", os.fspath(self.dir))
+        _positive_int(name, "every_n_steps", self.every_n_steps)
+        _positive_int(name, "keep_last", self.keep_last)
+        _bool(name, "async_save", self.async_save)
+        _choice(name, "on_error", self.on_error, ("raise", "warn"))
+        if self.resume is not None and not isinstance(self.resume, str):
+            raise PlanError(f"`{name}(resume={self.resume!r})`: must be None, 'auto' or a checkpoint path/URL.")
+        if self.dir is None:
+            for field in ("every_n_steps", "keep_last"):
+                if getattr(self, field) is not None:
+                    raise PlanError(f"`{name}({field}=...)` applies to the checkpoints in `dir`, but `dir` is not set; set `dir=`.")
+            if self.resume == "auto":
+                raise PlanError(f"`{name}(resume='auto')` looks for checkpoints in `dir`, but `dir` is not set; set `dir=`.")
+
+
+@dataclass(frozen=True)
+class BiasOptions:
+    """Guards against coded bias: skew that comes from code, not data."""
+
+    audit: Literal["warn", "error", "off"] = "warn"
+    """The data-loading audit before the first step (samplers, seeds, workers, pipeline peers)."""
+    fingerprint: Literal["warn", "error", "off"] = "warn"
+    """The environment-fingerprint comparison across ranks and against a resumed checkpoint."""
+    deterministic: bool = False
+    """Deterministic algorithms, PYTHONHASHSEED for the ranks the strategy launches, per-replica worker seeds."""
+    seed: int | None = None
+    """Seed used by ``deterministic`` (default: ``PL_GLOBAL_SEED`` from ``seed_everything``)."""
+
+    def __post_init__(self) -> None:
+        name = "BiasOptions"
+        _choice(name, "audit", self.audit, POLICIES)
+        _choice(name, "fingerprint", self.fingerprint, POLICIES)
+        _bool(name, "deterministic", self.deterministic)
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise PlanError(f"`{name}(seed={self.seed!r})`: must be an integer or None.")
+
+
+@dataclass(frozen=True)
+class TelemetryOptions:
+    """Per-stage forward/backward/communication/idle times and the measured bubble, logged
+    (:class:`~lightning_hpp.telemetry.PipelineTelemetry`)."""
+
+    every_n_steps: int | None = None
+    """Steps between two exchanges and logs; default the Trainer's ``log_every_n_steps``."""
+    trace_step: int | None = None
+    """The training batch (0-based) whose Chrome trace and PNG timeline rank 0 writes."""
+    trace_dir: str | None = None
+    """Where the pictures go; default the Trainer's ``log_dir``."""
+
+    def __post_init__(self) -> None:
+        _positive_int("TelemetryOptions", "every_n_steps", self.every_n_steps)
+        if self.trace_step is not None and (not isinstance(self.trace_step, int) or isinstance(self.trace_step, bool) or self.trace_step < 0):
+            raise PlanError(f"`TelemetryOptions(trace_step={self.trace_step!r})`: must be an integer >= 0 or None.")
+
+
+@dataclass(frozen=True)
+class PlacementOptions:
+    """Which device kind each rank has, and what ``plan="auto"`` plans with."""
+
+    device_map: Any = None
+    """Override of the ranks' device kinds: ``"0:a100,1:h100"``, ``{0: "a100"}`` or a list; also
+    ``HPP_DEVICE_KIND`` in the environment. Stages with ``device=`` go to ranks of that kind."""
+    profile: str | None = None
+    """A cost-profile JSON for ``plan="auto"`` instead of measuring the units."""
+
+    def __post_init__(self) -> None:
+        if self.device_map is not None and not isinstance(self.device_map, (str, dict, list, tuple)):
+            raise PlanError(
+                f"`PlacementOptions(device_map={self.device_map!r})`: use a string such as '0:a100,1:h100', "
+                f"a dict {{rank: kind}} or a list of kinds."
+            )
+        if self.profile is not None and not isinstance(self.profile, (str, os.PathLike)):
+            raise PlanError(f"`PlacementOptions(profile={self.profile!r})`: must be the path of a cost-profile JSON.")
+
+
+Section = TypeVar("Section", CheckpointOptions, BiasOptions, TelemetryOptions, PlacementOptions)
+
+
+def section(cls: type[Section], value: Any, arg: str) -> Section:
+    """``value`` as a ``cls``: an instance, a dict of its fields, or ``None`` (the defaults)."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict) or hasattr(value, "items"):
+        data = {k: v for k, v in dict(value).items() if k != "_target_"}
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise PlanError(f"`HPPStrategy({arg}=...)` has unknown keys {unknown}; `{cls.__name__}` takes {sorted(fields)}.")
+        return cls(**data)
+    raise PlanError(f"`HPPStrategy({arg}={value!r})`: pass a `{cls.__name__}(...)`, a dict of its fields, or None.")

@@ -1,0 +1,70 @@
+"""Data for a pipeline: every stage of one replica must see the same batches.
+
+* :func:`shard_over_replicas` points a user's own ``DistributedSampler`` (Lightning leaves those
+  alone) at the data-parallel replicas instead of at all ranks, so the pipeline peers of one replica
+  draw the same indices;
+* :func:`seed_workers_per_replica` gives dataloader workers seeds derived from the replica, not
+  the global rank (the stages of one replica then get the same random augmentations);
+* :func:`peek_batch` takes one real batch from a loader without moving any RNG, for the setup
+  checks that need a real micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lightning.pytorch.utilities.seed import isolate_rng
+from torch.utils.data import DistributedSampler
+
+from lightning_hpp.bias.determinism import worker_init_fn
+
+
+def _sampler_of(dataloader: Any) -> Any:
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    return getattr(batch_sampler, "sampler", None) or getattr(dataloader, "sampler", None)
+
+
+def shard_over_replicas(dataloader: Any, dp: int, replica: int) -> None:
+    """Make a ``DistributedSampler`` inside ``dataloader`` shard over ``dp`` replicas (in place)."""
+    sampler = _sampler_of(dataloader)
+    if not isinstance(sampler, DistributedSampler) or (sampler.num_replicas, sampler.rank) == (dp, replica):
+        return
+    sampler.rank = replica  # first: dp <= world, so the rank stays valid throughout
+    sampler.num_replicas = dp
+    if type(sampler) is DistributedSampler:  # subclasses such as DistributedWeightedSampler derive sizes lazily
+        n = len(sampler.dataset)
+        if sampler.drop_last and n % dp:
+            sampler.num_samples = math.ceil((n - dp) / dp)
+        else:
+            sampler.num_samples = math.ceil(n / dp)
+        sampler.total_size = sampler.num_samples * dp
+
+
+def seed_workers_per_replica(dataloader: Any, seed: int, replica: int) -> None:
+    """Seed the workers of ``dataloader`` per replica, unless the user set a ``worker_init_fn``."""
+    if getattr(dataloader, "num_workers", 0) > 0 and getattr(dataloader, "worker_init_fn", False) is None:
+        dataloader.worker_init_fn = worker_init_fn(seed, replica)
+
+
+def first_loader(loaders: Any) -> Any:
+    """The first dataloader of what a Lightning data source returns (a loader, list or dict)."""
+    if isinstance(loaders, dict):
+        return next(iter(loaders.values()), None)
+    if isinstance(loaders, (list, tuple)):
+        return loaders[0] if loaders else None
+    return loaders
+
+
+def peek_batch(loader: Any) -> Any:
+    """One batch of ``loader`` (``None`` if it is empty), with every RNG left as it was."""
+    if loader is None:
+        return None
+    with isolate_rng():
+        it = iter(loader)
+        try:
+            return next(it)
+        except StopIteration:
+            return None
+        finally:
+            del it

@@ -1,0 +1,107 @@
+"""Handing the schedule's gradients to Lightning's optimizer step.
+
+Lightning's automatic optimization runs ``training_step`` → ``zero_grad`` → ``backward``. The
+pipeline schedule computes forward *and* backward inside ``training_step``, so its gradients would
+be zeroed before Lightning's ``backward`` call. :class:`GradHandover` keeps them apart:
+
+* :meth:`GradHandover.during_step` swaps every parameter's ``.grad`` out while the schedule runs
+  and back afterwards, keeping what the schedule produced as the step's *fresh* gradients;
+* :meth:`GradHandover.hand_over` (from the strategy's ``backward``) optionally takes each stage's
+  local norm (before the all-reduce: what ``BiasMonitor`` compares across replicas), averages the
+  fresh gradients over the data-parallel group in one flat all-reduce, and adds them to ``.grad``
+  (so gradient accumulation over several batches works as under DDP).
+
+The parameter → stage map is built once, not per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+
+class GradHandover:
+    """This rank's stage parameters and the fresh gradients of the last schedule step.
+
+    Args:
+        stage_modules: This rank's stages, by stage index.
+        dp_group: The data-parallel group of this rank's stages (``None`` or ``dp_size == 1``: no
+            all-reduce).
+        dp_size: Its size.
+    """
+
+    def __init__(self, stage_modules: dict[int, nn.Module], dp_group: Any, dp_size: int) -> None:
+        seen: dict[int, nn.Parameter] = {}
+        stage_of: dict[int, int] = {}
+        for k, sm in sorted(stage_modules.items()):
+            for p in sm.parameters():
+                seen.setdefault(id(p), p)
+                stage_of.setdefault(id(p), k)
+        self.params: list[nn.Parameter] = list(seen.values())
+        self._stage_of = [stage_of[id(p)] for p in self.params]
+        self._stages = sorted(stage_modules)
+        self._dp_group = dp_group
+        self._dp_size = dp_size
+        self._fresh: list[Tensor | None] | None = None
+
+    @contextmanager
+    def during_step(self) -> Iterator[None]:
+        """Run the schedule with empty ``.grad``; keep what it produced, restore what was there."""
+        held = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        try:
+            yield
+        finally:
+            self._fresh = [p.grad for p in self.params]
+            for p, g in zip(self.params, held):
+                p.grad = g
+
+    def hand_over(self, local_norms: bool = False) -> dict[int, float] | None:
+        """All-reduce the fresh gradients over dp and add them to ``.grad``.
+
+        Args:
+            local_norms: Also return each held stage's gradient norm before the all-reduce (one host
+                sync per stage).
+
+        Returns:
+            ``{stage: norm}`` when ``local_norms``, else ``None`` (also when no step ran).
+        """
+        fresh, self._fresh = self._fresh, None
+        if fresh is None:
+            return None
+        norms = self._local_norms(fresh) if local_norms else None
+        self._all_reduce(fresh)
+        for p, g in zip(self.params, fresh):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        return norms
+
+    def _local_norms(self, grads: list[Tensor | None]) -> dict[int, float]:
+        per_stage: dict[int, list[Tensor]] = {k: [] for k in self._stages}
+        for k, g in zip(self._stage_of, grads):
+            if g is not None:
+                per_stage[k].append(g)
+        return {
+            k: float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double())) if gs else 0.0
+            for k, gs in per_stage.items()
+        }
+
+    def _all_reduce(self, grads: list[Tensor | None]) -> None:
+        if self._dp_group is None or self._dp_size == 1:
+            return
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for g in grads:
+            if g is not None:
+                by_dtype.setdefault(g.dtype, []).append(g)
+        for present in by_dtype.values():  # one flat all-reduce per dtype (stages may differ in dtype)
+            flat = torch._utils._flatten_dense_tensors(present)
+            dist.all_reduce(flat, group=self._dp_group)
+            flat.div_(self._dp_size)
+            for g, synced in zip(present, torch._utils._unflatten_dense_tensors(flat, present)):
+                g.copy_(synced)
