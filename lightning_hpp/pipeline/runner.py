@@ -94,13 +94,6 @@ class PipelineRunner:
         for sm in self.stage_modules.values():
             sm.microbatch = -1
 
-    def parameters(self) -> list[nn.Parameter]:
-        seen: dict[int, nn.Parameter] = {}
-        for sm in self.stage_modules.values():
-            for p in sm.parameters():
-                seen.setdefault(id(p), p)
-        return list(seen.values())
-
     # ----------------------------------------------------------------- schedules
     def _schedule(self, train: bool, batch_size: int) -> tuple[Any, int]:
         n = self.n_microbatches if train else largest_divisor_at_most(batch_size, self.n_microbatches)

@@ -26,6 +26,7 @@ everywhere and backs the scale off.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,12 +64,14 @@ class StageView:
     microbatch: Callable[[int], int] = lambda stage: -1
     step: Callable[[], int] = lambda: -1
 
-    def __post_init__(self) -> None:
+    @functools.cached_property
+    def params(self) -> list[Tensor]:
+        """The stages' parameters, each once (taken at first use: after fp8 conversion and dtype casts)."""
         seen: dict[int, Tensor] = {}
         for _, sm in sorted(self.stages.items()):
             for p in sm.parameters():
                 seen.setdefault(id(p), p)
-        self.params: list[Tensor] = list(seen.values())
+        return list(seen.values())
 
 
 class HPPPrecision(Precision):
@@ -162,7 +165,6 @@ class HPPPrecision(Precision):
             sm.input_dtype = mode.param_dtype
             sm.output_dtype = torch.float32 if k == last else mode.wire_dtype
             sm.output_hooks.append(guard)
-        view.__post_init__()  # parameters may have changed (fp8 conversion, dtype)
         plan.meta["precision"] = labels
         plan.meta["boundary_dtypes"] = [str(MODES[p].wire_dtype).replace("torch.", "") for p in precs[:-1]]
         if self._scaled:
