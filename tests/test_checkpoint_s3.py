@@ -26,12 +26,14 @@ from lightning_hpp.checkpoint import (
     save_sharded,
     verify,
 )
+from lightning_hpp.checkpoint.store import filesystem
 from lightning_hpp.errors import CheckpointError, CheckpointSaveError, S3ConfigError
 from tests.ckpt_workers.common import big_state
 from tests.s3_server import FaultProxy, S3Env, fault_proxy, s3_env  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = RetryPolicy(attempts=3, base_delay=0.02, max_delay=0.1)
+BOTOCORE_RETRY = "Retry needed, retrying request"  # botocore.retries.standard's debug line
 
 
 def _state(step: int) -> dict:
@@ -69,23 +71,32 @@ def test_round_trip_discovery_and_retention_on_s3(s3_env: S3Env) -> None:
 def test_transient_errors_are_retried(
     s3_env: S3Env, fault_proxy: FaultProxy, kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # on S3 botocore retries each request (configured by lightning_hpp); the save is not re-run whole
     url = checkpoint_url(s3_env.root, 1)
     fault_proxy.fail_next(2, kind, methods=("PUT",))
-    with caplog.at_level(logging.WARNING, logger="lightning_hpp"):
+    with caplog.at_level(logging.DEBUG):
         info = save_sharded(_state(1), url, step=1, retry=RetryPolicy(attempts=4, base_delay=0.02))
     assert fault_proxy.faults == 2 and info.step == 1
-    assert "Transient storage error while writing the shards" in caplog.text
+    assert BOTOCORE_RETRY in caplog.text
+    assert "Transient storage error" not in caplog.text  # no whole-save retry on top
     assert verify(url).step == 1
-    fault_proxy.fail_next(2, "503", methods=("GET",))
-    _assert_loads(url, 1)
-    assert fault_proxy.faults == 4
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        fault_proxy.fail_next(2, "503", methods=("GET",))
+        _assert_loads(url, 1)
+        assert fault_proxy.faults == 4
+        # discovery and verification (LIST, HEAD, GET) go through the same configured filesystem
+        fault_proxy.fail_next(3, "503")
+        assert latest_valid(s3_env.root).step == 1
+        assert fault_proxy.faults == 7
+    assert BOTOCORE_RETRY in caplog.text and "Transient storage error" not in caplog.text
 
 
 def test_persistent_errors_raise_or_warn_and_keep_earlier_checkpoints(s3_env: S3Env, fault_proxy: FaultProxy) -> None:
     root = s3_env.root
     save_sharded(_state(1), checkpoint_url(root, 1), step=1)
     fault_proxy.fail_always("500", methods=("PUT", "POST"))
-    with pytest.raises(CheckpointSaveError, match=r"step-2.*after 3 tries.*Earlier checkpoints are untouched"):
+    with pytest.raises(CheckpointSaveError, match=r"step-2.*after up to 3 tries of each request.*Earlier checkpoints are untouched"):
         save_sharded(_state(2), checkpoint_url(root, 2), step=2, retry=FAST)
     assert fault_proxy.faults >= 3
     with pytest.warns(CheckpointWarning, match="step-2"):
@@ -201,9 +212,23 @@ def test_s3_options_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     env = {"AWS_ENDPOINT_URL": "http://a:1", "AWS_ENDPOINT_URL_S3": "http://b:2", "AWS_REGION": "eu-west-1",
            "AWS_ACCESS_KEY_ID": "AKIAEXAMPLEKEYID0001", "AWS_SECRET_ACCESS_KEY": "very-secret-value"}
     options = s3_storage_options(env)
-    assert options == {"client_kwargs": {"endpoint_url": "http://b:2", "region_name": "eu-west-1"}}
+    assert options == {
+        "client_kwargs": {"endpoint_url": "http://b:2", "region_name": "eu-west-1"},
+        "config_kwargs": {"retries": {"total_max_attempts": 4, "mode": "standard"}},
+    }
     assert s3_storage_options({"AWS_ENDPOINT_URL": "http://a:1"})["client_kwargs"]["endpoint_url"] == "http://a:1"
     with pytest.raises(S3ConfigError, match=r"AWS_ENDPOINT_URL='localhost:9000' is not an endpoint URL"):
         s3_storage_options({"AWS_ENDPOINT_URL": "localhost:9000"})
+    with pytest.raises(S3ConfigError, match="retry mode is 'legacy'"):
+        s3_storage_options({}, retry_mode="legacy")
+    with pytest.raises(S3ConfigError, match="`max_attempts` is 0"):
+        s3_storage_options({}, max_attempts=0)
+    # the filesystem every read and write goes through carries the RetryPolicy's botocore retries
+    # (explicit, so AWS_MAX_ATTEMPTS in the environment does not turn them off) and s3fs's own count
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    fs, _ = filesystem("s3://some-bucket/run", RetryPolicy(attempts=2, s3_mode="adaptive"))
+    assert fs.config_kwargs["retries"] == {"total_max_attempts": 2, "mode": "adaptive"}
+    assert fs.retries == 2
+    assert RetryPolicy(attempts=5).for_url("s3://b/run").attempts == 1  # no whole-operation retry on S3
     dirty = {"url": "s3://AKIAX:pw@bucket/x", "secret": "very-secret-value", "msg": "k=very-secret-value"}
     assert redact(dirty, env=env) == {"url": "s3://***@bucket/x", "secret": "***", "msg": "k=***"}

@@ -27,11 +27,7 @@ from lightning_hpp.checkpoint import (
     verify,
 )
 from lightning_hpp.checkpoint.store import CheckpointInfo
-from lightning_hpp.errors import (
-    CheckpointError,
-    CheckpointSaveError,
-    CorruptCheckpointError,
-)
+from lightning_hpp.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 
 
 def _state(step: int) -> dict:
@@ -252,6 +248,11 @@ def test_retry_policy_backs_off_exponentially_and_gives_up() -> None:
     assert len(calls) == 1  # not transient: no retry
     with pytest.raises(CheckpointError, match="attempts"):
         RetryPolicy(attempts=0)
+    with pytest.raises(CheckpointError, match="s3_mode"):
+        RetryPolicy(s3_mode="legacy")
+    # off S3 the whole operation is retried by this policy; on S3 botocore retries each request
+    assert policy.for_url("/some/dir") is policy and policy.for_url("file:///some/dir") is policy
+    assert policy.for_url("s3://bucket/run").attempts == 1
 
 
 def test_failed_save_raises_or_warns_and_keeps_earlier_checkpoints(tmp_path: Path) -> None:

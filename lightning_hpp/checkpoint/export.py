@@ -31,22 +31,22 @@ import fsspec
 import lightning
 import torch
 
-from lightning_hpp.checkpoint import store
 from lightning_hpp.checkpoint.sharded import checkpoint_keys, load_sharded
+from lightning_hpp.checkpoint.store import METADATA_FILE, filesystem, latest_valid, verify
 from lightning_hpp.errors import CheckpointError
 
 _OPTIONAL = ("hyper_parameters", "epoch", "global_step")
 
 
 def _resolve_source(src_url: str) -> str:
-    fs, path = store.filesystem(src_url)
+    fs, path = filesystem(src_url)
     fs.invalidate_cache(path)
-    if fs.exists(f"{path.rstrip('/')}/{store.METADATA_FILE}"):
+    if fs.exists(f"{path.rstrip('/')}/{METADATA_FILE}"):
         return src_url
-    newest = store.latest_valid(src_url)
+    newest = latest_valid(src_url)
     if newest is None:
         raise CheckpointError(
-            f"export source {src_url!r} is neither a committed checkpoint (no {store.METADATA_FILE}) "
+            f"export source {src_url!r} is neither a committed checkpoint (no {METADATA_FILE}) "
             f"nor a directory holding a valid `step-<N>` checkpoint. Pass a checkpoint directory "
             f"such as '<root>/step-100' or its root."
         )
@@ -78,7 +78,7 @@ def export_to_lightning_ckpt(
             ``module_cls``.
     """
     ckpt_url = _resolve_source(src_url)
-    info = store.verify(ckpt_url, checksums=checksums)
+    info = verify(ckpt_url, checksums=checksums)
     tops = {path[0] for path in checkpoint_keys(ckpt_url)}
     if "model" not in tops:
         raise CheckpointError(
@@ -135,7 +135,7 @@ def _check_against(
 
 
 def _write(dst_path: str, data: bytes) -> None:
-    fs, path = store.filesystem(dst_path)
+    fs, path = filesystem(dst_path)
     if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"

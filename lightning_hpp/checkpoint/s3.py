@@ -4,7 +4,12 @@ Credentials are never taken from a config, a checkpoint or a function argument: 
 botocore) reads ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, the
 shared credentials file or an instance role by itself, so no secret ever passes through this
 package's objects. What this module adds is the endpoint (``AWS_ENDPOINT_URL_S3`` or
-``AWS_ENDPOINT_URL``, for MinIO, Ceph, moto or any S3-protocol server) and the region.
+``AWS_ENDPOINT_URL``, for MinIO, Ceph, moto or any S3-protocol server), the region, and
+botocore's own retry configuration: every S3 request (PUT, GET, HEAD, LIST, each part of a
+multipart upload) is retried by botocore on connection errors, timeouts, 5xx answers and
+throttling, in its ``standard`` or ``adaptive`` mode, up to ``max_attempts`` tries in total. The
+configuration is explicit, so ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` in the environment do not
+change checkpoint I/O (the count comes from :class:`~lightning_hpp.checkpoint.store.RetryPolicy`).
 
 :func:`redact` is applied to everything this package writes as JSON (``metadata.json``, the JSON
 parts of a checkpoint) and to every warning and error message it emits.
@@ -33,6 +38,12 @@ SECRET_ENV_VARS = (
 
 REDACTED = "***"
 
+RETRY_MODES = ("standard", "adaptive")
+"""botocore retry modes that may be asked for (``legacy`` is not: it retries fewer errors)."""
+
+DEFAULT_MAX_ATTEMPTS = 4
+"""Tries in total of one S3 request, the first included (``RetryPolicy().attempts``)."""
+
 _SECRET_SUBSTRINGS = ("secret", "password", "passwd", "passphrase")
 _SECRET_WORDS = {"credential", "credentials", "apikey"}
 _KEY_QUALIFIERS = {"access", "api", "private", "account", "signing", "encryption", "auth"}
@@ -41,21 +52,39 @@ _URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
 _MIN_SECRET_LEN = 6  # shorter values ("1", "true") would redact unrelated text
 
 
-def s3_storage_options(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """fsspec/s3fs options for ``s3://`` URLs, built from the environment only.
+def s3_storage_options(
+    env: Mapping[str, str] | None = None,
+    *,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    retry_mode: str = "standard",
+) -> dict[str, Any]:
+    """fsspec/s3fs options for ``s3://`` URLs: endpoint and region from the environment, retries.
 
     Args:
         env: The environment to read; ``os.environ`` by default.
+        max_attempts: Tries in total of each S3 request, the first included (1 = no retry);
+            botocore's ``total_max_attempts``.
+        retry_mode: botocore's retry mode, ``"standard"`` or ``"adaptive"`` (standard, plus
+            client-side rate limiting when the server throttles).
 
     Returns:
-        Keyword arguments for ``fsspec.url_to_fs(url, **options)``: the endpoint and region when
-        set. Never credentials: s3fs finds those itself.
+        Keyword arguments for ``fsspec.url_to_fs(url, **options)``: ``config_kwargs`` (botocore's
+        retry configuration, handed by s3fs to ``botocore.config.Config``) and, when set,
+        ``client_kwargs`` with the endpoint and region. Never credentials: s3fs finds those itself.
 
     Raises:
-        S3ConfigError: an endpoint variable that is not an ``http(s)://host[:port]`` URL.
+        S3ConfigError: an endpoint variable that is not an ``http(s)://host[:port]`` URL, or a
+            retry setting botocore does not accept.
     """
     env = os.environ if env is None else env
-    options: dict[str, Any] = {}
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise S3ConfigError(f"S3 `max_attempts` is {max_attempts!r}; use an int >= 1 (1 = no retry).")
+    if retry_mode not in RETRY_MODES:
+        raise S3ConfigError(f"S3 retry mode is {retry_mode!r}; use one of {list(RETRY_MODES)}.")
+    # total_max_attempts counts the first try (botocore's own `max_attempts` key counts retries)
+    options: dict[str, Any] = {
+        "config_kwargs": {"retries": {"total_max_attempts": max_attempts, "mode": retry_mode}}
+    }
     client_kwargs: dict[str, Any] = {}
     for name in ENDPOINT_ENV_VARS:
         value = env.get(name)

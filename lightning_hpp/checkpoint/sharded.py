@@ -20,7 +20,12 @@ with ``/`` (``model/encoder.0.weight``; see :func:`checkpoint_keys`).
 Loading reads only tensors (``torch.load(weights_only=True)``) and JSON. The index file that
 torch.distributed.checkpoint pickles (``.metadata``) is read with an unpickler that admits only
 its own record classes; a checkpoint holding any other pickled object is refused with
-:class:`~lightning_hpp.checkpoint.store.CheckpointError`.
+:class:`~lightning_hpp.errors.CheckpointError`.
+
+Retries: every file is read and written through
+:func:`~lightning_hpp.checkpoint.store.filesystem`, so on ``s3://`` botocore retries each request;
+elsewhere a save or load that fails transiently is re-run whole by
+:meth:`~lightning_hpp.checkpoint.store.RetryPolicy.call` (see the store module's docstring).
 """
 
 from __future__ import annotations
@@ -47,35 +52,29 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import (
-    FileSystem as _FsspecFileSystem,
-)
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner,
-    DefaultSavePlanner,
-)
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    StorageMeta,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
-from lightning_hpp.checkpoint import store
+from lightning_hpp._dist import all_gather_object, initialized
 from lightning_hpp.checkpoint.s3 import redact
 from lightning_hpp.checkpoint.store import (
+    METADATA_FILE,
     CheckpointInfo,
     Retention,
     RetryPolicy,
     StorageFailure,
+    _warn,
+    build_metadata,
+    filesystem,
+    read_metadata,
+    remove_metadata,
+    storage_options,
+    write_metadata,
 )
-from lightning_hpp.errors import (
-    CheckpointError,
-    CheckpointSaveError,
-    CorruptCheckpointError,
-)
+from lightning_hpp.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +83,10 @@ _DCP_INDEX = ".metadata"
 _TAGS = ("__tuple__", "__items__", "__ndarray__", "__dtype__")
 
 
-
 def _quiet_single_process() -> None:
     # torch warns on every single-process save/load; one process is a supported, deliberate case
     # here. Installed at each call, since test runners and Lightning reset warning filters.
-    if not _dist_on():
+    if not initialized():
         warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
 
 # ============================================================================ paths of entries
@@ -312,19 +310,20 @@ def _basename(path: Any) -> str:
 
 
 class _Writer(FsspecWriter):
-    def __init__(self, url: str) -> None:
-        fs, _ = store.filesystem(url)
+    def __init__(self, url: str, retry: RetryPolicy) -> None:
+        fs, _ = filesystem(url, retry)
         local = isinstance(fs, fsspec.implementations.local.LocalFileSystem)
         # fsync is meaningless for object stores (and falls back to a host-wide sync())
-        super().__init__(url, sync_files=local, overwrite=True, **store.storage_options(url))
-        self.fs = _HashingFileSystem(self.fs.fs)
+        super().__init__(url, sync_files=local, overwrite=True, **storage_options(url, retry))
+        self.fs = _HashingFileSystem(fs)  # the configured filesystem, retries included
 
 
 class _Reader(FsspecReader):
     """fsspec reader that never unpickles: it is handed the index already read safely."""
 
-    def __init__(self, url: str, metadata: Metadata) -> None:
-        super().__init__(url, **store.storage_options(url))
+    def __init__(self, url: str, metadata: Metadata, retry: RetryPolicy) -> None:
+        super().__init__(url, **storage_options(url, retry))
+        self.fs.fs, _ = filesystem(url, retry)  # the configured filesystem, retries included
         self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -383,8 +382,8 @@ class _IndexUnpickler(pickle.Unpickler):
         raise _RefusedGlobal(f"{module}.{name}")
 
 
-def _read_index(url: str) -> Metadata:
-    fs, path = store.filesystem(url)
+def _read_index(url: str, retry: RetryPolicy | None = None) -> Metadata:
+    fs, path = filesystem(url, retry)
     try:
         raw = fs.cat_file(f"{path.rstrip('/')}/{_DCP_INDEX}")
     except FileNotFoundError:
@@ -446,30 +445,18 @@ def checkpoint_keys(url: str) -> dict[tuple[Any, ...], KeyInfo]:
 # ============================================================================ process groups
 
 
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _rank(group: Any) -> int:
-    return dist.get_rank(group) if _dist_on() else 0
+    return dist.get_rank(group) if initialized() else 0
 
 
 def _world(group: Any) -> int:
-    return dist.get_world_size(group) if _dist_on() else 1
-
-
-def _all_gather(obj: Any, group: Any) -> list[Any]:
-    if not _dist_on():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    return dist.get_world_size(group) if initialized() else 1
 
 
 def _agree(error: BaseException | None, group: Any, what: str, exc_type: type = CheckpointError) -> None:
     """Raise on every rank if any rank failed ``what`` (so no rank waits in a collective)."""
     report = None if error is None else f"{type(error).__name__}: {redact(str(error))}"
-    reports = _all_gather(report, group)
+    reports = all_gather_object(report, group)
     if error is not None:
         raise error
     for rank, message in enumerate(reports):
@@ -486,7 +473,7 @@ def _async_group(group: Any) -> Any:
     Created on first use; ``dist.new_group`` is collective over the whole world, so every rank
     must make its first asynchronous save at the same point.
     """
-    if not _dist_on():
+    if not initialized():
         return None
     ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
     if ranks not in _ASYNC_GROUPS:
@@ -526,7 +513,7 @@ class _SaveJob:
         _agree(error, self.group, f"to prepare {self.url!r}", CheckpointSaveError)
 
         files = self._retry(self._write_shards, "writing the shards")
-        every_rank = _all_gather(files, self.group)
+        every_rank = all_gather_object(files, self.group)
 
         meta, report = None, None
         if rank == 0:
@@ -536,13 +523,13 @@ class _SaveJob:
                     for per_rank in every_rank
                     for name, (size, sha) in per_rank.items()
                 ]
-                meta = store.build_metadata(
+                meta = build_metadata(
                     step=self.step, shards=shards, world_size=world, extra_metadata=self.extra_metadata
                 )
-                self._retry(lambda: store.write_metadata(self.url, meta), f"writing {store.METADATA_FILE}")
+                self._retry(lambda: write_metadata(self.url, meta, retry=self.retry), f"writing {METADATA_FILE}")
             except Exception as exc:  # reported to every rank below, so that none waits forever
                 report = redact(f"{type(exc).__name__}: {exc}")
-        meta, report = _all_gather((meta, report), self.group)[0]
+        meta, report = all_gather_object((meta, report), self.group)[0]
         if report is not None:
             raise CheckpointSaveError(report)
 
@@ -554,19 +541,19 @@ class _SaveJob:
                 if deleted:
                     log.info("retention deleted %s", deleted)
             except Exception as exc:  # retention must never fail a save that committed
-                store._warn(f"Retention on {root!r} failed ({type(exc).__name__}: {exc}); nothing else changed.")
+                _warn(f"Retention on {root!r} failed ({type(exc).__name__}: {exc}); nothing else changed.")
         return CheckpointInfo(url=self.url, step=self.step, metadata=meta)
 
     def _uncommit(self) -> None:
-        store.remove_metadata(self.url)
-        fs, path = store.filesystem(self.url)
+        remove_metadata(self.url, retry=self.retry)
+        fs, path = filesystem(self.url, self.retry)
         try:
             fs.rm_file(f"{path.rstrip('/')}/{_DCP_INDEX}")
         except FileNotFoundError:
             pass
 
     def _write_shards(self) -> dict[str, tuple[int, str]]:
-        writer = _Writer(self.url)
+        writer = _Writer(self.url, self.retry)
         _quiet_single_process()
         try:
             dcp.save(
@@ -574,7 +561,7 @@ class _SaveJob:
                 storage_writer=writer,
                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
                 process_group=self.group,
-                no_dist=not _dist_on(),
+                no_dist=not initialized(),
             )
         except CheckpointException as exc:
             raise _failure(exc) from None
@@ -589,12 +576,12 @@ class _SaveJob:
             return fn()
 
         try:
-            return self.retry.call(attempt, what=f"{what} of {self.url!r}")
+            return self.retry.for_url(self.url).call(attempt, what=f"{what} of {self.url!r}")
         except Exception as exc:
             raise CheckpointSaveError(
                 redact(
-                    f"Saving checkpoint {self.url!r} (step {self.step}) failed while {what} after "
-                    f"{tries} {'try' if tries == 1 else 'tries'}: {type(exc).__name__}: {exc}. Earlier "
+                    f"Saving checkpoint {self.url!r} (step {self.step}) failed while {what} "
+                    f"{self.retry.describe(self.url, tries)}: {type(exc).__name__}: {exc}. Earlier "
                     f"checkpoints are untouched and this one is not committed. Check the storage "
                     f"(endpoint, credentials, free space), or pass on_error='warn' to keep training "
                     f"without this checkpoint."
@@ -639,7 +626,7 @@ class PendingSave:
                 raise
             if not self._warned:
                 self._warned = True
-                store._warn(str(exc))
+                _warn(str(exc))
             return None
         self.reported = True
         return info
@@ -700,7 +687,8 @@ def save_sharded(
         process_group: Group of ranks writing this checkpoint; default: the whole world.
         async_save: Copy the tensors to CPU memory, return at once and write in a background
             thread. At most one save is in flight: a new save first waits for the previous one.
-        retry: Backoff for transient storage errors; default ``RetryPolicy()``.
+        retry: Retries of transient storage errors (per request on S3, of the whole save
+            elsewhere); default ``RetryPolicy()``.
         on_error: ``"raise"``: a save that fails after its retries raises
             :class:`CheckpointSaveError`; ``"warn"``: it emits a :class:`CheckpointWarning` and
             returns ``None`` (training goes on).
@@ -767,7 +755,7 @@ def save_sharded(
     except CheckpointSaveError as exc:
         if on_error == "raise":
             raise
-        store._warn(str(exc))
+        _warn(str(exc))
         return None
 
 
@@ -778,7 +766,7 @@ def _check_replicas(tensors: dict[str, torch.Tensor], docs: dict[str, bytes], gr
     mine = {k: (tuple(t.shape), str(t.dtype)) for k, t in tensors.items()}
     mine.update({k: hashlib.sha1(d).hexdigest() for k, d in docs.items()})
     seen: dict[str, tuple[int, Any]] = {}
-    for rank, sigs in enumerate(_all_gather(mine, group)):
+    for rank, sigs in enumerate(all_gather_object(mine, group)):
         for key, sig in sigs.items():
             if key in seen and seen[key][1] != sig:
                 raise CheckpointError(
@@ -959,7 +947,8 @@ def load_sharded(
         url: A checkpoint directory (``<root>/step-<N>``) with ``metadata.json``.
         state: Template dict (str keys), updated in place.
         process_group: Group of ranks loading together; default: the whole world.
-        retry: Backoff for transient storage errors; default ``RetryPolicy()``.
+        retry: Retries of transient storage errors (per request on S3, of the whole load
+            elsewhere); default ``RetryPolicy()``.
 
     Returns:
         ``state``, loaded.
@@ -970,13 +959,14 @@ def load_sharded(
         StorageFailure: storage failed after the retries.
     """
     retry = retry or RetryPolicy()
+    whole = retry.for_url(url)  # one try on S3, where botocore retries each request
     error: BaseException | None = None
     binder: _Binder | None = None
     metadata: Metadata | None = None
     bound: dict[str, Any] = {}
     try:
-        retry.call(lambda: store.read_metadata(url), what=f"reading {store.METADATA_FILE} of {url!r}")
-        metadata = retry.call(lambda: _read_index(url), what=f"reading the shard index of {url!r}")
+        whole.call(lambda: read_metadata(url, retry=retry), what=f"reading {METADATA_FILE} of {url!r}")
+        metadata = whole.call(lambda: _read_index(url, retry), what=f"reading the shard index of {url!r}")
         binder = _Binder(_index(metadata, url), url)
         bound = binder.bind(state)
     except Exception as exc:
@@ -989,10 +979,10 @@ def load_sharded(
         try:
             dcp.load(
                 binder.requests,
-                storage_reader=_Reader(url, metadata),
+                storage_reader=_Reader(url, metadata, retry),
                 planner=_NoBytesLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
                 process_group=process_group,
-                no_dist=not _dist_on(),
+                no_dist=not initialized(),
             )
         except CheckpointException as exc:
             failure = _failure(exc)
@@ -1003,7 +993,7 @@ def load_sharded(
                 ) from None
             raise failure from None
 
-    if binder.requests or _dist_on():
-        retry.call(read, what=f"reading the shards of {url!r}")
+    if binder.requests or initialized():
+        whole.call(read, what=f"reading the shards of {url!r}")
     state.update(_resolve(bound, url))
     return state

@@ -12,8 +12,28 @@ creation time, the format version and every file of the checkpoint with its size
 A directory without it is an unfinished save and is never loaded; a directory whose files do not
 match it is corrupt and is skipped (with a warning) in favour of the newest valid one.
 
-Transient storage errors (connection reset, 5xx, timeouts) are retried with exponential backoff
-by :class:`RetryPolicy`.
+Retries of transient storage errors (connection resets, 5xx, throttling, timeouts), one
+:class:`RetryPolicy` configuring two layers, each covering what the other cannot:
+
+* ``s3://``: botocore, per request. :func:`filesystem` (the one place an fsspec filesystem is made:
+  discovery, :func:`verify`, ``metadata.json``, and torch.distributed.checkpoint's shard reader and
+  writer all use it) hands botocore's retry configuration to s3fs (``config_kwargs={"retries":
+  {"total_max_attempts": attempts, "mode": "standard"|"adaptive"}}``), so every PUT, GET, HEAD and
+  LIST, and every part of a multipart upload, is retried with botocore's exponential backoff and
+  retry quota. s3fs's own wrapper around each call (``S3FileSystem.retries``, set to the same
+  count) re-tries what botocore cannot see, because botocore's retries end once the response
+  headers are parsed: a response body cut off while it is read (``IncompleteRead``, payload
+  errors, read timeouts mid-body). That wrapper also re-runs a call whose connection errors
+  botocore gave up on, so an endpoint that stays unreachable costs up to ``attempts**2`` requests
+  before the error is raised. No whole-operation retry is added on top: it would only multiply
+  botocore's tries.
+* Every other store (local or network disks, ``gs://``, ...): :meth:`RetryPolicy.call`, whole
+  operation, hand-written exponential backoff on the errors :func:`is_transient` recognises. It is
+  kept because nothing below it retries there: a torch.distributed.checkpoint save or load that
+  fails halfway (``EAGAIN``/``EBUSY`` on NFS, a reset under gcsfs) can only be re-run whole, and it
+  is collective, so every rank re-runs it together.
+
+:meth:`RetryPolicy.for_url` gives the whole-operation policy for a URL (one try on ``s3://``).
 """
 
 from __future__ import annotations
@@ -28,14 +48,14 @@ import re
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Literal, TypeVar
 
 import fsspec
 from fsspec.core import url_to_fs
 
-from lightning_hpp.checkpoint.s3 import redact, s3_storage_options
+from lightning_hpp.checkpoint.s3 import DEFAULT_MAX_ATTEMPTS, RETRY_MODES, redact, s3_storage_options
 from lightning_hpp.errors import CheckpointError, CorruptCheckpointError
 
 log = logging.getLogger(__name__)
@@ -110,17 +130,32 @@ def _warn(message: str) -> None:
 # ----------------------------------------------------------------------------- URLs
 
 
-def storage_options(url: str) -> dict[str, Any]:
-    """fsspec options for ``url``: S3 endpoint and region from the environment, else none."""
-    protocol = fsspec.utils.get_protocol(str(url))
-    if protocol in ("s3", "s3a"):
-        return s3_storage_options()
+_S3_PROTOCOLS = ("s3", "s3a")
+
+
+def per_request_retries(url: str) -> bool:
+    """Whether botocore retries each request to ``url`` (``s3://``), so no whole-operation retry is added."""
+    return fsspec.utils.get_protocol(str(url)) in _S3_PROTOCOLS
+
+
+def storage_options(url: str, retry: RetryPolicy | None = None) -> dict[str, Any]:
+    """fsspec options for ``url``: for S3 the endpoint and region from the environment and
+    botocore's retry configuration from ``retry`` (default ``RetryPolicy()``); else none."""
+    if per_request_retries(url):
+        policy = retry or RetryPolicy()
+        return s3_storage_options(max_attempts=policy.attempts, retry_mode=policy.s3_mode)
     return {}
 
 
-def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem and the protocol-less path of ``url``."""
-    return url_to_fs(str(url), **storage_options(url))
+def filesystem(url: str, retry: RetryPolicy | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem and the protocol-less path of ``url``, with ``retry``'s per-request
+    retries configured for S3 (see the module docstring)."""
+    fs, path = url_to_fs(str(url), **storage_options(url, retry))
+    if per_request_retries(url):
+        # s3fs's wrapper around each call: re-tries response bodies cut off mid-read. Not a
+        # constructor argument of s3fs; the instance is cached per options, so per attempt count.
+        fs.retries = (retry or RetryPolicy()).attempts
+    return fs, path
 
 
 def join_url(base: str, *parts: str) -> str:
@@ -181,34 +216,52 @@ def _is_transient_one(exc: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential backoff for transient storage errors.
+    """Retries of transient storage errors (see the module docstring for which layer does what).
 
-    Attempt ``i`` (0-based) that fails transiently waits
+    On ``s3://`` botocore retries each request: ``attempts`` tries in total, in ``s3_mode``, with
+    botocore's own exponential backoff (the delay fields do not apply there). Elsewhere
+    :meth:`call` re-runs the whole operation: attempt ``i`` (0-based) that fails transiently waits
     ``min(max_delay, base_delay * multiplier**i)`` seconds, spread by +/- ``jitter``, then retries.
 
     Attributes:
-        attempts: Tries in total (1 = no retry).
-        base_delay: Wait after the first failure, in seconds.
-        max_delay: Longest wait between two tries, in seconds.
-        multiplier: Growth of the wait from one retry to the next.
-        jitter: Relative random spread of each wait (0.1 = +/-10%).
+        attempts: Tries in total (1 = no retry): of each S3 request, or of each operation elsewhere.
+        base_delay: Wait after the first failure, in seconds (not S3).
+        max_delay: Longest wait between two tries, in seconds (not S3).
+        multiplier: Growth of the wait from one retry to the next (not S3).
+        jitter: Relative random spread of each wait (0.1 = +/-10%) (not S3).
+        s3_mode: botocore's retry mode for S3: ``"standard"``, or ``"adaptive"`` (standard plus
+            client-side rate limiting while the server throttles).
     """
 
-    attempts: int = 4
+    attempts: int = DEFAULT_MAX_ATTEMPTS
     base_delay: float = 1.0
     max_delay: float = 30.0
     multiplier: float = 2.0
     jitter: float = 0.1
+    s3_mode: Literal["standard", "adaptive"] = "standard"
 
     def __post_init__(self) -> None:
         if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
             raise CheckpointError(f"`RetryPolicy.attempts` is {self.attempts!r}; use an int >= 1 (1 = no retry).")
+        if self.s3_mode not in RETRY_MODES:
+            raise CheckpointError(f"`RetryPolicy.s3_mode` is {self.s3_mode!r}; use one of {list(RETRY_MODES)}.")
         for name in ("base_delay", "max_delay", "jitter"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise CheckpointError(f"`RetryPolicy.{name}` is {value!r}; use a number >= 0.")
         if not isinstance(self.multiplier, (int, float)) or self.multiplier < 1:
             raise CheckpointError(f"`RetryPolicy.multiplier` is {self.multiplier!r}; use a number >= 1.")
+
+    def for_url(self, url: str) -> RetryPolicy:
+        """The whole-operation policy for ``url``: one try where botocore retries each request
+        (``s3://``; retrying the operation too would only multiply its tries), else ``self``."""
+        return replace(self, attempts=1) if per_request_retries(url) else self
+
+    def describe(self, url: str, tries: int) -> str:
+        """``"after N tries"`` for an error message about an operation on ``url``."""
+        if per_request_retries(url):
+            return f"after up to {self.attempts} tries of each request (botocore, {self.s3_mode} mode)"
+        return f"after {tries} {'try' if tries == 1 else 'tries'}"
 
     def delay(self, failures: int) -> float:
         """Seconds to wait after ``failures`` consecutive failures (>= 1), before jitter."""
@@ -330,12 +383,13 @@ def build_metadata(
     return doc
 
 
-def write_metadata(ckpt_url: str, metadata: dict[str, Any]) -> None:
+def write_metadata(ckpt_url: str, metadata: dict[str, Any], *, retry: RetryPolicy | None = None) -> None:
     """Write ``metadata.json`` atomically: the commit of the checkpoint at ``ckpt_url``.
 
     On local disks the file is written aside and renamed; on object stores one PUT is atomic.
+    ``retry`` sets the per-request retries on S3 (:func:`filesystem`).
     """
-    fs, path = filesystem(ckpt_url)
+    fs, path = filesystem(ckpt_url, retry)
     data = json.dumps(metadata, indent=2, sort_keys=True).encode()
     target = f"{path.rstrip('/')}/{METADATA_FILE}"
     if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
@@ -354,9 +408,9 @@ def write_metadata(ckpt_url: str, metadata: dict[str, Any]) -> None:
         fs.pipe_file(target, data)
 
 
-def remove_metadata(ckpt_url: str) -> bool:
+def remove_metadata(ckpt_url: str, *, retry: RetryPolicy | None = None) -> bool:
     """Un-commit ``ckpt_url`` (delete its ``metadata.json``); returns whether one existed."""
-    fs, path = filesystem(ckpt_url)
+    fs, path = filesystem(ckpt_url, retry)
     target = f"{path.rstrip('/')}/{METADATA_FILE}"
     fs.invalidate_cache(path)
     try:
@@ -366,13 +420,15 @@ def remove_metadata(ckpt_url: str) -> bool:
     return True
 
 
-def read_metadata(ckpt_url: str) -> dict[str, Any]:
+def read_metadata(ckpt_url: str, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
     """Parse and check ``metadata.json`` of the checkpoint at ``ckpt_url``.
+
+    ``retry`` sets the per-request retries on S3 (:func:`filesystem`).
 
     Raises:
         CorruptCheckpointError: missing (an unfinished save), unreadable, or not of this format.
     """
-    fs, path = filesystem(ckpt_url)
+    fs, path = filesystem(ckpt_url, retry)
     fs.invalidate_cache(path)
     try:
         raw = fs.cat_file(f"{path.rstrip('/')}/{METADATA_FILE}")
@@ -410,13 +466,14 @@ def sha256_of(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return digest.hexdigest()
 
 
-def verify(ckpt_url: str, *, checksums: bool = True) -> CheckpointInfo:
+def verify(ckpt_url: str, *, checksums: bool = True, retry: RetryPolicy | None = None) -> CheckpointInfo:
     """Check that the checkpoint at ``ckpt_url`` is committed and whole.
 
     Args:
         ckpt_url: A checkpoint directory (``<root>/step-<N>``).
         checksums: Also recompute every file's sha256 (reads the whole checkpoint). Without it
             only presence and sizes are checked.
+        retry: Per-request retries on S3 (:func:`filesystem`); default ``RetryPolicy()``.
 
     Returns:
         The checkpoint's :class:`CheckpointInfo`.
@@ -425,8 +482,8 @@ def verify(ckpt_url: str, *, checksums: bool = True) -> CheckpointInfo:
         CorruptCheckpointError: no ``metadata.json``, a shard missing, truncated or with a
             checksum that does not match.
     """
-    meta = read_metadata(ckpt_url)
-    fs, path = filesystem(ckpt_url)
+    meta = read_metadata(ckpt_url, retry=retry)
+    fs, path = filesystem(ckpt_url, retry)
     for shard in meta["shards"]:
         shard_path = f"{path.rstrip('/')}/{shard['path']}"
         try:
