@@ -24,17 +24,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 FAKE_ACCESS_KEY = "AKIAIOSFODNN7EXAMPLE"
 FAKE_SECRET_KEY = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
 
 _ERROR_CODES = {"500": ("Internal Server Error", "InternalError"), "503": ("Service Unavailable", "ServiceUnavailable")}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MotoServer:
@@ -44,7 +39,7 @@ class MotoServer:
         from moto.server import ThreadedMotoServer
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        self.port = free_port()
+        self.port = find_free_network_port()
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self._server.start()
         self.endpoint = f"http://127.0.0.1:{self.port}"

@@ -80,6 +80,32 @@ def test_git_commit_and_dirty_digest(tmp_path):
     assert dirty1 is not None and dirty2 is not None and dirty1 != dirty2
 
 
+def test_fingerprint_and_snapshot_report_the_same_dirty_digest(tmp_path):
+    from lightning_hpp.hydra.snapshot import code_version
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                       check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub" / "b.py").write_text("y = 1\n")
+    git("add", "a.py", "sub/b.py")
+    git("commit", "-q", "-m", "init")
+    (tmp_path / "a.py").write_text("x = 2\n")  # a modified tracked file
+    (tmp_path / "new.py").write_text("z = 1\n")  # an untracked file
+    for cwd in (tmp_path, tmp_path / "sub"):  # any directory of the tree
+        fp, version = collect_fingerprint(cwd=str(cwd)), code_version(cwd)
+        assert version["dirty"] and fp["git_dirty_digest"] is not None
+        assert fp["git_dirty_digest"] == version["dirty_digest"]
+        assert fp["git_commit"] == version["commit"]
+    before = version["dirty_digest"]
+    (tmp_path / "new.py").write_text("z = 2\n")  # only the untracked file's content changes
+    fp, version = collect_fingerprint(cwd=str(tmp_path)), code_version(tmp_path)
+    assert fp["git_dirty_digest"] == version["dirty_digest"] != before
+
+
 def _world(base: dict, n: int) -> list[dict]:
     return [copy.deepcopy(base) for _ in range(n)]
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from tests.launch import ROOT, run_script
 
@@ -49,18 +49,12 @@ def test_last_stage_metrics_reach_rank0_loggers_and_callbacks(tmp_path):
     assert plan["meta"]["schedule"] == "1f1b" and plan["meta"]["pp_degree"] == 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_node_torchrun_matches_single_process(tmp_path):
     """Two torchrun node agents on loopback (--nnodes 2, one process each) train 2 stages."""
     from tests.launch import merged_state
     from tests.reference import train_reference
 
-    port = _free_port()
+    port = find_free_network_port()
     cfg = json.dumps({"devices": 1, "num_nodes": 2, "runs": [{"name": "tr", "stages": [["layers.0-3"], ["layers.4-6"]], "schedule": "1f1b", "n_micro": 4, "steps": 4, "batch": 16, "out": str(tmp_path)}]})
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [

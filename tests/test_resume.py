@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from lightning_hpp.checkpoint import export_to_lightning_ckpt, list_checkpoints
 from tests.launch import ROOT, run_script
@@ -82,12 +81,6 @@ def test_checkpoint_loads_under_other_cuts_and_dp_degrees(tmp_path):
             assert torch.equal(optim[k]["momentum_buffer"], saved_optim[k]["momentum_buffer"]), f"{tag}: momentum of {k}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_kill_9_under_torchrun_restarts_resumes_and_matches(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     run_script("tests.workers.run_resume", {"stages": TWO, "steps": 12, "tag": "full", "out": str(tmp_path)})
@@ -95,7 +88,7 @@ def test_kill_9_under_torchrun_restarts_resumes_and_matches(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.5",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "-m", "tests.workers.run_resume", json.dumps(cfg)],
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{find_free_network_port()}", "-m", "tests.workers.run_resume", json.dumps(cfg)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

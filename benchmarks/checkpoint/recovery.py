@@ -37,7 +37,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,12 +51,6 @@ sys.path.insert(0, str(ROOT))
 TWO = [["layers.0-3"], ["layers.4-6"]]
 KILL_AT = 5
 FIELD_REPORT_S = 11.3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ============================================================================================ recovery
@@ -86,6 +79,8 @@ def _agent_events(stderr: str, day: datetime.date) -> dict[str, float]:
 
 def recovery_run(out: Path, timeout: float, private_store: bool) -> dict[str, Any]:
     """One torchrun job killed with SIGKILL and restarted; the timeline of its recovery."""
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
     ckpt = out / "ckpt"
     cfg = {"stages": TWO, "steps": 12, "tag": "elastic", "out": str(out), "ckpt_dir": str(ckpt), "every": 2,
            "resume": "auto", "kill_at": KILL_AT, "kill_rank": 1}
@@ -93,7 +88,7 @@ def recovery_run(out: Path, timeout: float, private_store: bool) -> dict[str, An
     if private_store:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-           "--monitor-interval", "0.5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+           "--monitor-interval", "0.5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{find_free_network_port()}",
            "-m", "tests.workers.run_resume", json.dumps(cfg)]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

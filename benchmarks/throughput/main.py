@@ -36,7 +36,6 @@ import gc
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -417,12 +416,6 @@ def _stages_of(rank: int, pp: int, n_stages: int, style: str) -> list[int]:
 
 
 # ============================================================================================ launch
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_ranks(
     script: str | Path, job: dict[str, Any], n: int, *, flag: str = "--worker", prefix: str = "rank",
     threads: int = 1, rank_env: Any = None,
@@ -433,8 +426,10 @@ def launch_ranks(
     (``OUT`` = ``job['out']``); the results are returned in rank order. ``rank_env(r)`` adds
     per-rank environment variables. A failed rank ends the benchmark with its log's tail.
     """
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
     out = Path(job["out"])
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(n),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_network_port()), "WORLD_SIZE": str(n),
            "NODE_RANK": "0", "OMP_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     procs = []

@@ -19,17 +19,17 @@ started with. Only ``PYTHONHASHSEED=<n>`` in the shell (or the job spec) fixes e
 function warns when the calling process is in that state, and the data-loading audit reports it
 (``pythonhashseed_differs``: "set after the interpreter started").
 
-:func:`worker_init_fn` builds a dataloader ``worker_init_fn``: every worker's ``torch``, ``random``
-and ``numpy`` streams derive from ``(seed, data-parallel rank, worker id, the loader's per-epoch
-base seed)``, so they differ between workers, replicas and epochs, repeat between runs, and agree
-between the pipeline stages of one replica (Lightning's own worker seeding mixes in the *global*
-rank, which gives the stages of one pipeline different augmentations of the same batch).
+:func:`worker_init_fn` builds a dataloader ``worker_init_fn``: Lightning's own worker seeding
+(``pl_worker_init_function``) with the *data-parallel* rank in place of the global rank, so every
+worker's ``torch``, ``random`` and ``numpy`` streams derive from ``(seed, data-parallel rank, worker
+id, the loader's per-epoch base seed)``: they differ between workers, replicas and epochs, repeat
+between runs, and agree between the pipeline stages of one replica (with the *global* rank, as
+Lightning installs it, the stages of one pipeline get different augmentations of the same batch).
 """
 
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 import warnings
@@ -213,17 +213,20 @@ def determinism_seed(default: int = 0) -> int:
 
 
 class WorkerSeeder:
-    """A picklable dataloader ``worker_init_fn`` that seeds each worker per seed, rank and worker.
+    """A picklable dataloader ``worker_init_fn``: Lightning's worker seeding, per seed and data-parallel rank.
 
-    The worker's ``torch``, ``random`` and ``numpy`` generators start from
-    ``SeedSequence([seed, rank, worker_id, base_seed])``, where ``base_seed`` is the value the
-    ``DataLoader`` drew for this epoch's workers from its generator (or the global torch RNG): the
-    streams differ between workers, ranks and epochs, and repeat in a run with the same seed.
+    Each worker runs Lightning's ``pl_worker_init_function(worker_id, rank=rank)``, which seeds the
+    worker's ``torch``, ``random`` and ``numpy`` generators from ``(base seed, worker id, rank)``.
+    Lightning reads the base seed from ``torch.initial_seed() - worker_id``, i.e. the value the
+    ``DataLoader`` drew for this epoch's workers from its generator (or the global torch RNG). To
+    make the streams follow ``seed`` as well, the base seed is first replaced by a mix of ``seed``
+    and the loader's base seed, set where Lightning reads it (``torch.manual_seed(base + worker_id)``):
+    the streams differ between seeds, workers, ranks and epochs, and repeat in a run with the same seed.
 
     Under pipeline parallelism pass the *data-parallel* rank (the replica index,
-    ``trainer.strategy.dp_rank``): the stages of one pipeline replica load the same batch on
-    different processes, and random augmentation must agree between them. Without pipeline
-    parallelism the data-parallel rank is the global rank.
+    ``trainer.strategy.dp_rank``) rather than the global rank Lightning would use: the stages of one
+    pipeline replica load the same batch on different processes, and random augmentation must
+    agree between them. Without pipeline parallelism the data-parallel rank is the global rank.
 
     Args:
         seed: Seed shared by every rank.
@@ -238,13 +241,14 @@ class WorkerSeeder:
         self.rank = rank
 
     def __call__(self, worker_id: int) -> None:
+        from lightning.fabric.utilities.seed import pl_worker_init_function
+
         # Inside a worker, torch.initial_seed() is the loader's base seed plus the worker id.
-        base_seed = torch.initial_seed() - worker_id
-        ss = np.random.SeedSequence([self.seed, self.rank, worker_id, base_seed % 2**64])
-        torch_seed, py_seed = ss.generate_state(2, dtype=np.uint64)
-        torch.manual_seed(int(torch_seed))
-        random.seed(int(py_seed))
-        np.random.seed(ss.generate_state(4, dtype=np.uint32))
+        loader_base = (torch.initial_seed() - worker_id) % 2**64
+        # 63 bits, so that base + worker_id stays a valid torch seed (< 2**64).
+        base = int(np.random.SeedSequence([self.seed, loader_base]).generate_state(1, dtype=np.uint64)[0]) >> 1
+        torch.manual_seed(base + worker_id)
+        pl_worker_init_function(worker_id, rank=self.rank)
 
     def __repr__(self) -> str:
         return f"WorkerSeeder(seed={self.seed}, rank={self.rank})"

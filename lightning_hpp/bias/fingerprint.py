@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import socket
-import subprocess
 import sys
 import warnings
 from collections.abc import Sequence
@@ -37,6 +36,8 @@ from typing import Any
 
 import torch
 
+from lightning_hpp._dist import all_gather_object
+from lightning_hpp._git import code_version
 from lightning_hpp.errors import BiasConfigError, FingerprintMismatchError
 
 POLICIES = ("warn", "error", "off")
@@ -201,25 +202,10 @@ def _env_vars() -> dict[str, str | None]:
     return env
 
 
-def _git(args: Sequence[str], cwd: str) -> bytes | None:
-    try:
-        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout if out.returncode == 0 else None
-
-
 def _git_facts(cwd: str | None) -> dict[str, Any]:
-    cwd = cwd or os.getcwd()
-    head = _git(["rev-parse", "HEAD"], cwd)
-    if head is None:
-        return {"git_commit": None, "git_dirty_digest": None}
-    status = _git(["status", "--porcelain=v1", "--untracked-files=normal"], cwd) or b""
-    diff = _git(["diff", "HEAD", "--binary", "--no-ext-diff"], cwd) or b""
-    dirty = None
-    if status.strip():
-        dirty = hashlib.sha256(status + b"\0" + diff).hexdigest()[:16]
-    return {"git_commit": head.decode().strip(), "git_dirty_digest": dirty}
+    # The same commit and digest as the experiment snapshot's `code_version`, by construction.
+    version = code_version(cwd or os.getcwd())
+    return {"git_commit": version["commit"], "git_dirty_digest": version["dirty_digest"]}
 
 
 def _packages_digest() -> str:
@@ -246,11 +232,7 @@ def gather_fingerprints(group: Any = None, fingerprint: dict[str, Any] | None = 
         list holding this process's fingerprint only.
     """
     fp = collect_fingerprint() if fingerprint is None else fingerprint
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [fp]
-    out: list[Any] = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(out, fp, group=group)
-    return out
+    return all_gather_object(fp, group=group)
 
 
 def save_fingerprints(per_rank: Sequence[dict[str, Any]], path: str) -> None:

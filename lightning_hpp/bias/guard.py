@@ -34,16 +34,11 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule
 from torch.utils.data import DataLoader
 
-from lightning_hpp.bias.audit import (
-    Hazard,
-    analyze_audit_records,
-    collect_audit_record,
-    enforce_audit,
-)
+from lightning_hpp._dist import all_gather_object
+from lightning_hpp.bias.audit import Hazard, analyze_audit_records, collect_audit_record, enforce_audit
 from lightning_hpp.bias.fingerprint import (
     DEVICE_FIELDS,
     FingerprintDifference,
@@ -127,7 +122,7 @@ class BiasGuard(Callback):
         self._is_global_zero = True
 
     # ------------------------------------------------------------------ wiring
-    def attach(self, trainer: Trainer) -> BiasGuard:
+    def attach(self, trainer: Any) -> BiasGuard:
         """Add this guard to ``trainer.callbacks`` unless a :class:`BiasGuard` is already there.
 
         A strategy calls it before ``Trainer.fit`` reaches the callbacks' ``setup`` (for example in
@@ -171,11 +166,11 @@ class BiasGuard(Callback):
         return {"format": 1, "ranks": list(self.fingerprints), "device_kinds": self.device_kinds}
 
     # ------------------------------------------------------------------ hooks
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+    def setup(self, trainer: Any, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             self._reset()
 
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_fit_start(self, trainer: Any, pl_module: LightningModule) -> None:
         self._is_global_zero = trainer.is_global_zero
         if self.fingerprint_policy == "off":
             self._pending_saved = None
@@ -187,7 +182,7 @@ class BiasGuard(Callback):
             "device_kind": _device_kind(trainer),
             "stage": _first_stage(trainer.strategy),
         }
-        gathered = _all_gather(mine, group=None)
+        gathered = all_gather_object(mine, group=None)
         self.fingerprints = [g["fingerprint"] for g in gathered]
         self.device_kinds = [g["device_kind"] for g in gathered]
         self.stage_of_rank = [g["stage"] for g in gathered]
@@ -207,7 +202,7 @@ class BiasGuard(Callback):
             saved, self._pending_saved = self._pending_saved, None
             self.check_resume(saved)
 
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_start(self, trainer: Any, pl_module: LightningModule) -> None:
         self._is_global_zero = trainer.is_global_zero
         if self.audit_policy == "off":
             return
@@ -216,7 +211,7 @@ class BiasGuard(Callback):
         self._act(lambda p: enforce_audit(self.hazards, p), self.audit_policy)
 
     # ------------------------------------------------------------------ audit
-    def run_audit(self, trainer: Trainer) -> list[Hazard]:
+    def run_audit(self, trainer: Any) -> list[Hazard]:
         """Audit the train and validation dataloaders and PYTHONHASHSEED (a collective: every rank).
 
         Each data-parallel group compares its ranks' draws (the audit's hazards). Under pipeline
@@ -237,18 +232,19 @@ class BiasGuard(Callback):
         for name, loader, train in loaders:
             record = collect_audit_record(loader, rank=rank, world_size=size, use_distributed_sampler=use_ds,
                                           max_indices=self.max_indices, train=train)
-            hazards += analyze_audit_records(_all_gather(record, group), name=name, check_hash_seed=False)
+            hazards += analyze_audit_records(all_gather_object(record, group), name=name, check_hash_seed=False)
             draws.append((name, record["shard"], record["worker_stream"]))
         if size < trainer.world_size:
             # One data-parallel group per pipeline position judged its own ranks: merge the verdicts so
             # every rank acts on the same list, then compare the ranks of each pipeline replica.
-            parts = _all_gather({"hazards": hazards, "replica": rank, "rank": trainer.global_rank, "draws": draws}, None)
+            mine = {"hazards": hazards, "replica": rank, "rank": trainer.global_rank, "draws": draws}
+            parts = all_gather_object(mine, None)
             hazards = _merge([h for part in parts for h in part["hazards"]])
             hazards += pipeline_peer_hazards(parts)
         # PYTHONHASHSEED concerns every rank, not only a data-parallel group.
         record = collect_audit_record(None, rank=trainer.global_rank, world_size=trainer.world_size,
                                       use_distributed_sampler=use_ds)
-        hazards += analyze_audit_records(_all_gather(record, None), check_hash_seed=True)
+        hazards += analyze_audit_records(all_gather_object(record, None), check_hash_seed=True)
         return hazards
 
     # ------------------------------------------------------------------ resume
@@ -397,19 +393,7 @@ def _saved_ranks(saved: Any) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- topology
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _all_gather(obj: Any, group: Any) -> list[Any]:
-    if not _distributed():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _dp_topology(trainer: Trainer) -> tuple[Any, int, int]:
+def _dp_topology(trainer: Any) -> tuple[Any, int, int]:
     """``(group, size, rank)`` of this rank's data-parallel group; the world without pipeline."""
     s = trainer.strategy
     size, rank = getattr(s, "dp_size", None), getattr(s, "dp_rank", None)
@@ -429,7 +413,7 @@ def _first_stage(strategy: Any) -> int:
     return min(stages) if stages else 0
 
 
-def _device_kind(trainer: Trainer) -> str:
+def _device_kind(trainer: Any) -> str:
     from lightning_hpp.planning.devices import detect_device_kind
 
     return detect_device_kind(trainer.strategy.root_device, rank=trainer.global_rank)

@@ -52,9 +52,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule
 from torch.utils.data import DataLoader
 
+from lightning_hpp._dist import all_gather_object, group_device, initialized
 from lightning_hpp.bias.fingerprint import CodedBiasWarning
 from lightning_hpp.errors import BiasConfigError
 
@@ -137,7 +138,7 @@ class BiasMonitor(Callback):
 
     # ------------------------------------------------------------------ topology
     @staticmethod
-    def _dp(trainer: Trainer) -> tuple[Any, int, int]:
+    def _dp(trainer: Any) -> tuple[Any, int, int]:
         s = trainer.strategy
         group = getattr(s, "dp_group", None)
         size = getattr(s, "dp_size", None)
@@ -146,7 +147,7 @@ class BiasMonitor(Callback):
         return group, size, trainer.global_rank if rank is None else int(rank)
 
     @staticmethod
-    def _step_stats(trainer: Trainer) -> Mapping[str, Any] | None:
+    def _step_stats(trainer: Any) -> Mapping[str, Any] | None:
         stats = getattr(trainer.strategy, "step_stats", None)
         return stats if isinstance(stats, Mapping) else None
 
@@ -157,7 +158,7 @@ class BiasMonitor(Callback):
         return self._norm_source
 
     # ------------------------------------------------------------------ hooks
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_start(self, trainer: Any, pl_module: LightningModule) -> None:
         self._loss_base.clear()
         self._loss_recent.clear()
         self._alarmed.clear()
@@ -182,11 +183,11 @@ class BiasMonitor(Callback):
         else:
             self._norm_source = "local"
 
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_epoch_start(self, trainer: Any, pl_module: LightningModule) -> None:
         loader = _first_dataloader(trainer.train_dataloader)
         self._recorder.attach(loader)
 
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(self, trainer: Any, pl_module: LightningModule, optimizer: Any) -> None:
         self._stepped = True
         if self._norm_source == "ddp_comm_hook":
             state = self._hook_state
@@ -197,7 +198,7 @@ class BiasMonitor(Callback):
             self._local_norm = float(torch.linalg.vector_norm(torch.stack(grads))) if grads else None
 
     def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: Any, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         stats = self._step_stats(trainer)
         if stats is None and not self._stepped:
@@ -214,7 +215,7 @@ class BiasMonitor(Callback):
             loss = _loss_value(outputs, trainer.accumulate_grad_batches)
             norms = {} if self._local_norm is None else {0: self._local_norm}
         mine = {"dp_rank": dp_rank, "loss": None if loss is None else float(loss), "norms": norms}
-        gathered = _all_gather_object(mine, group=None)
+        gathered = all_gather_object(mine, group=None)
         metrics = _step_metrics(gathered)
         step = trainer.global_step
         self.history.append({"step": step, "epoch": trainer.current_epoch, **metrics})
@@ -222,7 +223,7 @@ class BiasMonitor(Callback):
             pl_module.log(name, value, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
         self.check_step_metrics(metrics, trainer.global_step, trainer.current_epoch, warn=trainer.is_global_zero)
 
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_epoch_end(self, trainer: Any, pl_module: LightningModule) -> None:
         group, _, _ = self._dp(trainer)
         metrics = _epoch_metrics(self._recorder, group, self.max_agreement_positions)
         self._recorder.clear()
@@ -233,7 +234,7 @@ class BiasMonitor(Callback):
             pl_module.log(name, value, on_step=False, on_epoch=True, sync_dist=False, batch_size=1)
         self.check_epoch_metrics(metrics, trainer.current_epoch, warn=trainer.is_global_zero)
 
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+    def teardown(self, trainer: Any, pl_module: LightningModule, stage: str) -> None:
         self._recorder.detach()
 
     # ------------------------------------------------------------------ alarms
@@ -344,24 +345,6 @@ def _loss_value(outputs: Any, accumulate: int) -> float | None:
 
 
 # ---------------------------------------------------------------------- collectives and metrics
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _device(group: Any) -> torch.device:
-    if _distributed() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _all_gather_object(obj: Any, group: Any) -> list[Any]:
-    if not _distributed():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
 def _pstd(values: Sequence[float]) -> float:
     return statistics.pstdev(values) if len(values) > 1 else 0.0
 
@@ -387,10 +370,10 @@ def _step_metrics(gathered: Sequence[dict[str, Any]]) -> dict[str, float]:
 def _epoch_metrics(recorder: _IndexRecorder, group: Any, positions: int) -> dict[str, float] | None:
     """The epoch metrics over the dp group: three reductions and one gather of fixed-size tensors."""
     idx = torch.tensor(recorder.indices if recorder.valid else [], dtype=torch.int64)
-    device = _device(group)
+    device = group_device(group)
     size = recorder.dataset_len if recorder.dataset_len is not None else (int(idx.max()) + 1 if len(idx) else 0)
     head = torch.tensor([size], dtype=torch.int64, device=device)
-    if _distributed():
+    if initialized():
         dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
     n = int(head[0])
     if n == 0:
@@ -402,7 +385,7 @@ def _epoch_metrics(recorder: _IndexRecorder, group: Any, positions: int) -> dict
     k = min(positions, len(idx))
     tail[:k] = idx[:k].to(device)
     rows = [tail]
-    if _distributed():
+    if initialized():
         dist.all_reduce(member, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(draws, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(repeats, op=dist.ReduceOp.MAX, group=group)

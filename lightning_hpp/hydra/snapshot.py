@@ -22,7 +22,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -31,12 +30,11 @@ from typing import Any
 
 import yaml
 
+from lightning_hpp._git import code_version
 from lightning_hpp.checkpoint.s3 import REDACTED, redact
 from lightning_hpp.planning.plan import StagePlan
 
 SNAPSHOT_DIR = "snapshot"
-_UNTRACKED_LIMIT = 16 * 2**20
-"""Untracked files larger than this enter the digest by size and mtime, not by content."""
 
 
 def write_snapshot(
@@ -105,47 +103,6 @@ def installed_packages() -> list[str]:
         if name:
             names.add(f"{name.lower().replace('_', '-')}=={dist.version}")
     return sorted(names)
-
-
-def _git(args: Sequence[str], cwd: Path) -> bytes | None:
-    try:
-        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout if out.returncode == 0 else None
-
-
-def code_version(path: str | os.PathLike) -> dict[str, Any]:
-    """The git commit of the tree holding ``path`` and a digest of its uncommitted changes.
-
-    The digest covers ``git status``, the diff of tracked files against ``HEAD`` and the content of
-    untracked, not ignored files, so two runs with the same digest ran the same code.
-
-    Returns:
-        ``{"root", "commit", "dirty", "dirty_digest", "changed"}``; ``{"root": None, ...}`` outside git.
-    """
-    path = Path(path)
-    root = _git(["rev-parse", "--show-toplevel"], path)
-    if root is None:
-        return {"root": None, "commit": None, "dirty": None, "dirty_digest": None, "changed": []}
-    top = Path(root.decode().strip())
-    commit = (_git(["rev-parse", "HEAD"], top) or b"").decode().strip() or None
-    status = _git(["status", "--porcelain=v1", "--untracked-files=normal"], top) or b""
-    changed = [line[3:] for line in status.decode(errors="replace").splitlines() if line]
-    if not status.strip():
-        return {"root": str(top), "commit": commit, "dirty": False, "dirty_digest": None, "changed": []}
-    h = hashlib.sha256(status)
-    h.update(_git(["diff", "HEAD", "--binary", "--no-ext-diff"], top) or b"")
-    untracked = (_git(["ls-files", "--others", "--exclude-standard", "-z"], top) or b"").split(b"\0")
-    for name in sorted(filter(None, untracked)):
-        file = top / name.decode(errors="replace")
-        h.update(b"\0" + name + b"\0")
-        try:
-            size = file.stat().st_size
-            h.update(file.read_bytes() if size <= _UNTRACKED_LIMIT else f"{size}:{file.stat().st_mtime_ns}".encode())
-        except OSError:
-            h.update(b"<unreadable>")
-    return {"root": str(top), "commit": commit, "dirty": True, "dirty_digest": h.hexdigest()[:16], "changed": changed}
 
 
 def environment_fingerprint() -> dict[str, Any] | None:

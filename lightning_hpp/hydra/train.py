@@ -27,7 +27,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -393,13 +392,6 @@ def run(cfg: DictConfig) -> float | None:
 
 
 # --------------------------------------------------------------------------- one trial of a sweep
-def free_port() -> int:
-    """A TCP port that is free on the loopback interface right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _override(key: str, value: str) -> str:
     if _SAFE_OVERRIDE_VALUE.match(value):
         return f"{key}={value}"
@@ -480,6 +472,8 @@ def launch_trial(cfg: DictConfig) -> float:
     Raises:
         TrainConfigError: the trial's config fails the checks of :func:`check_config`.
     """
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
     from lightning_hpp.checkpoint.s3 import redact
     from lightning_hpp.hydra.snapshot import scrub_hydra_files
 
@@ -489,7 +483,7 @@ def launch_trial(cfg: DictConfig) -> float:
     scrub_hydra_files(run_dir)
     scrub_hydra_files(Path(hc.sweep.dir))
     check_config(cfg)
-    port = free_port()
+    port = find_free_network_port()
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     env.update(MASTER_ADDR=env.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)

@@ -15,26 +15,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from lightning_hpp._dist import all_gather_object
 from lightning_hpp.errors import PlacementError
-from lightning_hpp.planning.devices import (
-    assign_ranks,
-    detect_device_kind,
-    precision_preference,
-)
+from lightning_hpp.planning.devices import assign_ranks, detect_device_kind, precision_preference
 from lightning_hpp.planning.plan import StagePlan
 
 
 def gather_kinds(device: torch.device, rank: int, device_map: Any = None) -> list[str]:
     """Every rank's device kind, index = global rank (collective)."""
     kind = detect_device_kind(device, rank=rank, device_map=device_map)
-    if not (dist.is_available() and dist.is_initialized()):
-        return [kind]
-    kinds: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(kinds, kind)
-    return kinds
+    return all_gather_object(kind)
 
 
 def kind_grid(plan: StagePlan, positions: list[list[int]], rank_kinds: list[str], pp: int, dp: int) -> list[list[int]] | None:
@@ -91,11 +83,7 @@ def auto_plan(
         of the result for the log.
     """
     from lightning_hpp.planning.partition import DEFAULT_LINK_GBPS, plan_for_ranks
-    from lightning_hpp.planning.profile import (
-        CostProfile,
-        check_profile_matches,
-        profile_units,
-    )
+    from lightning_hpp.planning.profile import CostProfile, check_profile_matches, profile_units
 
     names = [n for n, _ in units]
     if profile_path is not None:
@@ -107,12 +95,8 @@ def auto_plan(
             kind = rank_kinds[rank]
             precision = next(p for p in precision_preference(kind) if p != "fp8")
             mine = profile_units(list(units), example_args, kind, precision=precision).to_dict()
-        parts: list[Any] = [mine]
-        if dist.is_available() and dist.is_initialized():
-            parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, mine)
         profile = None
-        for part in parts:
+        for part in all_gather_object(mine):
             if part is not None:
                 p = CostProfile.from_dict(part)
                 profile = p if profile is None else profile.merge(p)

@@ -7,20 +7,15 @@ import functools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(
@@ -36,7 +31,7 @@ def run_ranks(
     ``env_of_rank`` sets (or, with ``None``, removes) environment variables per rank before the
     interpreter starts, which is how PYTHONHASHSEED has to be set. ``cwd`` defaults to ``out_dir``.
     """
-    port = free_port()
+    port = find_free_network_port()
     procs = []
     for rank in range(world_size):
         env = dict(os.environ)
