@@ -25,6 +25,10 @@ class SequentialForwardError(PlanError):
     """``forward`` is not the units applied in order, so the model cannot be cut into stages."""
 
 
+class TraceError(PlanError):
+    """``torch.export`` cannot capture the model, so the traced frontend cannot cut it."""
+
+
 class PartitionError(ValueError):
     """No valid partition: impossible memory limits, missing devices or costs, bad arguments."""
 

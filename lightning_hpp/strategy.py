@@ -43,8 +43,8 @@ from lightning_hpp.bias.guard import BiasGuard
 from lightning_hpp.checkpoint import resume as _resume
 from lightning_hpp.errors import CheckpointError, PlanError, ScheduleError
 from lightning_hpp.launch import Launcher, init_process_group
-from lightning_hpp.model.sequential import check_sequential_forward
-from lightning_hpp.model.units import find_units, keep_stages
+from lightning_hpp.model.frontend import FRONTENDS, balanced_plan, cut_model
+from lightning_hpp.model.units import find_units, keep_stages, keep_tensors
 from lightning_hpp.options import BiasOptions, CheckpointOptions, PlacementOptions, TelemetryOptions, section
 from lightning_hpp.pipeline.data import first_loader, peek_batch, seed_workers_per_replica, shard_over_replicas
 from lightning_hpp.pipeline.grads import GradHandover
@@ -83,6 +83,9 @@ class HPPStrategy(ParallelStrategy):
         pp_degree: Pipeline positions per replica. Default: the number of stages for one-stage-per-rank
             schedules, half of it for the multi-stage ones. ``world_size / pp_degree`` replicas train
             data-parallel.
+        frontend: How the model is cut: ``"sequential"`` (the user's modules run as written; cuts between
+            the top-level units of a chain forward), ``"traced"`` (``torch.export`` captures the model,
+            cuts at modules of any depth) or ``"auto"`` (sequential where it applies, else traced).
         checkpoint: :class:`~lightning_hpp.options.CheckpointOptions` (or a dict of its fields): the
             strategy's own ``step-<N>`` checkpoints and where to resume from.
         bias: :class:`~lightning_hpp.options.BiasOptions`: the coded-bias audit, fingerprints, determinism.
@@ -103,6 +106,7 @@ class HPPStrategy(ParallelStrategy):
         schedule: str = "1f1b",
         n_microbatches: int = 4,
         pp_degree: int | None = None,
+        frontend: str = "auto",
         *,
         checkpoint: CheckpointOptions | dict | None = None,
         bias: BiasOptions | dict | None = None,
@@ -135,6 +139,9 @@ class HPPStrategy(ParallelStrategy):
         if plan is not None and plan != "auto" and not isinstance(plan, StagePlan):
             raise PlanError(f"`HPPStrategy(plan=...)` must be None (use `@stage` decorators), a `StagePlan`, a path to a "
                             f"stage_plan.json or 'auto'; got {type(plan).__name__}.")
+        if frontend not in FRONTENDS:
+            raise PlanError(f"`HPPStrategy(frontend={frontend!r})` is not supported; use one of {', '.join(map(repr, FRONTENDS))}.")
+        self._frontend = frontend
         self._timeout = _timeout(timeout)
         self._checkpoint = section(CheckpointOptions, checkpoint, "checkpoint")
         self._bias = section(BiasOptions, bias, "bias")
@@ -247,7 +254,10 @@ class HPPStrategy(ParallelStrategy):
             return self._pp_arg
         plan = self._plan or (self._plan_arg if isinstance(self._plan_arg, StagePlan) else None)
         if plan is None and self._plan_arg is None and self.lightning_module is not None:
-            plan = StagePlan.from_decorators(find_units(self.lightning_module))
+            try:
+                plan = StagePlan.from_decorators(find_units(self.lightning_module))
+            except PlanError:
+                plan = None
         if plan is None:
             return self.world_size
         return plan.num_stages // 2 if SCHEDULES[self._schedule].multi else plan.num_stages
@@ -339,29 +349,18 @@ class HPPStrategy(ParallelStrategy):
             trainer.callbacks.append(PlacementReport())
 
     def _prepare(self, trainer: Any, module: Any) -> None:
-        """Resolve the plan, check the forward, build the groups and keep only this rank's stages."""
+        """Resolve the plan, cut the model, build the groups and keep only this rank's stages."""
         if isinstance(self.precision_plugin, HPPPrecision):
             trainer_precision = trainer._accelerator_connector._precision_flag
         else:
             trainer_precision = str(self.precision_plugin.precision)
             self.precision_plugin = HPPPrecision()
-        units = find_units(module)
-        names = [n for n, _ in units]
-        args = self._example_args(trainer, module)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        example = self._example_call(trainer, module)
         rank_kinds = gather_kinds(self.root_device, self.global_rank, self._placement.device_map)
-        grid = None
-        if self._plan_arg == "auto":
-            plan, grid = self._auto_plan(units, args, rank_kinds)
-        else:
-            plan = self._plan_arg if self._plan_arg is not None else StagePlan.from_decorators(units)
-        if plan is None:
-            raise PlanError(
-                f"HPPStrategy needs a stage plan: decorate unit classes with `@stage(k, ...)`, or pass "
-                f"`HPPStrategy(plan=StagePlan([...]))`, a stage_plan.json path or plan='auto'. The model's units "
-                f"are: {', '.join(names)}."
-            )
-        resolved = plan.resolve(names)
-        self._plan = plan.with_modules(resolved)
+        plan, grid = self._initial_plan(module, example, rank_kinds)
+        cut = cut_model(module, plan, example, frontend=self._frontend, modes=("train", "eval") if fitting else ("eval",))
+        self._plan = cut.plan
         pp = self._pp_degree()
         if self._plan.num_stages > self.world_size * (2 if SCHEDULES[self._schedule].multi else 1) or pp > self.world_size:
             raise PlanError(
@@ -369,37 +368,88 @@ class HPPStrategy(ParallelStrategy):
                 f"Use at least {pp} processes (`Trainer(devices=..., num_nodes=...)`), or a plan with fewer stages."
             )
         check_schedule(self._schedule, self._plan.num_stages, pp, self._n_microbatches)
+        precisions = self.precision_plugin.stage_precisions(self._plan, trainer_precision)
+        if cut.frontend == "traced" and "fp8" in precisions:
+            k = precisions.index("fp8")
+            raise PlanError(
+                f"Stage {k} asks for fp8, but the traced frontend runs it as a captured graph, and fp8 (Transformer Engine "
+                f"or the emulation) replaces a stage's `nn.Linear` modules. Use precision='bf16-mixed' for stage {k}, or cut "
+                f"it between top-level modules so that the sequential frontend runs it as written."
+            )
         style = SCHEDULES[self._schedule].style
         positions = [stages_of_position(r, pp, self._plan.num_stages, style) for r in range(pp)]
         if grid is None:
             grid = kind_grid(self._plan, positions, rank_kinds, pp, self.world_size // pp)
         self._mesh = Mesh.build(self.world_size, pp, self.global_rank, grid=grid)
         self._plan.meta["device_kinds"] = rank_kinds
-        if args is not None:
-            check_sequential_forward(module, units, args, [names.index(ms[-1]) for ms in resolved[:-1]])
-
         self._mesh.init_groups()
         self._stage_ids = positions[self._mesh.position]
-        keep_stages(module, resolved, self._stage_ids)
-        stage_modules = {
-            k: StageModule(resolved[k], [module.get_submodule(n) for n in resolved[k]], k, first=(k == 0))
-            for k in self._stage_ids
-        }
+        shared = self._shared_grads(module, cut, positions)
+        self._keep_held(module, cut)
+        names = self._plan.stages
+        stages = {mode: {k: StageModule(names[k].modules, cut.bodies[mode][k], k, spread=cut.spread[k]) for k in self._stage_ids}
+                  for mode in ("train", "eval")}
+        if cut.frontend == "sequential":
+            stages["eval"] = stages["train"]
         self.model_to_device()
-        runner = PipelineRunner(module, stage_modules, self._plan.num_stages, self._mesh, self._schedule,
-                                self._n_microbatches, self.root_device)
-        view = StageView(stage_modules, pp_group=self._mesh.pp_group if pp > 1 else None, dp_group=self._mesh.dp_group,
-                         microbatch=runner.current_microbatch, step=lambda: int(trainer.global_step))
+        runner = PipelineRunner(module, stages["train"], self._plan.num_stages, self._mesh, self._schedule,
+                                self._n_microbatches, self.root_device, eval_stage_modules=stages["eval"],
+                                flatten=cut.flatten, unflatten=cut.unflatten)
+        view = StageView(stages["train"], eval_stages=stages["eval"], pp_group=self._mesh.pp_group if pp > 1 else None,
+                         dp_group=self._mesh.dp_group, microbatch=runner.current_microbatch, step=lambda: int(trainer.global_step))
         self.precision_plugin.configure_stages(self._plan, view, trainer_precision, self.root_device, rank_kinds[self.global_rank])
         self._runner = runner
-        self._grads = GradHandover(stage_modules, self._mesh.dp_group, self._mesh.dp)
+        self._grads = GradHandover(stages["train"], self._mesh.dp_group, self._mesh.dp, shared=shared)
         rank_zero_info(
-            f"HPPStrategy: {self._plan.num_stages} stages, schedule={self._schedule}, "
-            f"n_microbatches={self._n_microbatches}, pp={pp} × dp={self._mesh.dp}\n{self._plan.table()}"
+            f"HPPStrategy: {self._plan.num_stages} stages, frontend={cut.frontend} ({cut.reason}), schedule={self._schedule}, "
+            f"n_microbatches={self._n_microbatches}, pp={pp} × dp={self._mesh.dp}"
+            + (f", shared parameters {sorted(cut.shared)}" if cut.shared else "") + f"\n{self._plan.table()}"
         )
 
-    def _example_args(self, trainer: Any, module: Any) -> tuple | None:
-        """The pipeline input of one real micro-batch of the running stage's data, RNG untouched."""
+    def _initial_plan(self, module: Any, example: tuple | None, rank_kinds: list[str]) -> tuple[StagePlan, Any]:
+        """The plan before the cut: ``plan="auto"``, the user's plan, the ``@stage`` decorators, or balanced."""
+        if self._plan_arg == "auto":
+            return self._auto_plan(find_units(module), example, rank_kinds)
+        if self._plan_arg is not None:
+            return self._plan_arg, None
+        try:
+            decorated = StagePlan.from_decorators(find_units(module))
+        except PlanError:
+            decorated = None
+        if decorated is not None:
+            return decorated, None
+        n = (self._pp_arg or self.world_size) * (2 if SCHEDULES[self._schedule].multi else 1)
+        plan = balanced_plan(module, n)
+        rank_zero_info(f"HPPStrategy: no plan given; {plan.meta['balanced']}: cut at {plan.meta['cut_points']}.")
+        return plan, None
+
+    def _shared_grads(self, module: Any, cut: Any, positions: list[list[int]]) -> list[tuple[list[Any], Any]]:
+        """Groups over which the gradients of parameters used by several stages are summed (collective)."""
+        where = {n: tuple(sorted({r for r, held in enumerate(positions) for k in ks if k in held})) for n, ks in cut.shared.items()}
+        sets = sorted({ps for ps in where.values() if len(ps) > 1})
+        groups = self._mesh.groups_over_positions(sets)
+        params = dict(module.named_parameters())
+        out: dict[tuple[int, ...], list[Any]] = {}
+        for n, ps in where.items():
+            if groups.get(ps) is not None:
+                out.setdefault(ps, []).append(params[n])
+        return [(ps_params, groups[ps]) for ps, ps_params in sorted(out.items())]
+
+    def _keep_held(self, module: Any, cut: Any) -> None:
+        """Drop every parameter and buffer of the stages other ranks hold."""
+        if cut.frontend == "sequential":
+            keep_stages(module, [s.modules for s in self._plan.stages], self._stage_ids)
+            return
+        params = dict(module.named_parameters())
+        buffers = dict(module.named_buffers(remove_duplicate=False))
+        stage_of = {id(t): k for k in reversed(range(self._plan.num_stages))
+                    for t in [*(params[n] for n in cut.params[k]), *(buffers[n] for n in cut.buffers[k] if n in buffers)]}
+        keep = {id(params[n]) for k in self._stage_ids for n in cut.params[k]}
+        keep |= {id(buffers[n]) for k in self._stage_ids for n in cut.buffers[k] if n in buffers}
+        keep_tensors(module, keep, stage_of)
+
+    def _example_call(self, trainer: Any, module: Any) -> tuple[tuple, dict] | None:
+        """``(args, kwargs)`` of the step's ``self(...)`` call on one real micro-batch, RNG untouched."""
         loop = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
                 TrainerFn.TESTING: trainer.test_loop, TrainerFn.PREDICTING: trainer.predict_loop}[trainer.state.fn]
         step_fn = {TrainerFn.FITTING: module.training_step, TrainerFn.VALIDATING: module.validation_step,
@@ -414,11 +464,16 @@ class HPPStrategy(ParallelStrategy):
                 pass  # an indivisible batch is reported by the first step, with its size
             return capture_input(module, step_fn, self.batch_to_device(batch), 0)
 
-    def _auto_plan(self, units: list, args: tuple | None, rank_kinds: list[str]) -> tuple[StagePlan, list[list[int]]]:
-        if args is None:
+    def _auto_plan(self, units: list, example: tuple | None, rank_kinds: list[str]) -> tuple[StagePlan, list[list[int]]]:
+        if example is None:
             raise PlanError("plan='auto' profiles the units on one real micro-batch, but the dataloader gave no batch.")
         if self._schedule not in ("gpipe", "1f1b"):
             raise PlanError(f"plan='auto' plans 'gpipe' and '1f1b' schedules; got schedule={self._schedule!r}.")
+        args, kwargs = example
+        if kwargs:
+            raise PlanError(f"plan='auto' profiles the model's top-level units in order, which takes positional inputs; the "
+                            f"step calls `self(...)` with keyword arguments {sorted(kwargs)}. Pass a plan "
+                            f"(`StagePlan.split_at([...])`) or call `self(...)` with positional arguments.")
         dp = self.world_size // self._pp_arg if self._pp_arg else 1
         plan, grid, table = auto_plan(units, args, self.global_rank, rank_kinds, dp_degree=dp, schedule=self._schedule,
                                       n_microbatches=self._n_microbatches, profile_path=self._placement.profile)

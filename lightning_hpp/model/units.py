@@ -100,3 +100,27 @@ def keep_stages(module: nn.Module, stage_units: list[list[str]], held: list[int]
         if k not in held:
             for name in names:
                 replace_unit(module, name, RemoteUnit(name, k))
+
+
+def keep_tensors(module: nn.Module, keep: set[int], stage_of: dict[int, int]) -> None:
+    """Drop from ``module`` (in place) every parameter and buffer whose ``id`` is not in ``keep``.
+
+    A submodule none of whose tensors is kept becomes a :class:`RemoteUnit`; a kept module's own
+    parameter or buffer that is not kept is unregistered (set to ``None``, so ``state_dict`` and the
+    optimizer never see it). Used by the traced frontend, whose stages are sets of tensors rather
+    than whole units; ``stage_of`` names the stage that holds a tensor, for the stand-in's message.
+    """
+
+    def visit(name: str, mod: nn.Module) -> None:
+        tensors = [*mod.parameters(), *mod.buffers()]
+        if name and tensors and not any(id(t) in keep for t in tensors):
+            replace_unit(module, name, RemoteUnit(name, stage_of.get(id(tensors[0]), -1)))
+            return
+        for registry in (mod._parameters, mod._buffers):
+            for key, t in list(registry.items()):
+                if t is not None and id(t) not in keep:
+                    registry[key] = None
+        for child_name, child in list(mod.named_children()):
+            visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", module)

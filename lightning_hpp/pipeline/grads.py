@@ -33,9 +33,13 @@ class GradHandover:
         dp_group: The data-parallel group of this rank's stages (``None`` or ``dp_size == 1``: no
             all-reduce).
         dp_size: Its size.
+        shared: Parameters that stages on other ranks use too (tied embeddings and heads), each list
+            with the group of the ranks of this replica holding them: their gradients are summed
+            over it after the dp average, so every copy takes the same step.
     """
 
-    def __init__(self, stage_modules: dict[int, nn.Module], dp_group: Any, dp_size: int) -> None:
+    def __init__(self, stage_modules: dict[int, nn.Module], dp_group: Any, dp_size: int,
+                 shared: list[tuple[list[nn.Parameter], Any]] = ()) -> None:
         seen: dict[int, nn.Parameter] = {}
         stage_of: dict[int, int] = {}
         for k, sm in sorted(stage_modules.items()):
@@ -47,6 +51,7 @@ class GradHandover:
         self._stages = sorted(stage_modules)
         self._dp_group = dp_group
         self._dp_size = dp_size
+        self._shared = list(shared)
         self._fresh: list[Tensor | None] | None = None
 
     @contextmanager
@@ -76,7 +81,16 @@ class GradHandover:
         if fresh is None:
             return None
         norms = self._local_norms(fresh) if local_norms else None
-        self._all_reduce(fresh)
+        if self._dp_group is not None and self._dp_size > 1:
+            _flat_all_reduce(fresh, self._dp_group, divide_by=self._dp_size)
+        if self._shared:
+            index = {id(p): i for i, p in enumerate(self.params)}
+            for params, group in self._shared:
+                for p in params:  # every holder joins the sum, with zeros where it got no gradient
+                    i = index[id(p)]
+                    if fresh[i] is None:
+                        fresh[i] = torch.zeros_like(p)
+                _flat_all_reduce([fresh[index[id(p)]] for p in params], group)
         for p, g in zip(self.params, fresh):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
@@ -92,16 +106,17 @@ class GradHandover:
             for k, gs in per_stage.items()
         }
 
-    def _all_reduce(self, grads: list[Tensor | None]) -> None:
-        if self._dp_group is None or self._dp_size == 1:
-            return
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for g in grads:
-            if g is not None:
-                by_dtype.setdefault(g.dtype, []).append(g)
-        for present in by_dtype.values():  # one flat all-reduce per dtype (stages may differ in dtype)
-            flat = torch._utils._flatten_dense_tensors(present)
-            dist.all_reduce(flat, group=self._dp_group)
-            flat.div_(self._dp_size)
-            for g, synced in zip(present, torch._utils._unflatten_dense_tensors(flat, present)):
-                g.copy_(synced)
+
+def _flat_all_reduce(grads: list[Tensor | None], group: Any, divide_by: int = 1) -> None:
+    """Sum ``grads`` over ``group`` in place (then divide), one flat all-reduce per dtype."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for g in grads:
+        if g is not None:
+            by_dtype.setdefault(g.dtype, []).append(g)
+    for present in by_dtype.values():  # stages may differ in dtype
+        flat = torch._utils._flatten_dense_tensors(present)
+        dist.all_reduce(flat, group=group)
+        if divide_by != 1:
+            flat.div_(divide_by)
+        for g, synced in zip(present, torch._utils._unflatten_dense_tensors(flat, present)):
+            g.copy_(synced)

@@ -98,3 +98,19 @@ class Mesh:
             g = dist.new_group(self.replica_ranks(r))
             if r == self.position:
                 self.dp_group = g
+
+    def groups_over_positions(self, position_sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], Any]:
+        """For each set of pipeline positions, the group of this replica's ranks at them (collective:
+        every rank creates every replica's group, in the same order). ``None`` where this rank is not
+        in the set."""
+        import torch.distributed as dist
+
+        mine: dict[tuple[int, ...], Any] = {}
+        for positions in position_sets:
+            for d in range(self.dp):
+                ranks = sorted(self.grid[r][d] for r in positions)
+                g = dist.new_group(ranks)
+                if self.rank in ranks:
+                    mine[positions] = g
+            mine.setdefault(positions, None)
+        return mine

@@ -18,11 +18,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import schedules as S
 
+from lightning_hpp.errors import PlanError
 from lightning_hpp.pipeline.mesh import Mesh
 from lightning_hpp.pipeline.microbatch import batch_size_of, largest_divisor_at_most, split_batch
 from lightning_hpp.pipeline.schedules import SCHEDULES
 from lightning_hpp.pipeline.stage import StageModule, _Stage
-from lightning_hpp.pipeline.steps import _LogRecorder, capture_input, extract_loss, merge_logs, redirected
+from lightning_hpp.pipeline.steps import (
+    _LogRecorder,
+    capture_input,
+    extract_loss,
+    merge_logs,
+    redirected,
+    replay_forward,
+)
 
 
 class PipelineRunner:
@@ -36,6 +44,11 @@ class PipelineRunner:
         schedule: A name from :data:`SCHEDULES`.
         n_microbatches: Micro-batches per training batch.
         device: This rank's device.
+        eval_stage_modules: The stages for forward-only passes (the traced frontend captures the model
+            in eval mode for them); default ``stage_modules``.
+        flatten: ``(args, kwargs)`` of the step's ``self(...)`` call → the first stage's positional
+            inputs. Default: the positional arguments (keyword arguments refused).
+        unflatten: The last stage's output → what ``self(...)`` returns to the step. Default: itself.
     """
 
     def __init__(
@@ -47,9 +60,15 @@ class PipelineRunner:
         schedule: str,
         n_microbatches: int,
         device: torch.device,
+        eval_stage_modules: dict[int, StageModule] | None = None,
+        flatten: Callable[[tuple, dict], tuple] | None = None,
+        unflatten: Callable[[Any], Any] | None = None,
     ) -> None:
         self.module = module
         self.stage_modules = dict(sorted(stage_modules.items()))
+        self.eval_stage_modules = dict(sorted((eval_stage_modules or stage_modules).items()))
+        self._flatten = flatten or _positional_only
+        self._unflatten = unflatten or (lambda out: out)
         self.num_stages = num_stages
         self.mesh = mesh
         self.kind = SCHEDULES[schedule]
@@ -91,7 +110,7 @@ class PipelineRunner:
         return self.stage_modules[stage].microbatch
 
     def _reset_counters(self) -> None:
-        for sm in self.stage_modules.values():
+        for sm in (*self.stage_modules.values(), *self.eval_stage_modules.values()):
             sm.microbatch = -1
 
     # ----------------------------------------------------------------- schedules
@@ -99,9 +118,10 @@ class PipelineRunner:
         n = self.n_microbatches if train else largest_divisor_at_most(batch_size, self.n_microbatches)
         key = (train, batch_size, n)
         if key not in self._schedules:
+            modules = self.stage_modules if train else self.eval_stage_modules
             stages = [
                 _Stage(sm, idx, self.num_stages, self.device, group=self.mesh.pp_group)
-                for idx, sm in self.stage_modules.items()
+                for idx, sm in modules.items()
             ]
             loss_fn = self._loss_fn if train else None
             if self.kind.multi:
@@ -118,11 +138,16 @@ class PipelineRunner:
         return self._schedules[key], n
 
     def _loss_fn(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        if self.stage_modules[self.num_stages - 1].inferring:
+            # torch's backward-metadata pass calls the loss once on its own outputs: answer with a
+            # loss of the right graph without running (and logging from) the user's step
+            return sum((t.float().sum() * 0 for t in _tensors(output) if t.requires_grad), torch.zeros(()))
         mb = int(target[0]) // self._mb_size
         rec = _LogRecorder()
-        with redirected(self.module, lambda *a, **k: output, rec):
+        name = getattr(self._step_fn, "__name__", "training_step")
+        with redirected(self.module, replay_forward(self._unflatten(output), name), rec):
             result = self._step_fn(self._mb[mb], *self._step_args)
-        loss = extract_loss(result, getattr(self._step_fn, "__name__", "training_step"))
+        loss = extract_loss(result, name)
         self._recorders.append(rec)
         self._losses.append(loss.detach())
         self._mb_seen.append(mb)
@@ -145,7 +170,7 @@ class PipelineRunner:
         sched, _ = self._schedule(True, size)
         self._step_fn, self._step_args, self._loss_scale = step_fn, step_args, loss_scale
         self._recorders, self._losses, self._mb_seen = [], [], []
-        args = capture_input(self.module, step_fn, batch, *step_args) if self.holds_first else ()
+        args = self._flatten(*capture_input(self.module, step_fn, batch, *step_args)) if self.holds_first else ()
         self._reset_counters()
         target = torch.arange(size, device=self.device) if self.holds_last else None
         try:
@@ -167,14 +192,14 @@ class PipelineRunner:
         """
         size = batch_size_of(batch)
         sched, _ = self._schedule(False, size)
-        args = capture_input(self.module, step_fn, batch, *step_args) if self.holds_first else ()
+        args = self._flatten(*capture_input(self.module, step_fn, batch, *step_args)) if self.holds_first else ()
         self._reset_counters()
         with torch.no_grad():
             out = sched.step(*args)
         payload = None
         if self.holds_last:
             rec = _LogRecorder()
-            with redirected(self.module, lambda *a, **k: out, rec):
+            with redirected(self.module, replay_forward(self._unflatten(out), getattr(step_fn, "__name__", "step")), rec):
                 result = step_fn(batch, *step_args)
             payload = {"output": _to_cpu(result), "logs": merge_logs([rec])}
         payload = self._from_last(payload)
@@ -186,6 +211,24 @@ class PipelineRunner:
         box = [payload]
         dist.broadcast_object_list(box, group_src=self.last_position, group=self.mesh.pp_group, device=_comm_device(self.device))
         return box[0]
+
+
+def _positional_only(args: tuple, kwargs: dict) -> tuple:
+    if kwargs:
+        raise PlanError(
+            f"The step calls `self(...)` with keyword arguments {sorted(kwargs)}; the sequential frontend's first "
+            f"stage takes positional inputs only. Pass them positionally, or use `HPPStrategy(frontend='traced')`, "
+            f"which keeps keyword arguments."
+        )
+    return tuple(args)
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _tensors(v)]
+    return []
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -15,11 +15,13 @@ from torch.distributed.pipelining import PipelineStage
 
 
 class StageModule(nn.Module):
-    """The units of one stage, applied in order.
+    """The units of one stage, applied in order (the sequential frontend: the user's modules; the
+    traced frontend: one :class:`~lightning_hpp.model.traced.TracedStage`).
 
-    The first stage's first unit receives the pipeline's positional inputs; every later unit gets the
-    previous output as one argument (a tuple crossing a stage boundary arrives as several positional
-    arguments and is passed on as one tuple). ``input_dtype`` casts floating inputs to the stage's
+    With ``spread`` (the sequential frontend's first stage, every traced stage) the first unit receives
+    the stage's inputs as positional arguments; otherwise it gets them as one argument (a tuple
+    crossing a stage boundary arrives as several positional arguments and is passed on as one
+    tuple), and every later unit gets the previous output as one argument. ``input_dtype`` casts floating inputs to the stage's
     compute dtype inside its own forward; ``output_dtype`` fixes the wire dtype of what it sends;
     ``context`` wraps the computation (autocast, fp8).
     """
@@ -29,7 +31,7 @@ class StageModule(nn.Module):
         names: list[str],
         units: list[nn.Module],
         index: int,
-        first: bool,
+        spread: bool,
         input_dtype: torch.dtype | None = None,
         output_dtype: torch.dtype | None = None,
         context: Callable[[], contextlib.AbstractContextManager] | None = None,
@@ -38,7 +40,7 @@ class StageModule(nn.Module):
         self.names = list(names)
         self.units = nn.ModuleList(units)
         self.index = index
-        self.first = first
+        self.spread = spread
         self.input_dtype = input_dtype
         self.output_dtype = output_dtype
         self.context = context
@@ -65,12 +67,12 @@ class StageModule(nn.Module):
                     b.copy_(v)
 
     def _run(self, *args: Any, guards: bool) -> Any:
-        x: Any = args if self.first else (args[0] if len(args) == 1 else tuple(args))
+        x: Any = args if self.spread else (args[0] if len(args) == 1 else tuple(args))
         if self.input_dtype is not None:
             x = _cast(x, self.input_dtype)
         with self.context() if self.context is not None else contextlib.nullcontext():
             for i, unit in enumerate(self.units):
-                x = unit(*x) if (self.first and i == 0) else unit(x)
+                x = unit(*x) if (self.spread and i == 0) else unit(x)
         if self.output_dtype is not None:
             x = _cast(x, self.output_dtype)
         # torch pipelining sizes receive buffers from the sent tensor's strides: send dense tensors
@@ -98,12 +100,20 @@ def _zeros_like(x: Any) -> Any:
 
 
 class _Stage(PipelineStage):
-    """A PipelineStage that tells its StageModule when a pass only infers metadata."""
+    """A PipelineStage that tells its StageModule when a pass only infers metadata (forward, and
+    backward: torch then calls the loss function once on the inference outputs)."""
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         self.submod.inferring = True
         try:
             return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            self.submod.inferring = False
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        self.submod.inferring = True
+        try:
+            return super()._backward_metadata_inference(*args, **kwargs)
         finally:
             self.submod.inferring = False
 

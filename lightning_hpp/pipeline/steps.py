@@ -53,8 +53,8 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def capture_input(module: nn.Module, step_fn: Callable[..., Any], batch: Any, *step_args: Any) -> tuple:
-    """Run ``step_fn(batch, ...)`` until it calls ``module(...)`` and return those positional args."""
+def capture_input(module: nn.Module, step_fn: Callable[..., Any], batch: Any, *step_args: Any) -> tuple[tuple, dict]:
+    """Run ``step_fn(batch, ...)`` until it calls ``module(...)``; return that call's ``(args, kwargs)``."""
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         raise _Captured(args, kwargs)
@@ -63,16 +63,28 @@ def capture_input(module: nn.Module, step_fn: Callable[..., Any], batch: Any, *s
         try:
             step_fn(batch, *step_args)
         except _Captured as c:
-            if c.kwargs:
-                raise PlanError(
-                    f"The step calls `self(...)` with keyword arguments {sorted(c.kwargs)}; a pipeline's first "
-                    f"stage takes positional tensors only. Pass them positionally."
-                ) from None
-            return c.args
+            return c.args, c.kwargs
     raise PlanError(
         f"`{getattr(step_fn, '__name__', 'step')}` never calls `self(...)`; under HPPStrategy the step must call "
         f"the module's forward exactly once with the batch's inputs."
     )
+
+
+def replay_forward(output: Any, fn_name: str) -> Callable[..., Any]:
+    """A ``forward`` that returns ``output`` to the step's one ``self(...)`` call and refuses a second."""
+    calls = [0]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] > 1:
+            raise PlanError(
+                f"`{fn_name}` calls `self(...)` more than once; under HPPStrategy the step must call the module's "
+                f"forward exactly once per batch (a pipeline runs one forward per micro-batch). Combine the "
+                f"inputs into one call, or compute the second result from the first call's output."
+            )
+        return output
+
+    return forward
 
 
 class _LogRecorder:

@@ -132,6 +132,68 @@ class StagePlan:
     def num_stages(self) -> int:
         return len(self.stages)
 
+    # ---------------------------------------------------------------- cut points
+    @classmethod
+    def split_at(cls, points: Sequence[str], **stage_fields: Any) -> StagePlan:
+        """A plan of ``len(points) + 1`` stages; stage ``k`` begins at module ``points[k - 1]``.
+
+        Args:
+            points: Module names at any depth (``"model.transformer.h.6"``), in the order ``forward``
+                reaches them.
+            **stage_fields: ``device``, ``precision``, ``clip_norm``: one value for every stage, or a
+                list with one value per stage.
+
+        Example::
+
+            StagePlan.split_at(["model.transformer.h.6"], precision=["bf16-mixed", "32-true"])
+        """
+        points = [points] if isinstance(points, str) else list(points)
+        if not points or not all(isinstance(p, str) and p for p in points):
+            raise PlanError(f"`StagePlan.split_at` takes a non-empty list of module names, got {points!r}.")
+        if len(set(points)) != len(points):
+            raise PlanError(f"`StagePlan.split_at({points!r})` names a cut point twice; each stage begins at its own module.")
+        n = len(points) + 1
+        allowed = {"device", "precision", "clip_norm"}
+        unknown = sorted(set(stage_fields) - allowed)
+        if unknown:
+            raise PlanError(f"`StagePlan.split_at` got unknown fields {unknown}; it takes {sorted(allowed)}.")
+        per_stage: list[dict[str, Any]] = [{} for _ in range(n)]
+        for key, value in stage_fields.items():
+            values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+            if len(values) != n:
+                raise PlanError(f"`StagePlan.split_at(..., {key}=...)` has {len(values)} values for {n} stages; give one per stage.")
+            for k, v in enumerate(values):
+                per_stage[k][key] = v
+        stages = [StageSpec(modules=[] if k == 0 else [points[k - 1]], **per_stage[k]) for k in range(n)]
+        return cls(stages, {"cut_points": points})
+
+    def cut_points(self, module_names: Sequence[str]) -> list[str]:
+        """The module where each stage ``k >= 1`` begins (its first entry; ``"x.h.0-5"`` begins at ``x.h.0``).
+
+        Raises:
+            PlanError: a stage without modules after the first, or a name that is no module.
+        """
+        known = set(module_names)
+        if self.meta.get("cut_points"):
+            points = list(self.meta["cut_points"])
+        else:
+            points = []
+            for k, spec in enumerate(self.stages[1:], start=1):
+                if not spec.modules:
+                    raise PlanError(f"Stage {k} lists no modules; every stage after the first needs the module it begins at.")
+                m = _RANGE.match(spec.modules[0])
+                points.append(f"{m['prefix']}.{m['lo']}" if m and spec.modules[0] not in known else spec.modules[0])
+        for k, spec in enumerate(self.stages):
+            for entry in spec.modules:
+                m = _RANGE.match(entry)
+                names = [f"{m['prefix']}.{i}" for i in range(int(m['lo']), int(m['hi']) + 1)] if m and entry not in known else [entry]
+                absent = [n for n in names if n not in known]
+                if absent:
+                    top = sorted(n for n in known if n and "." not in n)
+                    raise PlanError(f"Stage {k}: {absent} is no module of the model. Name modules at any depth as in "
+                                    f"`named_modules()`; the top-level ones are {top}.")
+        return points
+
     # ---------------------------------------------------------------- resolution against units
     def resolve(self, unit_names: Sequence[str]) -> list[list[str]]:
         """Expand every stage's ``modules`` against the model's units and validate the cover.
@@ -147,6 +209,15 @@ class StagePlan:
         """
         unit_names = list(unit_names)
         index = {n: i for i, n in enumerate(unit_names)}
+        if self.meta.get("cut_points"):
+            points = list(self.meta["cut_points"])
+            absent = [p for p in points if p not in index]
+            if absent:
+                raise PlanError(f"Cut points {absent} are not units of the model (units: {', '.join(unit_names)}).")
+            bounds = [0] + [index[p] for p in points] + [len(unit_names)]
+            if bounds != sorted(bounds) or len(set(bounds)) != len(bounds):
+                raise PlanError(f"Cut points {points} are not in the order of the model's units ({', '.join(unit_names)}).")
+            return [unit_names[a:b] for a, b in zip(bounds, bounds[1:])]
         resolved: list[list[str]] = []
         for k, spec in enumerate(self.stages):
             names: list[str] = []

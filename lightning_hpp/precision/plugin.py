@@ -52,6 +52,8 @@ class StageView:
 
     Attributes:
         stages: This rank's stage modules, by stage index.
+        eval_stages: Their counterparts for forward-only passes (the traced frontend captures eval mode
+            separately); default ``stages``.
         pp_group: The pipeline group (stage norms are summed over it); ``None`` when pp is 1.
         dp_group: The data-parallel group of this rank's stages (Transformer Engine's amax reduction).
         microbatch: The index of the micro-batch a held stage is computing, ``stage -> index``.
@@ -59,6 +61,7 @@ class StageView:
     """
 
     stages: dict[int, nn.Module]
+    eval_stages: dict[int, nn.Module] | None = None
     pp_group: Any = None
     dp_group: Any = None
     microbatch: Callable[[int], int] = lambda stage: -1
@@ -152,7 +155,8 @@ class HPPPrecision(Precision):
                 labels.append(fp8.describe_backend(backend, self.fp8_recipe, device.type))
             else:
                 labels.append(p)
-        for k, sm in view.stages.items():
+        held = [*view.stages.items(), *((k, sm) for k, sm in (view.eval_stages or {}).items() if sm is not view.stages.get(k))]
+        for k, sm in held:
             mode = MODES[precs[k]]
             if precs[k] == "fp8":
                 backend = fp8.check_fp8_stage(k, device, device_kind, self.fp8_backend)

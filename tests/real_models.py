@@ -1,0 +1,155 @@
+"""Real third-party models (transformers, from tiny configs: no download) and a nanoGPT-style model,
+each wrapped in an ordinary LightningModule the way users wrap them, plus their data.
+
+``LMWrapper.training_step`` is what a user writes; ``reference_microbatches`` makes the same step
+average its loss over equal micro-batches, so one process reproduces exactly what the pipeline
+computes (the reference for the parity tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB, SEQ = 64, 16
+
+
+def gpt2(layers: int = 4) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=layers, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def llama(layers: int = 3) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def vit(layers: int = 4) -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=layers,
+                    num_attention_heads=4, intermediate_size=64, num_labels=5, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0)
+    return ViTForImageClassification(cfg)
+
+
+class Block(nn.Module):
+    """A nanoGPT block: pre-norm causal self-attention and MLP, with residuals."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.heads = heads
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.c_proj(y)
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's shape: ``x = wte(idx) + wpe(pos)``, blocks, ``ln_f``, ``lm_head`` tied to ``wte``."""
+
+    def __init__(self, layers: int = 4, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(VOCAB, d), wpe=nn.Embedding(SEQ, d),
+            h=nn.ModuleList(Block(d, heads) for _ in range(layers)), ln_f=nn.LayerNorm(d)))
+        self.lm_head = nn.Linear(d, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT does
+
+    def forward(self, idx):
+        pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+BUILDERS = {"gpt2": gpt2, "llama": llama, "vit": vit, "nanogpt": NanoGPT}
+
+
+class LMWrapper(L.LightningModule):
+    """``self.model = <third-party model>``; forward passes keyword arguments as users write them."""
+
+    def __init__(self, kind: str, lr: float = 0.05, reference_microbatches: int = 1, seed: int = 0, **kw) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.kind = kind
+        self.model = BUILDERS[kind](**kw)
+        self.lr = lr
+        self.reference_microbatches = reference_microbatches
+
+    def forward(self, x, attention_mask=None):
+        if self.kind == "vit":
+            return self.model(pixel_values=x).logits
+        if self.kind == "nanogpt":
+            return self.model(x)
+        return self.model(input_ids=x, attention_mask=attention_mask).logits
+
+    def _loss(self, batch):
+        if self.kind == "vit":
+            x, y = batch
+            return F.cross_entropy(self(x), y)
+        if self.kind == "nanogpt":
+            ids, _, labels = batch
+            logits = self(ids)
+        else:
+            ids, mask, labels = batch
+            logits = self(ids, attention_mask=mask)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+    def training_step(self, batch, batch_idx):
+        n = self.reference_microbatches
+        if n > 1:  # the same step, averaged over equal micro-batches (single-process reference only)
+            loss = torch.stack([self._loss([t.chunk(n)[i] for t in batch]) for i in range(n)]).mean()
+        else:
+            loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self._loss(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def dataset(kind: str, n: int = 32, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "vit":
+        return TensorDataset(torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 5, (n,), generator=g))
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    mask = torch.ones(n, SEQ, dtype=torch.long)
+    mask[::3, SEQ - 4:] = 0  # padded samples: the mask reaches every layer
+    return TensorDataset(ids, mask, torch.randint(0, VOCAB, (n, SEQ), generator=g))
+
+
+def loader(kind: str, batch: int, n: int = 32, shuffle_like_lightning: bool = False) -> DataLoader:
+    ds = dataset(kind, n)
+    if shuffle_like_lightning:  # Lightning shuffles every distributed training loader (seed 0)
+        from torch.utils.data import DistributedSampler
+
+        return DataLoader(ds, batch_size=batch, sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0), drop_last=True)
+    return DataLoader(ds, batch_size=batch, drop_last=True)
+
+
+def steps_of(n: int, batch: int) -> int:
+    return math.floor(n / batch)
