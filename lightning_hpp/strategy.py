@@ -53,7 +53,7 @@ from lightning_hpp.pipeline.microbatch import split_batch
 from lightning_hpp.pipeline.runner import PipelineRunner
 from lightning_hpp.pipeline.schedules import SCHEDULES, check_schedule
 from lightning_hpp.pipeline.stage import StageModule
-from lightning_hpp.pipeline.steps import capture_input
+from lightning_hpp.pipeline.steps import capture_input, count_forward_calls, second_call_error
 from lightning_hpp.planning.placement import auto_plan, gather_kinds, kind_grid
 from lightning_hpp.planning.plan import PLAN_FILENAME, StagePlan
 from lightning_hpp.precision.plugin import HPPPrecision, StageView
@@ -462,7 +462,10 @@ class HPPStrategy(ParallelStrategy):
                 batch = split_batch(batch, self._n_microbatches)[0]
             except PlanError:
                 pass  # an indivisible batch is reported by the first step, with its size
-            return capture_input(module, step_fn, self.batch_to_device(batch), 0)
+            batch = self.batch_to_device(batch)
+            if count_forward_calls(module, step_fn, batch, 0) > 1:
+                raise second_call_error(step_fn.__name__)
+            return capture_input(module, step_fn, batch, 0)
 
     def _auto_plan(self, units: list, example: tuple | None, rank_kinds: list[str]) -> tuple[StagePlan, list[list[int]]]:
         if example is None:

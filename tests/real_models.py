@@ -83,7 +83,14 @@ class NanoGPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
-BUILDERS = {"gpt2": gpt2, "llama": llama, "vit": vit, "nanogpt": NanoGPT}
+def bn_mlp() -> nn.Module:
+    """A chain with BatchNorm: the sequential frontend runs it as written (units ``model.0`` ...)."""
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh(),
+                         nn.Linear(16, 4))
+
+
+BUILDERS = {"gpt2": gpt2, "llama": llama, "vit": vit, "nanogpt": NanoGPT, "bn_mlp": bn_mlp}
+IMAGE_LIKE = ("vit", "bn_mlp")  # batches of (x, y)
 
 
 class LMWrapper(L.LightningModule):
@@ -100,12 +107,12 @@ class LMWrapper(L.LightningModule):
     def forward(self, x, attention_mask=None):
         if self.kind == "vit":
             return self.model(pixel_values=x).logits
-        if self.kind == "nanogpt":
+        if self.kind in ("nanogpt", "bn_mlp"):
             return self.model(x)
         return self.model(input_ids=x, attention_mask=attention_mask).logits
 
     def _loss(self, batch):
-        if self.kind == "vit":
+        if self.kind in IMAGE_LIKE:
             x, y = batch
             return F.cross_entropy(self(x), y)
         if self.kind == "nanogpt":
@@ -136,6 +143,8 @@ def dataset(kind: str, n: int = 32, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     if kind == "vit":
         return TensorDataset(torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 5, (n,), generator=g))
+    if kind == "bn_mlp":
+        return TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g))
     ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
     mask = torch.ones(n, SEQ, dtype=torch.long)
     mask[::3, SEQ - 4:] = 0  # padded samples: the mask reaches every layer

@@ -91,3 +91,16 @@ def test_llama_three_stages_and_pp2_dp2(tmp_path):
     run_script("tests.workers.run_real", {"devices": 4, "runs": [dp]}, timeout=600)
     ref_model, _ = reference("gpt2", 3, 8, 4)  # two replicas of batch 4 = one batch of 8 (token-mean loss)
     assert_matches(ref_model, None, tmp_path / "gpt2_pp2_dp2", [0, 1, 2, 3], compare_losses=False)
+
+
+def test_a_chain_with_batchnorm_logs_the_right_loss_from_the_first_step(tmp_path):
+    # torch's shape inference used to run the user's step once on zeros before the first step, so the
+    # loss logged at step 1 (and BatchNorm's statistics) came from that pass
+    runs = [{"name": f"bn_{s}", "model": "bn_mlp", "points": ["model.3"], "schedule": s} for s in ("1f1b", "gpipe")]
+    for r in runs:
+        r.update(n_micro=4, steps=4, batch=8, out=str(tmp_path / r["name"]))
+    run_script("tests.workers.run_real", {"devices": 2, "runs": runs}, timeout=300)
+    ref_model, ref_losses = reference("bn_mlp", 4, 8, 4)
+    for r in runs:
+        assert load_rank(r["out"], 0)["plan"]["meta"]["frontend"] == "sequential"
+        assert_matches(ref_model, ref_losses, r["out"], [0, 1])

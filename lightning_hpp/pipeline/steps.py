@@ -5,6 +5,7 @@ call, replay it on the last stage with the pipeline output, and record what it l
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -70,6 +71,53 @@ def capture_input(module: nn.Module, step_fn: Callable[..., Any], batch: Any, *s
     )
 
 
+def count_forward_calls(module: nn.Module, step_fn: Callable[..., Any], batch: Any, *step_args: Any) -> int:
+    """How many times ``step_fn(batch, ...)`` calls ``module(...)`` (stopping at the second call).
+
+    The step runs with the module's real ``forward``, in eval mode and without gradients, logging
+    nothing; torchmetrics states are restored afterwards. A step that fails this way (it may need
+    gradients) counts as one call: the run-time check on the last stage still applies.
+    """
+    calls = [0]
+    real = type(module).forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] > 1:
+            raise _Captured(args, kwargs)
+        return real(module, *args, **kwargs)
+
+    metrics = [(m, _metric_state(m)) for m in module.modules() if hasattr(m, "_defaults") and hasattr(m, "_update_count")]
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad(), redirected(module, forward, _no_log):
+            step_fn(batch, *step_args)
+    except _Captured:
+        pass
+    except Exception:  # noqa: BLE001 - the user's step may need gradients; the run-time check covers it
+        return min(calls[0], 1)
+    finally:
+        module.train(was_training)
+        for m, state in metrics:
+            for k, v in state.items():
+                setattr(m, k, v)
+    return calls[0]
+
+
+def _metric_state(metric: Any) -> dict[str, Any]:
+    keys = [*metric._defaults, "_update_count", "_computed"]
+    return {k: copy.deepcopy(getattr(metric, k)) for k in keys if hasattr(metric, k)}
+
+
+def second_call_error(fn_name: str) -> PlanError:
+    return PlanError(
+        f"`{fn_name}` calls `self(...)` more than once; under HPPStrategy the step must call the module's "
+        f"forward exactly once per batch (a pipeline runs one forward per micro-batch). Combine the "
+        f"inputs into one call, or compute the second result from the first call's output."
+    )
+
+
 def replay_forward(output: Any, fn_name: str) -> Callable[..., Any]:
     """A ``forward`` that returns ``output`` to the step's one ``self(...)`` call and refuses a second."""
     calls = [0]
@@ -77,11 +125,7 @@ def replay_forward(output: Any, fn_name: str) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         if calls[0] > 1:
-            raise PlanError(
-                f"`{fn_name}` calls `self(...)` more than once; under HPPStrategy the step must call the module's "
-                f"forward exactly once per batch (a pipeline runs one forward per micro-batch). Combine the "
-                f"inputs into one call, or compute the second result from the first call's output."
-            )
+            raise second_call_error(fn_name)
         return output
 
     return forward

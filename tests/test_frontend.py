@@ -1,0 +1,149 @@
+"""Frontend choice, the traced cut and its errors, without processes (cut_model is collective-free)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hpp import PlanError, StagePlan
+from lightning_hpp.errors import TraceError
+from lightning_hpp.model.frontend import balanced_plan, cut_model
+from tests.models import MLP
+from tests.real_models import LMWrapper, dataset
+
+
+def _run_chain(cut, mode, args, kwargs):
+    x = cut.flatten(args, kwargs) if cut.flatten else args
+    for k, bodies in enumerate(cut.bodies[mode]):
+        if cut.spread[k]:
+            x = bodies[0](*x) if isinstance(x, tuple) else bodies[0](x)
+        else:
+            x = bodies[0](x)
+        for b in bodies[1:]:
+            x = b(x)
+    return cut.unflatten(x) if cut.unflatten else x
+
+
+def test_a_chain_model_runs_sequential_and_traced_alike():
+    model = MLP(depth=4)
+    x = torch.randn(4, 8)
+    plan = StagePlan.split_at(["layers.3"])
+    seq = cut_model(model, plan, ((x,), {}))
+    assert seq.frontend == "sequential" and seq.plan.stages[1].modules[0] == "layers.3"
+    traced = cut_model(model, plan, ((x,), {}), frontend="traced")
+    assert traced.frontend == "traced" and traced.plan.meta["cut_points"] == ["layers.3"]
+    torch.testing.assert_close(_run_chain(traced, "train", (x,), {}), model(x), rtol=0, atol=0)
+    # every rank keeps the same parameters whatever the frontend
+    assert seq.params == traced.params
+
+
+def test_non_chain_forwards_and_keyword_calls_fall_back_to_traced():
+    class Residual(MLP):
+        def forward(self, x):
+            h = self.layers[:4](x)
+            return self.layers[4:](torch.relu(h) + 1)
+
+    model, x = Residual(depth=4), torch.randn(4, 8)
+    cut = cut_model(model, StagePlan.split_at(["layers.4"]), ((x,), {}))
+    assert cut.frontend == "traced" and "not sequential at unit 'layers.4'" in cut.reason
+    torch.testing.assert_close(_run_chain(cut, "eval", (x,), {}), model(x))
+    with pytest.raises(PlanError, match="`forward` is not sequential at unit 'layers.4'"):
+        cut_model(model, StagePlan.split_at(["layers.4"]), ((x,), {}), frontend="sequential")
+
+    gpt = LMWrapper("gpt2")
+    ids, mask, _ = dataset("gpt2", 2)[:]
+    cut = cut_model(gpt, StagePlan.split_at(["model.transformer.h.2"]), ((ids,), {"attention_mask": mask}))
+    assert cut.frontend == "traced"
+    torch.testing.assert_close(_run_chain(cut, "train", (ids,), {"attention_mask": mask}), gpt(ids, attention_mask=mask))
+    # the tied embedding / LM head is one parameter used by both stages
+    assert cut.shared == {"model.transformer.wte.weight": [0, 1]}
+    with pytest.raises(PlanError, match="the cut points lie inside the top-level units \\(model\\)"):
+        cut_model(gpt, StagePlan.split_at(["model.transformer.h.2"]), ((ids,), {"attention_mask": mask}), frontend="sequential")
+
+
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum() > 0:  # control flow on a tensor value
+            h = h * 2
+        return self.b(h)
+
+
+class _ToList(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        n = int(x[0, 0].abs().ceil().tolist()) + 1
+        return self.b(self.a(x)[:, :n])
+
+
+@pytest.mark.parametrize("model_cls", [_DataDependent, _ToList])
+def test_a_model_export_cannot_capture_gets_a_clear_error(model_cls):
+    with pytest.raises(TraceError) as info:
+        cut_model(model_cls(), StagePlan.split_at(["b"]), ((torch.randn(3, 4),), {}), frontend="traced")
+    msg = str(info.value)
+    assert "torch.export cannot capture `" + model_cls.__name__ + ".forward`" in msg
+    assert re.search(r"test_frontend\.py:\d+", msg), msg  # the user's line
+    assert "torch.where" in msg and "frontend='sequential'" in msg
+    # the user's modules are left as they were (the tracer's split markers removed)
+    assert "forward" not in model_cls().b.__dict__
+
+
+def test_bad_cut_points_are_refused_with_the_names_to_use():
+    gpt = LMWrapper("gpt2")
+    ids, mask, _ = dataset("gpt2", 2)[:]
+    with pytest.raises(PlanError, match=r"\['model.transformer.h.9'\] is no module of the model.*top-level ones are \['model'\]"):
+        cut_model(gpt, StagePlan.split_at(["model.transformer.h.9"]), ((ids,), {"attention_mask": mask}))
+
+    class Unused(MLP):
+        def __init__(self):
+            super().__init__(depth=4)
+            self.spare = nn.Linear(8, 8)
+
+    with pytest.raises(PlanError, match="gave 1 stages instead of 2: a cut point whose module `forward` never calls"):
+        cut_model(Unused(), StagePlan.split_at(["spare"]), ((torch.randn(4, 8),), {}), frontend="traced")
+
+
+def test_split_at_and_balanced_plans():
+    plan = StagePlan.split_at(["a.1", "a.3"], precision=["bf16-mixed", None, "32-true"], clip_norm=0.5)
+    assert [s.precision for s in plan.stages] == ["bf16-mixed", None, "32-true"]
+    assert [s.clip_norm for s in plan.stages] == [0.5] * 3
+    assert StagePlan.from_json(plan.to_json()).meta["cut_points"] == ["a.1", "a.3"]
+    with pytest.raises(PlanError, match="names a cut point twice"):
+        StagePlan.split_at(["a.1", "a.1"])
+    with pytest.raises(PlanError, match="has 2 values for 3 stages"):
+        StagePlan.split_at(["a.1", "a.3"], precision=["bf16-mixed", None])
+
+    nano = LMWrapper("nanogpt")
+    assert balanced_plan(nano, 2).meta["cut_points"] == ["model.transformer.h.2"]
+    assert balanced_plan(nano, 4).meta["cut_points"] == ["model.transformer.h.1", "model.transformer.h.2", "model.transformer.h.3"]
+    with pytest.raises(PlanError, match="has no list of at least 2 blocks"):
+        balanced_plan(_DataDependent(), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, message", [
+    ("second_call", r"`training_step` calls `self\(...\)` more than once"),
+    ("data_dependent", r"torch.export cannot capture `DataDependent.forward` for the traced frontend at .*run_traced_cases\.py:\d+"),
+])
+def test_uncapturable_steps_stop_every_rank_at_setup(case, message):
+    import time
+
+    from tests.launch import run_script
+
+    start = time.monotonic()
+    proc = run_script("tests.workers.run_traced_cases", {"case": case}, check=False, timeout=180)
+    assert proc.returncode != 0 and "TRAINED" not in proc.stdout
+    # both ranks raise the same error themselves (no rank is left waiting in a collective)
+    for rank in (0, 1):
+        assert re.search(rf"\[rank{rank}\]: lightning_hpp\.errors\.\w+Error: " + message, proc.stderr), proc.stderr[-3000:]
+    assert time.monotonic() - start < 150

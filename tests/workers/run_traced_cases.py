@@ -1,0 +1,47 @@
+"""Bad real-model inputs for the traced frontend: each must stop every rank at setup.
+
+Usage: python -m tests.workers.run_traced_cases '<json: {"case": NAME}>'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import lightning as L
+import torch
+
+from lightning_hpp import HPPStrategy, StagePlan
+from tests.real_models import LMWrapper, loader
+
+
+class TwoCalls(LMWrapper):
+    def training_step(self, batch, batch_idx):
+        ids, mask, labels = batch
+        logits = self(ids, attention_mask=mask)
+        again = self(ids)  # a second forward in one step
+        loss = torch.nn.functional.cross_entropy((logits + again).reshape(-1, logits.size(-1)), labels.reshape(-1))
+        self.log("train/loss", loss)
+        return loss
+
+
+class DataDependent(LMWrapper):
+    def forward(self, x, attention_mask=None):
+        logits = super().forward(x, attention_mask=attention_mask)
+        if logits.mean() > 0:  # control flow on a tensor value
+            logits = logits * 2
+        return logits
+
+
+def main(cfg: dict) -> None:
+    L.seed_everything(0)
+    model = {"second_call": TwoCalls, "data_dependent": DataDependent}[cfg["case"]]("gpt2")
+    strategy = HPPStrategy(plan=StagePlan.split_at(["model.transformer.h.2"]), n_microbatches=4, timeout=60)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(model, loader("gpt2", 8))
+    print("TRAINED")
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
