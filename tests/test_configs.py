@@ -18,34 +18,17 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.callbacks import (
-    EarlyStopping,
-    LearningRateMonitor,
-    ModelCheckpoint,
-    ModelSummary,
-)
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, ModelSummary
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from omegaconf import DictConfig, open_dict
 
-from lightning_hpp import HPPStrategy, PlanError, StagePlan
+from lightning_hpp import HPPPrecision, HPPStrategy, PlanError, StagePlan
 from lightning_hpp.errors import SweepError, TrainConfigError
 from lightning_hpp.hydra.snapshot import code_version, scrub_hydra_files, write_snapshot
-from lightning_hpp.hydra.summary import (
-    SweepSummary,
-    load_trials,
-    summarize,
-    swept_parameters,
-)
-from lightning_hpp.hydra.train import (
-    CONFIG_DIR,
-    build,
-    build_plan,
-    check_config,
-    make_model,
-    object_key,
-    uniform_plan,
-)
+from lightning_hpp.hydra.summary import SweepSummary, load_trials, summarize, swept_parameters
+from lightning_hpp.hydra.train import CONFIG_DIR, build, build_plan, check_config, make_model, object_key, uniform_plan
+from lightning_hpp.options import BiasOptions, CheckpointOptions, PlacementOptions, TelemetryOptions
 from tests.models import MLP
 
 pytest.importorskip("sklearn")
@@ -121,38 +104,52 @@ def test_gpu_trainer_runs_on_cuda(tmp_path):
     assert trainer.strategy.root_device.type == "cuda" and trainer.num_devices == 1
 
 
+def _stage_precision(strategy: HPPStrategy) -> HPPPrecision:
+    """The HPPPrecision the strategy runs its stages with: the one it was given, else (a Lightning
+    default plugin from the Trainer's ``precision``) a default ``HPPPrecision()`` installed at setup."""
+    plugin = strategy.precision_plugin
+    return plugin if isinstance(plugin, HPPPrecision) else HPPPrecision()
+
+
 def check_strategy_hpp(tmp_path):
-    cfg = compose_cfg(tmp_path, "experiment=mlp_tiny", "strategy.n_microbatches=8", "strategy.schedule=gpipe")
+    # strategy/hpp.yaml lists only overrides of the constructor's defaults: other options are added with `+`
+    cfg = compose_cfg(tmp_path, "experiment=mlp_tiny", "strategy.n_microbatches=8", "+strategy.schedule=gpipe")
+    assert set(cfg.strategy) == {"_target_", "_convert_", "plan", "n_microbatches", "timeout", "schedule"}
     run = build(cfg)
     assert isinstance(run.strategy, HPPStrategy)
     assert run.strategy.schedule == "gpipe" and run.strategy.n_microbatches == 8
-    assert run.strategy._precision_options["clip"] == "per-stage" and run.strategy._precision_options["fp8_backend"] is None
+    precision = _stage_precision(run.strategy)
+    assert precision.clip == "per-stage" and precision.fp8_backend is None
     assert run.strategy._plan_arg is run.plan and run.plan.num_stages == 2
+
+
+def test_hpp_option_sections_from_the_command_line(tmp_path):
+    # nested option sections reach HPPStrategy as plain dicts and lists (`_convert_: all`), a
+    # `_target_`ed section or precision plugin as the object it names
+    cfg = compose_cfg(
+        tmp_path, "experiment=mlp_tiny", f"+strategy.checkpoint.dir={tmp_path / 'ckpt'}", "+strategy.checkpoint.keep_last=2",
+        "+strategy.bias._target_=lightning_hpp.options.BiasOptions", "+strategy.bias.audit=error",
+        "+strategy.placement.device_map=[cpu,cpu]", "+strategy.telemetry.trace_step=3",
+        "+strategy.precision_plugin._target_=lightning_hpp.HPPPrecision", "+strategy.precision_plugin.clip=global",
+    )
+    run = build(cfg)
+    assert run.strategy._checkpoint == CheckpointOptions(dir=str(tmp_path / "ckpt"), keep_last=2)
+    assert run.trainer.checkpoint_callbacks  # mlp_tiny has no checkpoint group; the strategy's own dir turns checkpointing on
+    assert run.strategy._bias == BiasOptions(audit="error")
+    assert run.strategy._placement == PlacementOptions(device_map=["cpu", "cpu"])
+    assert run.strategy._telemetry == TelemetryOptions(trace_step=3)
+    assert isinstance(run.strategy.precision_plugin, HPPPrecision) and run.strategy.precision_plugin.clip == "global"
+    with pytest.raises(Exception, match=r"`CheckpointOptions\(async_save='no'\)`: must be True or False"):
+        build(compose_cfg(tmp_path, "experiment=mlp_tiny", "+strategy.checkpoint.async_save='no'"))
 
 
 DDP_KEYS = {"_target_", "process_group_backend", "find_unused_parameters"}
 
 
-def test_hpp_config_lists_every_strategy_option_with_its_default(tmp_path):
-    import inspect
-    from datetime import timedelta
-
-    cfg = compose_cfg(tmp_path, "strategy=hpp")
-    params = inspect.signature(HPPStrategy.__init__).parameters
-    plumbing = {"self", "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
-    options = {k: p.default for k, p in params.items() if k not in plumbing}
-    assert set(cfg.strategy) - {"_target_"} == set(options)
-    for key, default in options.items():
-        value = cfg.strategy[key]
-        if isinstance(default, timedelta):
-            default = default.total_seconds()
-        assert value == default, f"strategy/hpp.yaml sets {key}={value!r}; HPPStrategy's default is {default!r}"
-
-
 def check_strategy_hpp_fp8_emulate(tmp_path):
     run = build(compose_cfg(tmp_path, "experiment=mlp_tiny", "strategy=hpp_fp8_emulate", "n_microbatches=2"))
     assert isinstance(run.strategy, HPPStrategy) and run.strategy.n_microbatches == 2
-    assert run.strategy._precision_options["fp8_backend"] == "emulate"
+    assert _stage_precision(run.strategy).fp8_backend == "emulate"
 
 
 def check_strategy_ddp(tmp_path):
@@ -355,7 +352,7 @@ def _check_experiment(tmp_path, name, strategy_type, devices, model_name, stages
 def check_experiment_hybrid_vision(tmp_path):
     run = _check_experiment(tmp_path, "hybrid_vision", HPPStrategy, 3, "HybridVisionModel", 3)
     assert run.strategy.n_microbatches == 8 and run.datamodule.n_microbatches == 8
-    assert run.strategy._precision_options["fp8_backend"] == "emulate"  # fp8 stage on CPU
+    assert _stage_precision(run.strategy).fp8_backend == "emulate"  # fp8 stage on CPU
     cfg = compose_cfg(tmp_path, "experiment=hybrid_vision", keep_hydra=True)
     assert cfg.hydra.job.env_set.HPP_DEVICE_KIND == "0:a100,1:h100,2:h100"
 

@@ -32,7 +32,7 @@ def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(tmp_pat
         # measured on this machine's ranks: whatever the cut, training equals single-process training
         {"name": "measured", "strategy": {}, "depth": 4, "steps": 10},
         # a profile of two device kinds, rank 0 'fast' and rank 1 'slow' (2x): the fast rank gets ~2/3
-        {"name": "kinds", "depth": 6, "strategy": {"device_map": "0:fast,1:slow", "auto_profile": str(tmp_path / "profile.json")}},
+        {"name": "kinds", "depth": 6, "strategy": {"placement": {"device_map": "0:fast,1:slow", "profile": str(tmp_path / "profile.json")}}},
     ]
     for r in runs:
         r.setdefault("steps", 4)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
 from lightning_hpp import StagePlan, StageSpec
 from lightning_hpp.errors import FP8Error
 from lightning_hpp.pipeline.stage import StageModule
-from lightning_hpp.precision.plugin import HPPPrecision
+from lightning_hpp.precision.plugin import HPPPrecision, StageView
 from tests.launch import load_rank, merged_state, run_script
 from tests.models import MLP
 from tests.reference import train_reference
@@ -27,7 +25,7 @@ def test_each_mode_trains_close_to_fp32_and_overflow_skips_everywhere(tmp_path):
     modes = ["16-mixed", "bf16-mixed", "16-true", "bf16-true", "fp8"]
     runs = [
         {"name": m, "stages": TWO, "schedule": "1f1b", "n_micro": 4, "steps": 5, "batch": 16, "precisions": ["32-true", m],
-         "strategy": {"fp8_backend": "emulate"}}
+         "precision": {"fp8_backend": "emulate"}}
         for m in modes
     ]
     # an fp16 stage whose gradients overflow at the initial scale: the step is skipped on every rank
@@ -64,8 +62,8 @@ def test_each_mode_trains_close_to_fp32_and_overflow_skips_everywhere(tmp_path):
 @pytest.mark.slow
 def test_clipping_per_stage_and_global_equal_hand_computed_reference(tmp_path):
     runs = [
-        {"name": "per_stage", "clip_norms": [0.05, 0.02], "strategy": {"clip": "per-stage"}},
-        {"name": "global", "gradient_clip_val": 0.03, "strategy": {"clip": "global"}},
+        {"name": "per_stage", "clip_norms": [0.05, 0.02], "precision": {"clip": "per-stage"}},
+        {"name": "global", "gradient_clip_val": 0.03, "precision": {"clip": "global"}},
     ]
     for r in runs:
         r.update(stages=TWO, schedule="gpipe", n_micro=2, steps=1, batch=16, out=str(tmp_path / r["name"]))
@@ -102,28 +100,28 @@ def _stage_modules(model, precisions):
     names = [f"layers.{i}" for i in range(7)]
     plan = plan.with_modules(plan.resolve(names))
     sms = {k: StageModule(ms, [model.get_submodule(n) for n in ms], k, first=(k == 0)) for k, ms in enumerate(plan.stages[i].modules for i in range(2))}
-    fake = types.SimpleNamespace(dp_group=None, runner=types.SimpleNamespace(current_microbatch=lambda s: 3), lightning_module=None)
-    return plan, sms, fake
+    view = StageView(stages=sms, microbatch=lambda s: 3)  # no process group; step -1
+    return plan, sms, view
 
 
 def test_fp8_stage_on_cpu_is_refused_without_emulation():
     model = MLP()
-    plan, sms, fake = _stage_modules(model, ["32-true", "fp8"])
+    plan, sms, view = _stage_modules(model, ["32-true", "fp8"])
     with pytest.raises(FP8Error, match="Stage 1 .*'cpu'.*fp8_backend='emulate'"):
-        HPPPrecision().configure_stages(fake, plan, "32-true", sms, torch.device("cpu"), "cpu")
+        HPPPrecision().configure_stages(plan, view, "32-true", torch.device("cpu"), "cpu")
 
 
 def test_nan_guard_names_the_stage_and_microbatch_and_sanitize_replaces():
     model = MLP()
-    plan, sms, fake = _stage_modules(model, ["32-true", "32-true"])
-    HPPPrecision(nonfinite="raise").configure_stages(fake, plan, "32-true", sms, torch.device("cpu"), "cpu")
+    plan, sms, view = _stage_modules(model, ["32-true", "32-true"])
+    HPPPrecision(nonfinite="raise").configure_stages(plan, view, "32-true", torch.device("cpu"), "cpu")
     with torch.no_grad():
         model.layers[2].bias.fill_(float("nan"))
     with pytest.raises(FloatingPointError, match=r"leaving stage 0 \(micro-batch 3, step -1\)"):
         sms[0](torch.randn(4, 8))
     model2 = MLP()
-    plan, sms, fake = _stage_modules(model2, ["32-true", "32-true"])
-    HPPPrecision(nonfinite="sanitize").configure_stages(fake, plan, "32-true", sms, torch.device("cpu"), "cpu")
+    plan, sms, view = _stage_modules(model2, ["32-true", "32-true"])
+    HPPPrecision(nonfinite="sanitize").configure_stages(plan, view, "32-true", torch.device("cpu"), "cpu")
     with torch.no_grad():
         model2.layers[2].bias.fill_(float("nan"))
     with pytest.warns(RuntimeWarning, match="Replaced with finite values"):
@@ -132,9 +130,18 @@ def test_nan_guard_names_the_stage_and_microbatch_and_sanitize_replaces():
 
 
 def test_bad_precision_options_are_refused():
+    from lightning_hpp import PlanError
+
+    with pytest.raises(PlanError, match="`HPPPrecision\\(clip='both'\\)` is not supported"):
+        HPPPrecision(clip="both")
+    with pytest.raises(PlanError, match="`HPPPrecision\\(nonfinite='ignore'\\)`"):
+        HPPPrecision(nonfinite="ignore")
+
+
+def test_precision_options_given_to_the_strategy_name_hpp_precision():
     from lightning_hpp import HPPStrategy, PlanError
 
-    with pytest.raises(PlanError, match="`clip='both'` is not supported"):
-        HPPStrategy(clip="both")
-    with pytest.raises(PlanError, match="`nonfinite='ignore'`"):
-        HPPStrategy(nonfinite="ignore")
+    for name, value in (("clip", "global"), ("fp8_backend", "emulate"), ("fp8_recipe", "current"), ("nonfinite", "warn")):
+        # the error names the option's new home
+        with pytest.raises(PlanError, match=rf"unexpected keyword argument '{name}'\. It moved: .*HPPPrecision\({name}=\.\.\.\)"):
+            HPPStrategy(**{name: value})

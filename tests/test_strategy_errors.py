@@ -13,18 +13,49 @@ pytestmark = pytest.mark.slow
 
 
 def test_constructor_rejects_unknown_schedule_and_bad_microbatches():
-    with pytest.raises(PlanError, match="Unknown schedule 'pipedream'. Valid schedules: gpipe, 1f1b"):
+    with pytest.raises(PlanError, match="schedule='pipedream'\\)` is unknown. Valid schedules: gpipe, 1f1b"):
         HPPStrategy(schedule="pipedream")
-    with pytest.raises(PlanError, match="positive integer, got 0"):
+    with pytest.raises(PlanError, match="n_microbatches=0\\)`: must be a positive integer"):
         HPPStrategy(n_microbatches=0)
     with pytest.raises(PlanError, match="must be None .*got int"):
         HPPStrategy(plan=3)
 
 
+@pytest.mark.parametrize("old, value, home", [
+    ("checkpoint_dir", "x", "checkpoint=CheckpointOptions(dir=...)"),
+    ("save_every_n_steps", 5, "checkpoint=CheckpointOptions(every_n_steps=...)"),
+    ("save_on_error", "warn", "checkpoint=CheckpointOptions(on_error=...)"),
+    ("resume", "auto", "checkpoint=CheckpointOptions(resume=...)"),
+    ("deterministic", True, "bias=BiasOptions(deterministic=...)"),
+    ("auto_profile", "p.json", "placement=PlacementOptions(profile=...)"),
+    ("fp8_backend", "emulate", "HPPPrecision(fp8_backend=...)"),
+])
+def test_old_flat_options_name_their_new_home(old, value, home):
+    import re
+
+    with pytest.raises(PlanError, match=f"unexpected keyword argument '{old}'. It moved: .*{re.escape(home)}"):
+        HPPStrategy(**{old: value})
+
+
+def test_option_sections_refuse_unknown_keys_and_wrong_types():
+    from lightning_hpp.options import CheckpointOptions
+
+    with pytest.raises(PlanError, match=r"`HPPStrategy\(checkpoint=...\)` has unknown keys \['every_n_step'\]; `CheckpointOptions` takes"):
+        HPPStrategy(checkpoint={"dir": "x", "every_n_step": 5})
+    with pytest.raises(PlanError, match=r"`CheckpointOptions\(async_save='false'\)`: must be True or False \(not a str\)"):
+        CheckpointOptions(async_save="false")
+    with pytest.raises(PlanError, match=r"`CheckpointOptions\(async_save='false'\)`"):  # also as a dict
+        HPPStrategy(checkpoint={"dir": "x", "async_save": "false"})
+    with pytest.raises(PlanError, match=r"`HPPStrategy\(bias='error'\)`: pass a `BiasOptions\(...\)`"):
+        HPPStrategy(bias="error")
+    # well-formed sections are taken as instances or as dicts of their fields
+    HPPStrategy(checkpoint=CheckpointOptions(dir="x", every_n_steps=5), bias={"audit": "error", "deterministic": False})
+
+
 @pytest.mark.parametrize(
     "case, devices, message",
     [
-        ("too_many_stages", 2, "The plan has 3 stages but the job has 2 processes"),
+        ("too_many_stages", 2, "The plan has 3 stages \\(pp_degree=3\\) but the job has 2 processes"),
         ("pp_not_divisor", 3, "World size 3 is not divisible by pp_degree=2"),
         ("non_sequential", 2, "`forward` is not sequential at unit 'layers.4'"),
         ("int_boundary", 2, "boundary after unit 'layers.3' carries Tensor\\(shape=\\(4, 16\\), dtype=torch.int64\\)"),

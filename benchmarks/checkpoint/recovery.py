@@ -13,8 +13,8 @@ the plan and its forward check); checkpoint load and the first step. Each run is
 the job exits 0 and its first step after the restart is step 5 (the step-4 checkpoint resumed).
 
 **Stall.** Two pipeline ranks train an MLP of ``--mparams`` million parameters (SGD with momentum,
-so a checkpoint holds twice that in float32) under HPPStrategy with ``checkpoint_dir=...``,
-``save_every_n_steps=--every`` and ``async_save`` off, then on, in interleaved rounds. A step's time
+so a checkpoint holds twice that in float32) under HPPStrategy with ``CheckpointOptions(dir=...,
+every_n_steps=--every)`` and ``async_save`` off, then on, in interleaved rounds. A step's time
 runs from one batch start to the next, so it includes the checkpoint Lightning saves at the end
 of a step. Reported: the median step without a save (synchronous runs), the median step that saves,
 and for the asynchronous runs also the steps after it (the background write shares the 2 cores);
@@ -153,6 +153,8 @@ def stall_run(tp: Any, job: dict[str, Any], async_save: bool, rnd: int) -> list[
     from models import Size, build, split
 
     from lightning_hpp import HPPStrategy, StagePlan, StageSpec
+    from lightning_hpp.checkpoint.resume import step_checkpoint_callback
+    from lightning_hpp.options import CheckpointOptions
 
     class StepClock(Callback):
         def __init__(self) -> None:
@@ -167,13 +169,17 @@ def stall_run(tp: Any, job: dict[str, Any], async_save: bool, rnd: int) -> list[
 
     size = Size(width=job["width"], blocks=job["blocks"], batch=job["batch"])
     clock = StepClock()
-    ckpt_dir = str(Path(job["ckpt_root"]) / f"{'async' if async_save else 'sync'}-{rnd}")
+    # a real path, as ModelCheckpoint spells its dirpath (HPPStrategy finds its callback by that path)
+    ckpt_dir = os.path.realpath(Path(job["ckpt_root"]) / f"{'async' if async_save else 'sync'}-{rnd}")
     plan = StagePlan([StageSpec(modules=u) for u in split("mlp", size, 2)])
-    strategy = HPPStrategy(plan=plan, schedule="1f1b", n_microbatches=job["m"], checkpoint_dir=ckpt_dir,
-                           save_every_n_steps=job["every"], keep_last=1, async_save=async_save, timeout=600,
-                           **tp._hpp_options(HPPStrategy))
+    checkpoint = CheckpointOptions(dir=ckpt_dir, every_n_steps=job["every"], keep_last=1, async_save=async_save)
+    strategy = HPPStrategy(plan=plan, schedule="1f1b", n_microbatches=job["m"], checkpoint=checkpoint, timeout=600,
+                           **tp._hpp_options())
     job = {**job, "model": "mlp", "accelerator": "cpu", "devices": 2, "warmup": 0}
-    trainer = tp._trainer(job, strategy, [clock])  # HPPStrategy adds its own ModelCheckpoint at setup
+    # checkpointing on, with the step-<N> callback HPPStrategy would add at setup given here: Lightning
+    # then adds no default ModelCheckpoint, whose end-of-epoch save the last timed step would include
+    saver = step_checkpoint_callback(ckpt_dir, job["every"])
+    trainer = tp._trainer(job, strategy, [clock, saver], enable_checkpointing=True)
     trainer.fit(build("mlp", size), tp._loader(job, size, size.batch))
     starts = clock.starts + [clock.end]  # the last step is no save step: on_train_end closes it
     return [b - a for a, b in zip(starts, starts[1:])]

@@ -9,14 +9,14 @@ cgroup cannot be created (not root, cgroup v2 only, read-only mount), rank 1 sha
 busy-loop process instead, which the kernel's fair scheduler also halves it with; the output says
 which one ran. The group (or the busy loop) is removed afterwards, also when something fails.
 
-The kinds reach HPPStrategy through the override, ``device_map="0:fast,1:slow"`` (or, with
+The kinds reach HPPStrategy through the override, ``PlacementOptions(device_map="0:fast,1:slow")`` (or, with
 ``--kind-source env``, ``HPP_DEVICE_KIND`` set per rank). One invocation runs, on the same model
 (a 12-layer 1024-wide MLP plus a 10-class head), the same data and the same global batch, in
 ``--rounds`` interleaved rounds:
 
 * ``auto``     — ``HPPStrategy(plan="auto")``: each kind profiles the units itself (the slow rank
   on its throttled core), the exact partitioner picks the cut; 1F1B, 12 micro-batches;
-* ``auto_mean`` — the same partitioner fed through ``auto_profile=`` with a profile the benchmark
+* ``auto_mean`` — the same partitioner fed through ``PlacementOptions(profile=)`` with a profile the benchmark
   measured on both ranks beforehand, timing each unit as the mean over a 0.4 s window instead of
   the median of 5 short repetitions (see :func:`mean_profile` for why that matters under a quota);
 * ``uniform``  — a 6:6 cut (the head joins the last stage), same schedule;
@@ -52,7 +52,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
 KINDS = ("fast", "slow")
 CONFIGS = ("auto", "auto_mean", "uniform", "hand", "ddp")
-LABELS = {"auto": 'plan="auto"', "auto_mean": 'plan="auto", auto_profile=<mean-timed profile>', "uniform": "uniform cut 6:6",
+LABELS = {"auto": 'plan="auto"', "auto_mean": 'plan="auto", PlacementOptions(profile=<mean-timed profile>)', "uniform": "uniform cut 6:6",
           "hand": "hand-balanced 8:4", "ddp": "DDP"}
 MEAN_WINDOW_S = 0.4
 """Each unit's forward+backward is repeated for at least this long (4 CFS periods) in the mean-timed profile."""
@@ -270,14 +270,15 @@ def run_pipeline(tp: Any, job: dict[str, Any], size: Any, name: str) -> dict[str
     from models import build
 
     from lightning_hpp import HPPStrategy, StagePlan, StageSpec
+    from lightning_hpp.options import PlacementOptions, TelemetryOptions
 
     plan = "auto" if name.startswith("auto") else StagePlan([StageSpec(modules=u) for u in cuts(name, job["layers"])])
-    kinds = {} if job["kind_source"] == "env" else {"device_map": ",".join(f"{r}:{k}" for r, k in enumerate(KINDS))}
+    placement = {} if job["kind_source"] == "env" else {"device_map": ",".join(f"{r}:{k}" for r, k in enumerate(KINDS))}
     if name == "auto_mean":
-        kinds["auto_profile"] = job["profile_path"]
+        placement["profile"] = job["profile_path"]
     timer = _timer(job["warmup"])
-    strategy = HPPStrategy(plan=plan, schedule="1f1b", n_microbatches=job["m"], telemetry={"every_n_steps": 10**9},
-                           timeout=300, **kinds, **tp._hpp_options(HPPStrategy))
+    strategy = HPPStrategy(plan=plan, schedule="1f1b", n_microbatches=job["m"], telemetry=TelemetryOptions(every_n_steps=10**9),
+                           placement=PlacementOptions(**placement), timeout=300, **tp._hpp_options())
     trainer = tp._trainer(job, strategy, [timer])
     trainer.fit(build("mlp", size), tp._loader(job, size, size.batch))
     telemetry = timer.telemetry

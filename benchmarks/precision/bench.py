@@ -5,7 +5,7 @@ The main example (``examples/hybrid_vision``) in 3 pipeline stages on 3 CPU proc
 
 * ``fp32``  — ``model.fp32_plan()``: every stage ``"32-true"``;
 * ``mixed`` — ``model.mixed_plan()``: encoder ``"16-mixed"`` (CPU autocast fp16), Transformer
-  ``"fp8"`` with ``fp8_backend="emulate"`` (a quantize-dequantize emulation: fp8 numerics, no fp8
+  ``"fp8"`` with ``HPPPrecision(fp8_backend="emulate")`` (a quantize-dequantize emulation: fp8 numerics, no fp8
   speed; there is no fp8 hardware on a CPU), classifier ``"bf16-mixed"`` (CPU autocast bf16).
 
 Per configuration: the step time (median of the timed steps that telemetry does not record, the
@@ -91,9 +91,9 @@ def run(tp: Any, job: dict[str, Any], name: str) -> dict[str, Any]:
     memory.reset()
     telemetry = PipelineTelemetry(every_n_steps=10**9)
     timer = tp._lightning_timer(job, memory, telemetry)
-    options = {"fp8_backend": "emulate"} if name == "mixed" else {}
+    precision = {"fp8_backend": "emulate"} if name == "mixed" else {}
     strategy = HPPStrategy(plan=mixed_plan() if name == "mixed" else fp32_plan(), schedule="1f1b", n_microbatches=job["m"],
-                           timeout=300, **options, **tp._hpp_options(HPPStrategy))
+                           timeout=300, **tp._hpp_options(**precision))
     trainer = tp._trainer(job, strategy, [telemetry, timer])
     model = HybridVisionModel(image_size=job["image_size"], channels=job["channels"], dim=job["dim"])
     n_params = sum(p.numel() for p in model.parameters())

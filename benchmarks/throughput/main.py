@@ -194,23 +194,25 @@ def _lightning_timer(job: dict[str, Any], memory: PeakMemory, telemetry: Any = N
     return Timer()
 
 
-def _trainer(job: dict[str, Any], strategy: Any, callbacks: list[Any]) -> Any:
+def _trainer(job: dict[str, Any], strategy: Any, callbacks: list[Any], **kw: Any) -> Any:
+    """The benchmark's Trainer (no logger, no checkpoints unless ``kw`` turns them on)."""
     import lightning as L
 
-    return L.Trainer(
-        accelerator=job["accelerator"],
-        devices=job["devices"],
-        strategy=strategy,
-        max_steps=job["warmup"] + job["steps"],
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=True,
-    )
+    return L.Trainer(**{
+        "accelerator": job["accelerator"],
+        "devices": job["devices"],
+        "strategy": strategy,
+        "max_steps": job["warmup"] + job["steps"],
+        "callbacks": callbacks,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+        "use_distributed_sampler": True,
+        **kw,
+    })
 
 
 def _loader(job: dict[str, Any], size: Any, per_rank_batch: int) -> Any:
@@ -232,23 +234,23 @@ def run_hpp(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) ->
     memory.reset()
     telemetry = PipelineTelemetry(every_n_steps=10**9)
     timer = _lightning_timer(job, memory, telemetry)
-    strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["m"], timeout=300, **_hpp_options(HPPStrategy))
+    strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["m"], timeout=300, **_hpp_options())
     trainer = _trainer(job, strategy, [telemetry, timer])
     trainer.fit(build(job["model"], size), _loader(job, size, size.batch))
     return {**_timing(timer.times, job["warmup"], True), "peak_mb": memory.peak_mb(), **_history(telemetry.history)}
 
 
-def _hpp_options(cls: type) -> dict[str, Any]:
+def _hpp_options(**precision: Any) -> dict[str, Any]:
+    """HPPStrategy keyword arguments of a benchmark run: its HPPPrecision, with ``precision`` options."""
     # torch's shape inference runs each stage once on uninitialized tensors in the first step; a
     # non-finite guard that raises can trip on that garbage, so the benchmark asks it to warn. The
     # check itself (and its cost) is the same.
-    import inspect
     import warnings
 
-    if "nonfinite" in inspect.signature(cls).parameters:
-        warnings.filterwarnings("ignore", message="NaN/Inf in the", category=RuntimeWarning)
-        return {"nonfinite": "warn"}
-    return {}
+    from lightning_hpp import HPPPrecision
+
+    warnings.filterwarnings("ignore", message="NaN/Inf in the", category=RuntimeWarning)
+    return {"precision_plugin": HPPPrecision(nonfinite="warn", **precision)}
 
 
 def run_ddp(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) -> dict[str, Any]:
@@ -401,7 +403,7 @@ def run_paired(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any)
             self.times.append(raw.step(batch_idx))
 
     paired = RawAfterEach()
-    strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["m"], timeout=300, **_hpp_options(HPPStrategy))
+    strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["m"], timeout=300, **_hpp_options())
     trainer = _trainer(job, strategy, [timer, paired])
     trainer.fit(build(job["model"], size), _loader(job, size, size.batch))
     w = job["warmup"]

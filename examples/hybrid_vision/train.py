@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from model import HybridVisionModel, fp32_plan, mixed_plan  # noqa: E402
 
-from lightning_hpp import HPPStrategy  # noqa: E402
+from lightning_hpp import HPPPrecision, HPPStrategy  # noqa: E402
 from lightning_hpp.examples_data import DigitsDataModule  # noqa: E402
 
 TARGET_ACCURACY = 0.95
@@ -99,11 +99,9 @@ def progress_bar() -> RichProgressBar | TQDMProgressBar:
 
 
 def _precision_options(plan: str) -> dict:
-    import inspect
-
     # fp8 has no hardware on CPU: the emulation is used, and labelled as such in the logs and the plan.
-    if plan == "mixed" and "fp8_backend" in inspect.signature(HPPStrategy).parameters:
-        return {"fp8_backend": "emulate"}
+    if plan == "mixed":
+        return {"precision_plugin": HPPPrecision(fp8_backend="emulate")}
     return {}
 
 

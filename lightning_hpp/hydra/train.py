@@ -341,11 +341,13 @@ def build(cfg: DictConfig) -> Run:
     checkpoint = hydra.utils.instantiate(cfg.checkpoint) if cfg.get("checkpoint") else None
     if checkpoint is not None:
         callbacks.append(checkpoint)
+    # HPPStrategy's own step-<N> checkpoints (`strategy.checkpoint.dir`) need checkpointing on as well
+    own_dir = OmegaConf.select(cfg, "strategy.checkpoint.dir", default=None)
     trainer = hydra.utils.instantiate(cfg.trainer, _partial_=True)(
         strategy=strategy,
         callbacks=callbacks,
         logger=loggers or False,
-        enable_checkpointing=checkpoint is not None,
+        enable_checkpointing=checkpoint is not None or own_dir is not None,
     )
     return Run(trainer, model, datamodule, strategy, plan, resolved, callbacks, loggers)
 

@@ -11,7 +11,7 @@ import sys
 import lightning as L
 import torch
 
-from lightning_hpp import HPPStrategy, StagePlan, StageSpec
+from lightning_hpp import HPPPrecision, HPPStrategy, StagePlan, StageSpec
 from tests.models import MLP, loaders
 
 
@@ -21,15 +21,18 @@ def run(cfg: dict, devices: int) -> None:
     precisions = cfg.get("precisions") or [None] * len(cfg.get("stages") or [])
     clip_norms = cfg.get("clip_norms") or [None] * len(cfg.get("stages") or [])
     plan = StagePlan([StageSpec(modules=m, precision=p, clip_norm=c, device=d) for m, p, c, d in zip(cfg["stages"], precisions, clip_norms, cfg.get("devices_kinds") or [None] * len(cfg["stages"]))]) if cfg.get("stages") else "auto"
-    strategy = HPPStrategy(
-        plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["n_micro"], pp_degree=cfg.get("pp"), timeout=cfg.get("timeout", 60),
-        **cfg.get("strategy", {}),
-    )
+    # cfg["strategy"]: HPPStrategy keyword arguments (option sections as dicts, e.g. {"placement": {...}});
+    # cfg["precision"]: HPPPrecision keyword arguments, handed to the strategy (or, with "init_scale",
+    # to the Trainer as a plugin)
+    precision = cfg.get("precision") or {}
     plugins = []
     if "init_scale" in cfg:  # the plugin given to the Trainer is the one the strategy uses
-        from lightning_hpp.precision.plugin import HPPPrecision
-
-        plugins.append(HPPPrecision(init_scale=cfg["init_scale"], **cfg.get("strategy", {})))
+        plugins.append(HPPPrecision(init_scale=cfg["init_scale"], **precision))
+    strategy = HPPStrategy(
+        plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["n_micro"], pp_degree=cfg.get("pp"), timeout=cfg.get("timeout", 60),
+        precision_plugin=HPPPrecision(**precision) if precision and not plugins else None,
+        **cfg.get("strategy", {}),
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
+from lightning_hpp.options import CheckpointOptions
 from tests.models import MLP, loaders
 
 
@@ -45,11 +46,15 @@ def main(cfg: dict) -> None:
     L.seed_everything(0)
     model = MLP()
     plan = StagePlan([StageSpec(modules=m) for m in cfg["stages"]])
+    # the strategy's own step-<N> checkpoints when ckpt_dir is set; "every" also paces the ModelCheckpoint of mc_dirpath
+    ckpt_dir = cfg.get("ckpt_dir")
+    checkpoint = CheckpointOptions(
+        dir=ckpt_dir, resume=cfg.get("resume"), every_n_steps=cfg.get("every") if ckpt_dir else None,
+        keep_last=cfg.get("keep_last"), async_save=cfg.get("async_save", False),
+    )
     strategy = HPPStrategy(
         plan=plan, schedule=cfg.get("schedule", "1f1b"), n_microbatches=cfg.get("n_micro", 4), pp_degree=cfg.get("pp"),
-        checkpoint_dir=cfg.get("ckpt_dir"), resume=cfg.get("resume"), save_every_n_steps=cfg.get("every"),
-        keep_last=cfg.get("keep_last"), async_save=cfg.get("async_save", False), timeout=cfg.get("timeout", 60),
-        **cfg.get("strategy", {}),
+        checkpoint=checkpoint, timeout=cfg.get("timeout", 60), **cfg.get("strategy", {}),
     )
     callbacks = []
     if "kill_at" in cfg:
