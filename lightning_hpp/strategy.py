@@ -43,11 +43,11 @@ from lightning_hpp.bias.guard import BiasGuard
 from lightning_hpp.checkpoint import resume as _resume
 from lightning_hpp.errors import CheckpointError, PlanError, ScheduleError
 from lightning_hpp.launch import Launcher, init_process_group
-from lightning_hpp.model.frontend import FRONTENDS, balanced_plan, cut_model
-from lightning_hpp.model.units import find_units, keep_stages, keep_tensors
+from lightning_hpp.model.frontend import FRONTENDS, balanced_plan, cut_model, planning_units
+from lightning_hpp.model.units import find_units
 from lightning_hpp.options import BiasOptions, CheckpointOptions, PlacementOptions, TelemetryOptions, section
 from lightning_hpp.pipeline.data import first_loader, peek_batch, seed_workers_per_replica, shard_over_replicas
-from lightning_hpp.pipeline.grads import GradHandover
+from lightning_hpp.pipeline.grads import GradHandover, shared_gradient_groups
 from lightning_hpp.pipeline.mesh import Mesh, stages_of_position
 from lightning_hpp.pipeline.microbatch import split_batch
 from lightning_hpp.pipeline.runner import PipelineRunner
@@ -384,8 +384,8 @@ class HPPStrategy(ParallelStrategy):
         self._plan.meta["device_kinds"] = rank_kinds
         self._mesh.init_groups()
         self._stage_ids = positions[self._mesh.position]
-        shared = self._shared_grads(module, cut, positions)
-        self._keep_held(module, cut)
+        shared = shared_gradient_groups(cut.shared, dict(module.named_parameters()), positions, self._mesh)
+        cut.keep_only(module, self._stage_ids)
         names = self._plan.stages
         stages = {mode: {k: StageModule(names[k].modules, cut.bodies[mode][k], k, spread=cut.spread[k]) for k in self._stage_ids}
                   for mode in ("train", "eval")}
@@ -409,7 +409,7 @@ class HPPStrategy(ParallelStrategy):
     def _initial_plan(self, module: Any, example: tuple | None, rank_kinds: list[str]) -> tuple[StagePlan, Any]:
         """The plan before the cut: ``plan="auto"``, the user's plan, the ``@stage`` decorators, or balanced."""
         if self._plan_arg == "auto":
-            return self._auto_plan(find_units(module), example, rank_kinds)
+            return self._auto_plan(module, example, rank_kinds)
         if self._plan_arg is not None:
             return self._plan_arg, None
         try:
@@ -422,31 +422,6 @@ class HPPStrategy(ParallelStrategy):
         plan = balanced_plan(module, n)
         rank_zero_info(f"HPPStrategy: no plan given; {plan.meta['balanced']}: cut at {plan.meta['cut_points']}.")
         return plan, None
-
-    def _shared_grads(self, module: Any, cut: Any, positions: list[list[int]]) -> list[tuple[list[Any], Any]]:
-        """Groups over which the gradients of parameters used by several stages are summed (collective)."""
-        where = {n: tuple(sorted({r for r, held in enumerate(positions) for k in ks if k in held})) for n, ks in cut.shared.items()}
-        sets = sorted({ps for ps in where.values() if len(ps) > 1})
-        groups = self._mesh.groups_over_positions(sets)
-        params = dict(module.named_parameters())
-        out: dict[tuple[int, ...], list[Any]] = {}
-        for n, ps in where.items():
-            if groups.get(ps) is not None:
-                out.setdefault(ps, []).append(params[n])
-        return [(ps_params, groups[ps]) for ps, ps_params in sorted(out.items())]
-
-    def _keep_held(self, module: Any, cut: Any) -> None:
-        """Drop every parameter and buffer of the stages other ranks hold."""
-        if cut.frontend == "sequential":
-            keep_stages(module, [s.modules for s in self._plan.stages], self._stage_ids)
-            return
-        params = dict(module.named_parameters())
-        buffers = dict(module.named_buffers(remove_duplicate=False))
-        stage_of = {id(t): k for k in reversed(range(self._plan.num_stages))
-                    for t in [*(params[n] for n in cut.params[k]), *(buffers[n] for n in cut.buffers[k] if n in buffers)]}
-        keep = {id(params[n]) for k in self._stage_ids for n in cut.params[k]}
-        keep |= {id(buffers[n]) for k in self._stage_ids for n in cut.buffers[k] if n in buffers}
-        keep_tensors(module, keep, stage_of)
 
     def _example_call(self, trainer: Any, module: Any) -> tuple[tuple, dict] | None:
         """``(args, kwargs)`` of the step's ``self(...)`` call on one real micro-batch, RNG untouched."""
@@ -467,22 +442,18 @@ class HPPStrategy(ParallelStrategy):
                 raise second_call_error(step_fn.__name__)
             return capture_input(module, step_fn, batch, 0)
 
-    def _auto_plan(self, units: list, example: tuple | None, rank_kinds: list[str]) -> tuple[StagePlan, list[list[int]]]:
+    def _auto_plan(self, module: Any, example: tuple | None, rank_kinds: list[str]) -> tuple[StagePlan, list[list[int]]]:
         if example is None:
-            raise PlanError("plan='auto' profiles the units on one real micro-batch, but the dataloader gave no batch.")
+            raise PlanError("plan='auto' profiles the model on one real micro-batch, but the dataloader gave no batch.")
         if self._schedule not in ("gpipe", "1f1b"):
             raise PlanError(f"plan='auto' plans 'gpipe' and '1f1b' schedules; got schedule={self._schedule!r}.")
-        args, kwargs = example
-        if kwargs:
-            raise PlanError(f"plan='auto' profiles the model's top-level units in order, which takes positional inputs; the "
-                            f"step calls `self(...)` with keyword arguments {sorted(kwargs)}. Pass a plan "
-                            f"(`StagePlan.split_at([...])`) or call `self(...)` with positional arguments.")
+        units, inputs, to_cut = planning_units(module, example)
         dp = self.world_size // self._pp_arg if self._pp_arg else 1
-        plan, grid, table = auto_plan(units, args, self.global_rank, rank_kinds, dp_degree=dp, schedule=self._schedule,
+        plan, grid, table = auto_plan(units, inputs, self.global_rank, rank_kinds, dp_degree=dp, schedule=self._schedule,
                                       n_microbatches=self._n_microbatches, profile_path=self._placement.profile)
         self._pp_arg = plan.num_stages
         rank_zero_info(f"HPPStrategy: plan='auto' chose\n{table}")
-        return plan, grid
+        return to_cut(plan), grid
 
     @override
     def model_to_device(self) -> None:

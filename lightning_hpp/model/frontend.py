@@ -29,7 +29,7 @@ from torch import nn
 from lightning_hpp.errors import PlanError, SequentialForwardError
 from lightning_hpp.model import traced as _traced
 from lightning_hpp.model.sequential import check_sequential_forward
-from lightning_hpp.model.units import find_units
+from lightning_hpp.model.units import find_units, keep_stages, keep_tensors
 from lightning_hpp.planning.plan import StagePlan
 
 FRONTENDS = ("auto", "sequential", "traced")
@@ -67,6 +67,20 @@ class Cut:
 
     def __post_init__(self) -> None:
         self.shared = shared_parameters(self.params)
+
+    def keep_only(self, module: nn.Module, held: list[int]) -> None:
+        """Drop from ``module`` (in place) every parameter and buffer of the stages in other ranks."""
+        if self.frontend == "sequential":
+            keep_stages(module, [s.modules for s in self.plan.stages], held)
+            return
+        params = dict(module.named_parameters())
+        buffers = dict(module.named_buffers(remove_duplicate=False))
+
+        def tensors(k: int) -> list[Any]:
+            return [*(params[n] for n in self.params[k]), *(buffers[n] for n in self.buffers[k] if n in buffers)]
+
+        stage_of = {id(t): k for k in reversed(range(self.plan.num_stages)) for t in tensors(k)}
+        keep_tensors(module, {id(t) for k in held for t in tensors(k)}, stage_of)
 
 
 def shared_parameters(stage_params: list[set[str]]) -> dict[str, list[int]]:
@@ -165,6 +179,9 @@ def _traced_cut(module: nn.Module, plan: StagePlan, example: tuple[tuple, dict],
     owners = _owners(module, first.stage_params, first.stage_buffers)
     out = plan.with_modules(owners)
     out.meta.update(frontend="traced", cut_points=points)
+    shared = shared_parameters(first.stage_params)
+    if shared:
+        out.meta["shared_parameters"] = shared
     bodies = {mode: [[s] for s in t.stages] for mode, t in traces.items()}
     for mode in ("train", "eval"):
         bodies.setdefault(mode, bodies[next(iter(traces))])
@@ -201,9 +218,8 @@ def _owners(module: nn.Module, stage_params: list[set[str]], stage_buffers: list
             return
         mine = [k for k in range(len(stage_params)) if (ps <= stage_params[k]) and (bs <= stage_buffers[k])]
         others = [j for j in range(len(stage_params)) if j not in mine and (ps & stage_params[j] or bs & stage_buffers[j])]
-        if name and mine and not others:  # a module shared by several stages (a tied embedding) is listed in each
-            for k in mine:
-                holders[k].append(name)
+        if name and mine and not others:  # a module shared by several stages (a tied head) is listed in the first
+            holders[mine[0]].append(name)
             return
         for child_name, child in mod.named_children():
             visit(f"{name}.{child_name}" if name else child_name, child)
@@ -212,10 +228,37 @@ def _owners(module: nn.Module, stage_params: list[set[str]], stage_buffers: list
     return holders
 
 
-def balanced_plan(module: nn.Module, num_stages: int) -> StagePlan:
-    """Cut points for a model without a plan: over its longest ``ModuleList`` / ``Sequential`` of blocks,
-    balanced by parameter count (the modules before the blocks count towards the first stage, those
-    after towards the last)."""
+def planning_units(module: nn.Module, example: tuple[tuple, dict]) -> tuple[list[tuple[str, nn.Module]], tuple, Callable[[StagePlan], StagePlan]]:
+    """What ``plan="auto"`` profiles and partitions, as ``(units, example inputs, plan → plan to cut)``.
+
+    Where the sequential frontend applies, the model's top-level units. Elsewhere the model traced at
+    every block of its longest block list: unit ``i`` is everything from block ``i`` to block ``i + 1``
+    (unit 0 also holds what runs before the blocks, the last unit what runs after them), named after
+    its block, and the plan the partitioner makes of them becomes a ``split_at`` plan at the first
+    block of every stage.
+    """
+    args, kwargs = example
+    try:
+        units = find_units(module)
+    except PlanError:
+        units = []
+    if len(units) >= 2 and not kwargs and _sequential_obstacle(module, StagePlan.split_at([units[1][0]]), example) is None:
+        return units, args, lambda plan: plan
+    name, blocks = _blocks(module, 2)
+    points = [f"{name}.{i}" for i in range(1, len(blocks))]
+    traced = _traced.trace(module, args, kwargs, points, train=True)
+    units = [(f"{name}.{i}", stage) for i, stage in enumerate(traced.stages)]
+
+    def to_cut(plan: StagePlan) -> StagePlan:
+        cut = StagePlan.split_at([s.modules[0] for s in plan.stages[1:]],
+                                 **{f: [getattr(s, f) for s in plan.stages] for f in ("device", "precision", "clip_norm")})
+        cut.meta.update({k: v for k, v in plan.meta.items() if k != "cut_points"})
+        return cut
+
+    return units, traced.flatten_inputs(args, kwargs), to_cut
+
+
+def _blocks(module: nn.Module, num_stages: int) -> tuple[str, nn.Module]:
     containers = [(n, m) for n, m in module.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= num_stages]
     if not containers:
         raise PlanError(
@@ -223,14 +266,19 @@ def balanced_plan(module: nn.Module, num_stages: int) -> StagePlan:
             f"cut into {num_stages} stages. Pass `HPPStrategy(plan=StagePlan.split_at([...]))` with the modules where the "
             f"stages begin."
         )
-    name, blocks = max(containers, key=lambda nm: (len(nm[1]), -nm[0].count(".")))
+    return max(containers, key=lambda nm: (len(nm[1]), -nm[0].count(".")))
+
+
+def balanced_plan(module: nn.Module, num_stages: int) -> StagePlan:
+    """Cut points for a model without a plan: over its longest ``ModuleList`` / ``Sequential`` of blocks,
+    balanced by parameter count (the modules before the blocks count towards the first stage, those
+    after towards the last)."""
+    name, blocks = _blocks(module, num_stages)
     sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     inside = {id(p) for p in blocks.parameters()}
-    order = [n for n, _ in module.named_parameters()]
     first_block = next((i for i, (n, p) in enumerate(module.named_parameters()) if id(p) in inside), 0)
     before = sum(p.numel() for i, (_, p) in enumerate(module.named_parameters()) if i < first_block and id(p) not in inside)
     after = sum(p.numel() for _, p in module.named_parameters() if id(p) not in inside) - before
-    del order
     costs = [before + sizes[0], *sizes[1:]]
     costs[-1] += after
     total, points, acc = sum(costs), [], 0.0

@@ -120,3 +120,26 @@ def _flat_all_reduce(grads: list[Tensor | None], group: Any, divide_by: int = 1)
             flat.div_(divide_by)
         for g, synced in zip(present, torch._utils._unflatten_dense_tensors(flat, present)):
             g.copy_(synced)
+
+
+def shared_gradient_groups(shared: dict[str, list[int]], params: dict[str, nn.Parameter], positions: list[list[int]],
+                           mesh: Any) -> list[tuple[list[nn.Parameter], Any]]:
+    """For the parameters several stages use, the groups of ranks their gradients are summed over.
+
+    Args:
+        shared: ``{parameter name: stages using it}``.
+        params: This rank's parameters by name.
+        positions: The stages each pipeline position holds.
+        mesh: The :class:`~lightning_hpp.pipeline.mesh.Mesh` (collective: every rank creates every group).
+
+    Returns:
+        ``[(this rank's parameters of one position set, the group of this replica's ranks there)]``;
+        parameters whose stages all sit on this rank need no group (autograd already sums them).
+    """
+    where = {n: tuple(sorted({r for r, held in enumerate(positions) for k in ks if k in held})) for n, ks in shared.items()}
+    groups = mesh.groups_over_positions(sorted({ps for ps in where.values() if len(ps) > 1}))
+    out: dict[tuple[int, ...], list[nn.Parameter]] = {}
+    for n, ps in where.items():
+        if groups.get(ps) is not None and n in params:
+            out.setdefault(ps, []).append(params[n])
+    return [(ps_params, groups[ps]) for ps, ps_params in sorted(out.items())]
