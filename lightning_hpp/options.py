@@ -148,6 +148,10 @@ def section(cls: type[Section], value: Any, arg: str) -> Section:
     if isinstance(value, cls):
         return value
     if isinstance(value, dict) or hasattr(value, "items"):
+        if type(value).__module__.startswith("omegaconf"):  # a Hydra node: plain containers all the way down
+            from omegaconf import OmegaConf
+
+            value = OmegaConf.to_container(value, resolve=True)
         data = {k: v for k, v in dict(value).items() if k != "_target_"}
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields)

@@ -60,12 +60,11 @@ from lightning_hpp.precision.plugin import HPPPrecision, StageView
 
 # the flat options of the first release, and where each one lives now
 _MOVED = {
-    "checkpoint_dir": "checkpoint=CheckpointOptions(dir=...)", "resume": "checkpoint=CheckpointOptions(resume=...)",
-    "save_every_n_steps": "checkpoint=CheckpointOptions(every_n_steps=...)",
-    "keep_last": "checkpoint=CheckpointOptions(keep_last=...)", "async_save": "checkpoint=CheckpointOptions(async_save=...)",
-    "save_on_error": "checkpoint=CheckpointOptions(on_error=...)", "deterministic": "bias=BiasOptions(deterministic=...)",
-    "seed": "bias=BiasOptions(seed=...)", "audit": "bias=BiasOptions(audit=...)", "fingerprint": "bias=BiasOptions(fingerprint=...)",
-    "device_map": "placement=PlacementOptions(device_map=...)", "auto_profile": "placement=PlacementOptions(profile=...)",
+    **{k: f"HPPStrategy(checkpoint=CheckpointOptions({v}=...))" for k, v in (
+        ("checkpoint_dir", "dir"), ("resume", "resume"), ("save_every_n_steps", "every_n_steps"), ("keep_last", "keep_last"),
+        ("async_save", "async_save"), ("save_on_error", "on_error"))},
+    **{k: f"HPPStrategy(bias=BiasOptions({k}=...))" for k in ("deterministic", "seed", "audit", "fingerprint")},
+    **{k: f"HPPStrategy(placement=PlacementOptions({v}=...))" for k, v in (("device_map", "device_map"), ("auto_profile", "profile"))},
     **{k: f"Trainer(plugins=[HPPPrecision({k}=...)])" for k in ("clip", "fp8_backend", "fp8_recipe", "nonfinite")},
 }
 
@@ -122,7 +121,7 @@ class HPPStrategy(ParallelStrategy):
     ) -> None:
         if moved:
             name = next(iter(moved))
-            hint = f" It moved: use `HPPStrategy({_MOVED[name]})`." if name in _MOVED else ""
+            hint = f" It moved: use `{_MOVED[name]}`." if name in _MOVED else ""
             raise PlanError(f"`HPPStrategy` got an unexpected keyword argument {name!r}.{hint}")
         if precision_plugin is not None and not isinstance(precision_plugin, HPPPrecision):
             raise PlanError(f"`HPPStrategy(precision_plugin=...)` must be an `HPPPrecision`, got {type(precision_plugin).__name__}.")
@@ -333,7 +332,8 @@ class HPPStrategy(ParallelStrategy):
     def _add_callbacks(self, trainer: Any) -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._checkpoint.dir is not None and not any(
-            isinstance(cb, ModelCheckpoint) and cb.dirpath == self._checkpoint.dir for cb in trainer.callbacks
+            isinstance(cb, ModelCheckpoint) and cb.dirpath and _resume.same_location(cb.dirpath, self._checkpoint.dir)
+            for cb in trainer.callbacks
         ):
             trainer.callbacks.append(_resume.step_checkpoint_callback(self._checkpoint.dir, self._checkpoint.every_n_steps))
         auto = self._plan_arg == "auto" and fitting

@@ -14,13 +14,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_hpp.checkpoint.store import newest_valid_anywhere, verify
+from lightning_hpp.checkpoint.store import filesystem, newest_valid_anywhere, verify
 from lightning_hpp.errors import CheckpointError, CorruptCheckpointError
 
 
@@ -128,3 +129,16 @@ def step_checkpoint_callback(checkpoint_dir: str, every_n_steps: int | None) -> 
     )
     cb.FILE_EXTENSION = ""
     return cb
+
+
+def same_location(a: str, b: str) -> bool:
+    """Whether two checkpoint URLs or paths name the same place (local paths resolved, links followed,
+    as ``ModelCheckpoint`` resolves its ``dirpath``)."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    (fa, pa), (fb, pb) = filesystem(a), filesystem(b)
+    if type(fa) is not type(fb):
+        return False
+    if isinstance(fa, LocalFileSystem):
+        return os.path.realpath(pa) == os.path.realpath(pb)
+    return pa.rstrip("/") == pb.rstrip("/")

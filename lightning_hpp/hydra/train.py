@@ -46,7 +46,7 @@ from lightning_hpp.planning.plan import StagePlan, StageSpec
 
 log = logging.getLogger(__name__)
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The configs/ tree next to the package (an editable install or a source checkout)."""
 
 RESULT_FILE = "result.json"
@@ -554,7 +554,8 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 def _error_line(text: str) -> str | None:
     """The last ``SomeError: message`` line of a log (what a failed trial died of)."""
     found = [line for line in text.splitlines() if re.match(r"^[\w.]*(Error|Exception|Exit)\b.*:", line)]
-    return found[-1] if found else None
+    # the class name alone (`TrainConfigError: ...`), not its module path
+    return re.sub(r"^(?:\w+\.)+(?=\w+:)", "", found[-1]) if found else None
 
 
 def _tail(path: Path, lines: int = 30) -> str:
