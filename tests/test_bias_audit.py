@@ -12,13 +12,7 @@ import pytest
 import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.fabric.utilities.seed import pl_worker_init_function
-from torch.utils.data import (
-    DataLoader,
-    RandomSampler,
-    Sampler,
-    TensorDataset,
-    WeightedRandomSampler,
-)
+from torch.utils.data import DataLoader, RandomSampler, Sampler, TensorDataset, WeightedRandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_hpp.bias.audit import (

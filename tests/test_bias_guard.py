@@ -17,12 +17,7 @@ import torch
 from torch.utils.data import DataLoader, WeightedRandomSampler
 
 from lightning_hpp.bias.audit import HASHSEED_DIFFERS, IDENTICAL_SAMPLING, NO_SET_EPOCH
-from lightning_hpp.bias.fingerprint import (
-    HASH_PROBE,
-    CodedBiasWarning,
-    collect_fingerprint,
-    load_fingerprints,
-)
+from lightning_hpp.bias.fingerprint import HASH_PROBE, CodedBiasWarning, collect_fingerprint, load_fingerprints
 from lightning_hpp.bias.guard import (
     FINGERPRINT_FILENAME,
     PIPELINE_PEERS_DATA,

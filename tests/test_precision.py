@@ -99,7 +99,7 @@ def _stage_modules(model, precisions):
     plan = StagePlan([StageSpec(modules=m, precision=p) for m, p in zip(TWO, precisions)])
     names = [f"layers.{i}" for i in range(7)]
     plan = plan.with_modules(plan.resolve(names))
-    sms = {k: StageModule(ms, [model.get_submodule(n) for n in ms], k, first=(k == 0)) for k, ms in enumerate(plan.stages[i].modules for i in range(2))}
+    sms = {k: StageModule(ms, [model.get_submodule(n) for n in ms], k, spread=(k == 0)) for k, ms in enumerate(plan.stages[i].modules for i in range(2))}
     view = StageView(stages=sms, microbatch=lambda s: 3)  # no process group; step -1
     return plan, sms, view
 

@@ -12,12 +12,7 @@ from torch import nn
 
 from lightning_hpp.errors import ProfileError, ProfileMismatchError
 from lightning_hpp.planning.partition import partition
-from lightning_hpp.planning.profile import (
-    CostProfile,
-    check_profile_matches,
-    load_or_profile,
-    profile_units,
-)
+from lightning_hpp.planning.profile import CostProfile, check_profile_matches, load_or_profile, profile_units
 
 
 @pytest.fixture(autouse=True)

@@ -14,12 +14,7 @@ from PIL import Image
 from lightning_hpp.errors import ScheduleError, TelemetryError
 from lightning_hpp.pipeline.schedules import SCHEDULES
 from lightning_hpp.telemetry.callback import PipelineTelemetry
-from lightning_hpp.telemetry.model import (
-    Act,
-    schedule_actions,
-    simulate,
-    theoretical_bubble,
-)
+from lightning_hpp.telemetry.model import Act, schedule_actions, simulate, theoretical_bubble
 from lightning_hpp.telemetry.recorder import RankStep, ScheduleInfo, analyze
 from lightning_hpp.telemetry.render import schedule_grid
 from tests.launch import run_script

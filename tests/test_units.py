@@ -9,11 +9,7 @@ from torch import nn
 from lightning_hpp.errors import MicroBatchError, ScheduleError, SequentialForwardError
 from lightning_hpp.model.sequential import check_sequential_forward
 from lightning_hpp.model.units import find_units
-from lightning_hpp.pipeline.microbatch import (
-    batch_size_of,
-    largest_divisor_at_most,
-    split_batch,
-)
+from lightning_hpp.pipeline.microbatch import batch_size_of, largest_divisor_at_most, split_batch
 from lightning_hpp.pipeline.schedules import check_schedule
 
 

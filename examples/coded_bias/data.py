@@ -14,11 +14,7 @@ import torch
 from torch.utils.data import Sampler, TensorDataset, WeightedRandomSampler
 
 from lightning_hpp.bias.samplers import DistributedWeightedSampler
-from lightning_hpp.examples_data.digits import (
-    PIXEL_MAX,
-    load_digits_arrays,
-    split_indices,
-)
+from lightning_hpp.examples_data.digits import PIXEL_MAX, load_digits_arrays, split_indices
 
 RARE_CLASSES = (5, 6, 7, 8, 9)
 RARE_KEEP = 0.10

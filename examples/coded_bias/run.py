@@ -39,14 +39,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from data import (  # noqa: E402
-    LABELS,
-    RARE_CLASSES,
-    SAMPLINGS,
-    class_balancing_weights,
-    imbalanced_digits,
-    make_sampler,
-)
+from data import LABELS, RARE_CLASSES, SAMPLINGS, class_balancing_weights, imbalanced_digits, make_sampler  # noqa: E402
 from model import DigitsClassifier, accuracy  # noqa: E402
 
 from lightning_hpp import HPPStrategy  # noqa: E402

@@ -21,11 +21,7 @@ from lightning_hpp.bias.audit import (
     collect_audit_record,
     enforce_audit,
 )
-from lightning_hpp.bias.determinism import (
-    enable_determinism,
-    ensure_hash_seed,
-    worker_init_fn,
-)
+from lightning_hpp.bias.determinism import enable_determinism, ensure_hash_seed, worker_init_fn
 from lightning_hpp.bias.fingerprint import (
     CodedBiasWarning,
     FingerprintDifference,
@@ -38,12 +34,7 @@ from lightning_hpp.bias.fingerprint import (
     save_fingerprints,
 )
 from lightning_hpp.bias.samplers import DistributedWeightedSampler
-from lightning_hpp.errors import (
-    BiasConfigError,
-    CodedBiasError,
-    FingerprintMismatchError,
-    SamplerError,
-)
+from lightning_hpp.errors import BiasConfigError, CodedBiasError, FingerprintMismatchError, SamplerError
 
 if TYPE_CHECKING:
     from lightning_hpp.bias.guard import BiasGuard

@@ -52,12 +52,7 @@ import torch
 from torch.utils.data import IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_hpp.bias.fingerprint import (
-    HASH_PROBE,
-    CodedBiasWarning,
-    check_policy,
-    format_ranks,
-)
+from lightning_hpp.bias.fingerprint import HASH_PROBE, CodedBiasWarning, check_policy, format_ranks
 from lightning_hpp.errors import BiasConfigError, CodedBiasError
 
 IDENTICAL_SAMPLING = "identical_sampling_across_ranks"
@@ -226,9 +221,7 @@ def _effective_sampler(dataloader: Any) -> Any:
 def _wrapper_types() -> tuple[type, ...]:
     try:
         from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-        from lightning.pytorch.overrides.distributed import (
-            UnrepeatedDistributedSamplerWrapper,
-        )
+        from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
     except ImportError:  # Lightning absent: nothing can have wrapped the sampler
         return ()
     return (DistributedSamplerWrapper, UnrepeatedDistributedSamplerWrapper)

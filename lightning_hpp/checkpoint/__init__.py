@@ -35,12 +35,7 @@ from lightning_hpp.checkpoint.store import (
     list_checkpoints,
     verify,
 )
-from lightning_hpp.errors import (
-    CheckpointError,
-    CheckpointSaveError,
-    CorruptCheckpointError,
-    S3ConfigError,
-)
+from lightning_hpp.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError, S3ConfigError
 
 __all__ = [
     "FORMAT_VERSION",

@@ -39,8 +39,8 @@ import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
-from torch.export import Dim
 from torch.distributed.pipelining._IR import MultiUseParameterConfig, Pipe, SplitPoint, annotate_split_points
+from torch.export import Dim
 
 from lightning_hpp.errors import PlanError, TraceError
 

@@ -17,12 +17,7 @@ from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
 from lightning_hpp.bias.audit import audit_dataloader
-from lightning_hpp.bias.fingerprint import (
-    HASH_PROBE,
-    compare_fingerprints,
-    enforce,
-    gather_fingerprints,
-)
+from lightning_hpp.bias.fingerprint import HASH_PROBE, compare_fingerprints, enforce, gather_fingerprints
 from lightning_hpp.bias.samplers import DistributedWeightedSampler
 from lightning_hpp.errors import FingerprintMismatchError
 
