@@ -368,14 +368,6 @@ class HPPStrategy(ParallelStrategy):
                 f"Use at least {pp} processes (`Trainer(devices=..., num_nodes=...)`), or a plan with fewer stages."
             )
         check_schedule(self._schedule, self._plan.num_stages, pp, self._n_microbatches)
-        precisions = self.precision_plugin.stage_precisions(self._plan, trainer_precision)
-        if cut.frontend == "traced" and "fp8" in precisions:
-            k = precisions.index("fp8")
-            raise PlanError(
-                f"Stage {k} asks for fp8, but the traced frontend runs it as a captured graph, and fp8 (Transformer Engine "
-                f"or the emulation) replaces a stage's `nn.Linear` modules. Use precision='bf16-mixed' for stage {k}, or cut "
-                f"it between top-level modules so that the sequential frontend runs it as written."
-            )
         style = SCHEDULES[self._schedule].style
         positions = [stages_of_position(r, pp, self._plan.num_stages, style) for r in range(pp)]
         if grid is None:
@@ -387,8 +379,9 @@ class HPPStrategy(ParallelStrategy):
         shared = shared_gradient_groups(cut.shared, dict(module.named_parameters()), positions, self._mesh)
         cut.keep_only(module, self._stage_ids)
         names = self._plan.stages
-        stages = {mode: {k: StageModule(names[k].modules, cut.bodies[mode][k], k, spread=cut.spread[k]) for k in self._stage_ids}
-                  for mode in ("train", "eval")}
+        traced = cut.frontend == "traced"
+        stages = {mode: {k: StageModule(names[k].modules, cut.bodies[mode][k], k, spread=cut.spread[k], captured=traced)
+                         for k in self._stage_ids} for mode in ("train", "eval")}
         if cut.frontend == "sequential":
             stages["eval"] = stages["train"]
         self.model_to_device()

@@ -23,7 +23,7 @@ class StageModule(nn.Module):
     crossing a stage boundary arrives as several positional arguments and is passed on as one
     tuple), and every later unit gets the previous output as one argument. ``input_dtype`` casts floating inputs to the stage's
     compute dtype inside its own forward; ``output_dtype`` fixes the wire dtype of what it sends;
-    ``context`` wraps the computation (autocast, fp8).
+    ``context`` wraps the computation (autocast, fp8); ``captured`` marks a traced stage.
     """
 
     def __init__(
@@ -35,8 +35,10 @@ class StageModule(nn.Module):
         input_dtype: torch.dtype | None = None,
         output_dtype: torch.dtype | None = None,
         context: Callable[[], contextlib.AbstractContextManager] | None = None,
+        captured: bool = False,
     ) -> None:
         super().__init__()
+        self.captured = captured  # its unit is a captured graph (traced frontend), not the user's modules
         self.names = list(names)
         self.units = nn.ModuleList(units)
         self.index = index

@@ -418,6 +418,61 @@ class EmulatedFP8Linear(nn.Linear):
         return f"{super().extra_repr()}, fp8-emulated e4m3/e5m2 ({scaling} scaling)"
 
 
+class _FP8State(nn.Module):
+    """The amax history of one weight's GEMMs, for :class:`EmulatedFP8Mode` (same rule as the layer)."""
+
+    _fp8_round = EmulatedFP8Linear._fp8_round
+
+    def __init__(self, recipe: FP8Recipe, device: torch.device) -> None:
+        super().__init__()
+        self.fp8_recipe = recipe
+        rows = recipe.amax_history_len if recipe.scaling == "delayed" else 1
+        self.register_buffer("amax_history", torch.zeros(rows, 3, device=device), persistent=False)
+
+
+class EmulatedFP8Mode(torch.overrides.TorchFunctionMode):
+    """The fp8 emulation for code that has no ``nn.Linear`` to convert (a traced stage's captured graph).
+
+    Inside the mode every linear GEMM on a parameter weight — ``aten.linear`` (``nn.Linear``) and
+    ``aten.addmm`` / ``torch.addmm`` with a parameter as its second factor (GPT-2's ``Conv1D``) — runs
+    through the same rounding as :class:`EmulatedFP8Linear`, with one amax history per weight;
+    GEMMs whose sizes are not multiples of 16 stay in high precision, as they do there.
+    """
+
+    def __init__(self, recipe: str | FP8Recipe = "delayed") -> None:
+        super().__init__()
+        self.recipe = FP8Recipe.coerce(recipe)
+        self._states: dict[int, _FP8State] = {}
+
+    def _state(self, weight: torch.Tensor) -> _FP8State:
+        state = self._states.get(id(weight))
+        if state is None:
+            state = self._states[id(weight)] = _FP8State(self.recipe, weight.device)
+        return state
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _LINEARS and len(args) >= 2 and isinstance(args[1], nn.Parameter):
+            x, w = args[0], args[1]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            if w.dim() == 2 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0:
+                return self._gemm(x, w, b)
+        if func in _ADDMMS and len(args) >= 3 and isinstance(args[2], nn.Parameter) and not kwargs:
+            b, x, w = args[0], args[1], args[2]  # out = b + x @ w, w of shape (in, out)
+            if w.dim() == 2 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0:
+                return self._gemm(x, w.t(), b, key=w)
+        return func(*args, **kwargs)
+
+    def _gemm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, key: torch.Tensor | None = None) -> torch.Tensor:
+        device_type = x.device.type
+        compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        return _FP8LinearFunction.apply(x, w, b, self._state(w if key is None else key), compute)
+
+
+_LINEARS = (torch.ops.aten.linear.default, torch.nn.functional.linear)
+_ADDMMS = (torch.ops.aten.addmm.default, torch.addmm)
+
+
 # --------------------------------------------------------------------------------------- conversion
 def convert_module_to_fp8(module: nn.Module, backend: str, recipe: str | FP8Recipe = "delayed") -> nn.Module:
     """Run ``module``'s linear layers in fp8, in place, keeping parameter names and values.

@@ -156,9 +156,21 @@ class HPPPrecision(Precision):
             else:
                 labels.append(p)
         held = [*view.stages.items(), *((k, sm) for k, sm in (view.eval_stages or {}).items() if sm is not view.stages.get(k))]
+        emulations: dict[int, fp8.EmulatedFP8Mode] = {}  # one per stage: its train and eval graphs share amaxes
         for k, sm in held:
             mode = MODES[precs[k]]
-            if precs[k] == "fp8":
+            if precs[k] == "fp8" and getattr(sm, "captured", False):
+                backend = fp8.check_fp8_stage(k, device, device_kind, self.fp8_backend)
+                if backend == "te":
+                    raise PlanError(
+                        f"Stage {k} runs in fp8 through Transformer Engine, which replaces `nn.Linear` modules, but the "
+                        f"traced frontend runs stage {k} as a captured graph. Use `HPPPrecision(fp8_backend='emulate')` "
+                        f"(fp8 numerics, not fp8 speed), precision='bf16-mixed' for stage {k}, or cut it between "
+                        f"top-level modules so that the sequential frontend runs it as written."
+                    )
+                emulation = emulations.setdefault(k, fp8.EmulatedFP8Mode(self.fp8_recipe))
+                sm.context = lambda emulation=emulation: emulation
+            elif precs[k] == "fp8":
                 backend = fp8.check_fp8_stage(k, device, device_kind, self.fp8_backend)
                 fp8.convert_module_to_fp8(sm, backend, self.fp8_recipe)
                 sm.context = _fp8_context(backend, self.fp8_recipe, view.dp_group if backend == "te" else None)
