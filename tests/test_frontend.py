@@ -185,3 +185,21 @@ def test_fp8_emulation_on_a_traced_stage_equals_the_converted_layers():
     torch.testing.assert_close(results["traced"][0], results["sequential"][0], rtol=0, atol=0)
     for name, grad in results["sequential"][1].items():
         torch.testing.assert_close(results["traced"][1][name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_stage_specs_name_modules_at_any_depth_and_are_checked_against_the_cut():
+    from lightning_hpp import StageSpec
+
+    gpt = LMWrapper("gpt2")
+    ids, mask, _ = dataset("gpt2", 2)[:]
+    example = ((ids,), {"attention_mask": mask})
+    plan = StagePlan([StageSpec(modules=["model.transformer.wte", "model.transformer.wpe", "model.transformer.h.0-1"]),
+                      StageSpec(modules=["model.transformer.h.2-3", "model.transformer.ln_f"], precision="bf16-mixed")])
+    cut = cut_model(gpt, plan, example)
+    assert cut.plan.meta["cut_points"] == ["model.transformer.h.2"]  # a range begins at its first item
+    assert cut.plan.stages[1].precision == "bf16-mixed"
+    assert "model.transformer.h.3" in cut.plan.stages[1].modules and "model.transformer.h.1" in cut.plan.stages[0].modules
+    wrong = StagePlan([StageSpec(modules=["model.transformer.wte", "model.transformer.ln_f"]),
+                       StageSpec(modules=["model.transformer.h.2-3"])])
+    with pytest.raises(PlanError, match="Stage 0 lists 'model.transformer.ln_f', but with the cut points .* forward runs it in stage 1"):
+        cut_model(gpt, wrong, example)
