@@ -30,10 +30,10 @@ import time
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpp import HPPStrategy, StagePlan
+from lightning_hpp.examples_data.progress import progress_bar
 
 VOCAB = 64
 
@@ -83,24 +83,6 @@ class LossHistory(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
-
-
-class _RichBar(RichProgressBar):
-    """Lightning's rich bar, with the logger version shown as the integer it is (not ``v_num: 0.000``)."""
-
-    def get_metrics(self, trainer, pl_module):
-        items = super().get_metrics(trainer, pl_module)
-        if isinstance(items.get("v_num"), int):
-            items["v_num"] = str(items["v_num"])
-        return items
-
-
-def progress_bar() -> RichProgressBar | TQDMProgressBar:
-    """The bar Lightning would pick by itself (rich if installed, else tqdm)."""
-    try:
-        return _RichBar()
-    except ModuleNotFoundError:  # rich is not installed
-        return TQDMProgressBar()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

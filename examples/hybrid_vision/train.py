@@ -15,7 +15,6 @@ import time
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,6 +22,7 @@ from model import HybridVisionModel, fp32_plan, mixed_plan  # noqa: E402
 
 from lightning_hpp import HPPPrecision, HPPStrategy  # noqa: E402
 from lightning_hpp.examples_data import DigitsDataModule  # noqa: E402
+from lightning_hpp.examples_data.progress import progress_bar
 
 TARGET_ACCURACY = 0.95
 
@@ -74,28 +74,6 @@ def main(argv: list[str] | None = None) -> float:
             f"{strategy.plan.table()}\n"
         )
     return accuracy
-
-
-class _RichBar(RichProgressBar):
-    """Lightning's rich bar, with the logger version shown as the integer it is.
-
-    The rich bar formats every non-string metric with ``".3f"``, the logger's integer version
-    included, so the bar read ``v_num: 0.000``. Handed over as a string, it reads ``v_num: 0``.
-    """
-
-    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
-        items = super().get_metrics(trainer, pl_module)
-        if isinstance(items.get("v_num"), int):
-            items["v_num"] = str(items["v_num"])
-        return items
-
-
-def progress_bar() -> RichProgressBar | TQDMProgressBar:
-    """The bar Lightning would pick by itself (rich if installed, else tqdm), ``v_num`` unmangled."""
-    try:
-        return _RichBar()
-    except ModuleNotFoundError:  # rich is not installed
-        return TQDMProgressBar()
 
 
 def _precision_options(plan: str) -> dict:
