@@ -11,6 +11,11 @@ everything by name or owner, so it loads under any other layout::
     trainer            loops, callbacks, precision state, ...       (global rank 0)
     epoch, global_step, hyper_parameters, pytorch-lightning_version (global rank 0)
 
+A tensor registered under several names (tied weights: GPT-2's ``transformer.wte.weight`` is
+``lm_head.weight``) is one entry, under its first name in ``named_parameters()`` /
+``named_buffers()`` (:func:`tensor_aliases`), with its optimizer state once; loading fills it under
+whichever of its names the checkpoint holds and gives it back to Lightning under all of them.
+
 Loading rebuilds a Lightning checkpoint dict for the current rank: its own parameters, its
 optimizers' states re-keyed to the current parameter indices, and hyper-parameters of the saved
 param group that shares most parameters with each current group (exact when the layout is the
@@ -43,6 +48,28 @@ def param_names(module: torch.nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters()}
 
 
+def tensor_aliases(module: torch.nn.Module) -> dict[str, list[str]]:
+    """Every parameter / buffer registered under several names: its first name -> all its names
+    (first name first), grouped by identity. Tensors with one name are left out."""
+    groups: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(n)
+    for n, b in module.named_buffers(remove_duplicate=False):
+        groups.setdefault(id(b), []).append(n)
+    return {names[0]: names for names in groups.values() if len(names) > 1}
+
+
+def _first_name(module: torch.nn.Module) -> dict[str, str]:
+    """Any name of a tied tensor -> its first name."""
+    return {alias: names[0] for names in tensor_aliases(module).values() for alias in names}
+
+
+def _saved_name(names: list[str], saved: set[str]) -> str:
+    """The name a tied tensor was saved under: its first name, or (a checkpoint written with another
+    layout or before tied tensors were saved once) the first of its names that the checkpoint holds."""
+    return next((n for n in names if n in saved), names[0])
+
+
 def optimizer_to_named(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict[str, Any], list[dict]]:
     """An optimizer's state keyed by parameter name, and its param groups with names as params."""
     sd = optimizer.state_dict()
@@ -56,21 +83,30 @@ def optimizer_to_named(optimizer: torch.optim.Optimizer, names: dict[int, str]) 
 
 
 def optimizer_from_named(
-    optimizer: torch.optim.Optimizer, names: dict[int, str], state: dict[str, Any], saved_groups: list[dict]
+    optimizer: torch.optim.Optimizer, names: dict[int, str], state: dict[str, Any], saved_groups: list[dict],
+    first_name: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The torch ``state_dict`` for ``optimizer`` built from name-keyed state and saved groups."""
+    """The torch ``state_dict`` for ``optimizer`` built from name-keyed state and saved groups.
+
+    ``first_name`` maps the other names of tied parameters to the name ``names`` gives them, so state
+    saved under any of a parameter's names reaches it."""
     current = optimizer.state_dict()
+    first = first_name or {}
     name_to_index: dict[str, int] = {}
     for group_sd, group in zip(current["param_groups"], optimizer.param_groups):
         for idx, p in zip(group_sd["params"], group["params"]):
             name_to_index[names[id(p)]] = idx
-    new_state = {name_to_index[n]: s for n, s in state.items() if n in name_to_index}
+    new_state: dict[int, Any] = {}
+    for n, s in state.items():  # a tied parameter's state under any of its names, once
+        idx = name_to_index.get(first.get(n, n))
+        if idx is not None:
+            new_state.setdefault(idx, s)
     groups = []
     for group_sd in current["param_groups"]:
         mine = {n for n, i in name_to_index.items() if i in group_sd["params"]}
-        best = max(saved_groups, key=lambda g: len(mine & set(g["params"])), default=None)
+        best = max(saved_groups, key=lambda g: len(mine & {first.get(n, n) for n in g["params"]}), default=None)
         merged = dict(group_sd)
-        if best is not None and mine & set(best["params"]):
+        if best is not None and mine & {first.get(n, n) for n in best["params"]}:
             merged.update({k: v for k, v in best.items() if k != "params"})
         groups.append(merged)
     return {"state": new_state, "param_groups": groups}
@@ -105,7 +141,12 @@ def to_sharded(
     names = param_names(module)
     state: dict[str, Any] = {"rank": {str(global_rank): rng_state()}}
     if replica == 0:
-        state["model"] = dict(checkpoint["state_dict"])
+        model = dict(checkpoint["state_dict"])
+        for names_of in tensor_aliases(module).values():  # a tied tensor once, under its first name
+            if names_of[0] in model:
+                for alias in names_of[1:]:
+                    model.pop(alias, None)
+        state["model"] = model
         optim, groups = {}, {}
         for i, opt in enumerate(optimizers):
             optim[str(i)], groups[str(i)] = optimizer_to_named(opt, names)
@@ -123,13 +164,32 @@ def to_sharded(
 def load_template(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], saved_keys: set[tuple]) -> dict[str, Any]:
     """What this rank asks a checkpoint for: its own parameters and whatever else exists."""
     names = param_names(module)
+    aliases = tensor_aliases(module)
     tops = {k[0] for k in saved_keys}
-    template: dict[str, Any] = {"model": dict(module.state_dict())}
+    model = dict(module.state_dict())
+    saved_model = {k[1] for k in saved_keys if len(k) > 1 and k[0] == "model"}
+    for first, names_of in aliases.items():  # a tied tensor: asked for once, under the name it was saved as
+        if first not in model:
+            continue
+        tensor = model[first]
+        for alias in names_of:
+            model.pop(alias, None)
+        model[_saved_name(names_of, saved_model)] = tensor
+    template: dict[str, Any] = {"model": model}
     optim: dict[str, Any] = {}
     for i, opt in enumerate(optimizers):
-        mine = {names[id(p)] for g in opt.param_groups for p in g["params"]}
         present = {k[2] for k in saved_keys if len(k) > 2 and k[0] == "optim" and k[1] == str(i)}
-        optim[str(i)] = {n: None for n in sorted(mine & present)}
+        wanted: set[str] = set()
+        for g in opt.param_groups:
+            for p in g["params"]:
+                n = names[id(p)]
+                if n in present:
+                    wanted.add(n)
+                elif n in aliases:
+                    other = _saved_name(aliases[n], present)
+                    if other in present:
+                        wanted.add(other)
+        optim[str(i)] = {n: None for n in sorted(wanted)}
     if optim:
         template["optim"] = optim
     for k in tops:
@@ -148,6 +208,7 @@ def from_sharded(
 ) -> dict[str, Any]:
     """A Lightning checkpoint dict for this rank, from what :func:`load_template` loaded."""
     names = param_names(module)
+    first = _first_name(module)
     positions = {k[len("position_"):]: v for k, v in loaded.items() if k.startswith("position_") and v}
     mine = positions.get(f"pp{position}") or positions.get("pp0") or {}
     all_groups: dict[str, list] = {}
@@ -158,9 +219,18 @@ def from_sharded(
     for k in _TOP:
         if k in loaded:
             checkpoint[k] = loaded[k]
-    checkpoint["state_dict"] = loaded["model"]
+    model = dict(loaded["model"])
+    current = module.state_dict(keep_vars=True)
+    for names_of in tensor_aliases(module).values():  # a tied tensor under every name this rank has for it
+        value = next((model[n] for n in names_of if n in model), None)
+        if value is not None:
+            for alias in names_of:
+                if alias in current:
+                    model[alias] = value
+    checkpoint["state_dict"] = model
     checkpoint["optimizer_states"] = [
-        optimizer_from_named(opt, names, (loaded.get("optim") or {}).get(str(i)) or {}, all_groups.get(str(i), []))
+        optimizer_from_named(opt, names, (loaded.get("optim") or {}).get(str(i)) or {}, all_groups.get(str(i), []),
+                             first)
         for i, opt in enumerate(optimizers)
     ]
     checkpoint["lr_schedulers"] = list(mine.get("lr_schedulers", []))

@@ -1,8 +1,18 @@
 """Train a real model (tests.real_models) under HPPStrategy, for one or more configurations in one launch.
 
 Every rank saves, per configuration, to OUT/<name>/rank{r}.pt: the parameters it holds, the loss
-logged at every step (as rank 0's loggers see it), the plan and the frontend.
+logged at every step (as rank 0's loggers see it), the plan and the frontend, its optimizer state
+(by parameter name), the global step and the checkpoint it resumed from.
 Usage: python -m tests.workers.run_real '<json: {"devices": N, "runs": [config, ...]}>'
+
+Config keys: ``model`` (a tests.real_models kind, or ``"mlp"``: tests.models.MLP), ``points`` (cut
+points, or None), ``precision`` (one per stage, with ``points``), ``schedule``, ``n_micro``, ``pp``,
+``frontend``, ``steps``, ``batch``, ``n``, ``limit_val_batches``, ``out``, and for checkpoints
+``ckpt_dir``, ``every`` (steps between saves), ``resume`` (``"auto"`` or a path), ``fp8_backend``
+(``HPPPrecision(fp8_backend=...)``), and ``fp8_capable`` (``true``: every device counts as able to run Transformer Engine fp8, as an H100 with
+TE installed would, so that what is refused *because of the frontend* can be checked on CPUs). A
+rank whose run raises writes ``<out>/rank{r}_error.txt`` (the exception's type and message) and
+exits with it.
 """
 
 import json
@@ -12,38 +22,80 @@ import sys
 import lightning as L
 import torch
 
-from lightning_hpp import HPPStrategy, StagePlan
+from lightning_hpp import HPPPrecision, HPPStrategy, StagePlan
+from lightning_hpp.options import CheckpointOptions
 from tests.real_models import LMWrapper, loader
 
 
 class StepLosses(L.Callback):
-    def __init__(self) -> None:
+    def __init__(self, key: str = "train/loss") -> None:
+        self.key = key
         self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+        self.losses.append(float(trainer.callback_metrics[self.key]))
+
+
+def _model_and_data(cfg: dict):
+    if cfg["model"] == "mlp":
+        from tests.models import MLP, loaders
+
+        train, val = loaders(cfg["batch"], n=cfg.get("n", 128))
+        return MLP(**cfg.get("model_kw", {})), train, val if cfg.get("limit_val_batches") else None, "train_loss"
+    model = LMWrapper(cfg["model"], **cfg.get("model_kw", {}))
+    train = loader(cfg["model"], cfg["batch"], n=cfg.get("n", 32))
+    val = loader(cfg["model"], cfg["batch"], n=16) if cfg.get("limit_val_batches") else None
+    return model, train, val, "train/loss"
 
 
 def run(cfg: dict, devices: int) -> None:
+    if not cfg.get("fp8_capable"):
+        return _run(cfg, devices)
+    from lightning_hpp.precision import fp8
+
+    saved = fp8.fp8_capable, fp8.te_version
+    fp8.fp8_capable, fp8.te_version = (lambda device: (True, "")), (lambda: "(simulated)")
+    try:
+        return _run(cfg, devices)
+    finally:
+        fp8.fp8_capable, fp8.te_version = saved
+
+
+def _run(cfg: dict, devices: int) -> None:
     L.seed_everything(0)
-    model = LMWrapper(cfg["model"], **cfg.get("model_kw", {}))
-    plan = StagePlan.split_at(cfg["points"]) if cfg.get("points") else None
+    model, train, val, loss_key = _model_and_data(cfg)
+    fields = {"precision": cfg["precision"]} if cfg.get("precision") else {}
+    plan = StagePlan.split_at(cfg["points"], **fields) if cfg.get("points") else None
+    ckpt_dir = cfg.get("ckpt_dir")
+    checkpoint = CheckpointOptions(dir=ckpt_dir, every_n_steps=cfg.get("every") if ckpt_dir else None,
+                                   resume=cfg.get("resume"))
     strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["n_micro"], pp_degree=cfg.get("pp"),
-                           frontend=cfg.get("frontend", "auto"), timeout=120)
-    losses = StepLosses()
+                           frontend=cfg.get("frontend", "auto"), checkpoint=checkpoint, timeout=120)
+    losses = StepLosses(loss_key)
+    plugins = [HPPPrecision(fp8_backend=cfg["fp8_backend"])] if cfg.get("fp8_backend") else None
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg["steps"], logger=False,
-                        callbacks=[losses], enable_checkpointing=False, enable_progress_bar=False,
+                        plugins=plugins, callbacks=[losses], enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=cfg.get("limit_val_batches", 0),
                         default_root_dir=cfg["out"])
-    train = loader(cfg["model"], cfg["batch"], n=cfg.get("n", 32))
-    val = loader(cfg["model"], cfg["batch"], n=16) if cfg.get("limit_val_batches") else None
-    trainer.fit(model, train, val)
+    try:
+        trainer.fit(model, train, val)
+    except BaseException as exc:
+        os.makedirs(cfg["out"], exist_ok=True)
+        with open(os.path.join(cfg["out"], f"rank{trainer.global_rank}_error.txt"), "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        raise
+    from lightning_hpp.checkpoint.lightning_state import optimizer_to_named, param_names
+
+    optim, _ = optimizer_to_named(trainer.optimizers[0], param_names(model))
     out = {
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "losses": losses.losses,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "stage_ids": strategy.stage_ids,
         "plan": strategy.plan.to_dict(),
+        "optim": optim,
+        "global_step": trainer.global_step,
+        "resumed_from": strategy.resumed_from,
     }
     os.makedirs(cfg["out"], exist_ok=True)
     torch.save(out, os.path.join(cfg["out"], f"rank{trainer.global_rank}.pt"))
