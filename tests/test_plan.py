@@ -117,3 +117,27 @@ def test_parameters_registered_on_the_module_itself_are_refused():
 
     with pytest.raises(PlanError, match=r"registers parameters \['scale'\] directly"):
         find_units(M())
+
+
+def test_decorators_of_one_stage_must_agree_on_activation_checkpointing():
+    @stage(0, activation_checkpointing=True)
+    class A(nn.Linear):
+        pass
+
+    @stage(0, activation_checkpointing=False)
+    class B(nn.Linear):
+        pass
+
+    @stage(0)
+    class C(nn.Linear):
+        pass
+
+    class M(nn.Module):
+        def __init__(self, second):
+            super().__init__()
+            self.a, self.b = A(2, 2), second(2, 2)
+
+    with pytest.raises(PlanError, match="Stage 0 is declared twice with different activation_checkpointing: True and False"):
+        StagePlan.from_decorators(find_units(M(B)))
+    # a declaration that leaves it unset takes the stage's value
+    assert StagePlan.from_decorators(find_units(M(C))).stages[0].activation_checkpointing is True

@@ -1,6 +1,6 @@
 """One pipeline stage of the sequential frontend: the user's units applied in order, with the
-stage's input cast, compute context, wire dtype and output hooks; and the ``PipelineStage`` that
-tells it when torch only infers boundary metadata.
+stage's input cast, compute context, wire dtype, output hooks and optional activation
+checkpointing; and the ``PipelineStage`` that tells it when torch only infers boundary metadata.
 """
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.utils.checkpoint import checkpoint
+
+from lightning_hpp.errors import PlanError
+from lightning_hpp.precision.fp8 import EmulatedFP8Mode
 
 
 class StageModule(nn.Module):
@@ -24,6 +28,17 @@ class StageModule(nn.Module):
     tuple), and every later unit gets the previous output as one argument. ``input_dtype`` casts floating inputs to the stage's
     compute dtype inside its own forward; ``output_dtype`` fixes the wire dtype of what it sends;
     ``context`` wraps the computation (autocast, fp8); ``captured`` marks a traced stage.
+
+    ``checkpoint_activations`` runs each unit (the traced frontend: the whole captured stage) under
+    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: only the unit's inputs are kept,
+    and its forward runs again during the backward, with the same results, bit for bit: the RNG state
+    of the forward is replayed (dropout draws the same mask), the recompute runs in the stage's
+    ``context`` again (autocast, fp8 emulation) and reads the buffers as the forward read them
+    (``_BufferReplay``), and what it writes to buffers (BatchNorm running statistics, fp8 amax
+    histories) is discarded, so they are updated once per micro-batch. It is off while torch infers
+    metadata and when gradients are off (``torch.no_grad()``: evaluation, prediction). Forward hooks
+    of the user's modules inside a checkpointed unit also run during the recompute (pre-hooks always,
+    post-hooks unless torch stops the recompute once it has what the backward needs).
     """
 
     def __init__(
@@ -36,8 +51,11 @@ class StageModule(nn.Module):
         output_dtype: torch.dtype | None = None,
         context: Callable[[], contextlib.AbstractContextManager] | None = None,
         captured: bool = False,
+        checkpoint_activations: bool = False,
     ) -> None:
         super().__init__()
+        self.checkpoint_activations = bool(checkpoint_activations)
+        self._te_checked = False
         self.captured = captured  # its unit is a captured graph (traced frontend), not the user's modules
         self.names = list(names)
         self.units = nn.ModuleList(units)
@@ -72,9 +90,14 @@ class StageModule(nn.Module):
         x: Any = args if self.spread else (args[0] if len(args) == 1 else tuple(args))
         if self.input_dtype is not None:
             x = _cast(x, self.input_dtype)
-        with self.context() if self.context is not None else contextlib.nullcontext():
+        recompute = self.checkpoint_activations and not self.inferring and torch.is_grad_enabled()
+        if recompute and not self._te_checked:
+            self._refuse_te()
+        context = self.context() if self.context is not None else contextlib.nullcontext()
+        with context:
             for i, unit in enumerate(self.units):
-                x = unit(*x) if (self.spread and i == 0) else unit(x)
+                inputs = tuple(x) if (self.spread and i == 0) else (x,)
+                x = self._checkpointed(unit, inputs, context) if recompute else unit(*inputs)
         if self.output_dtype is not None:
             x = _cast(x, self.output_dtype)
         # torch pipelining sizes receive buffers from the sent tensor's strides: send dense tensors
@@ -83,6 +106,102 @@ class StageModule(nn.Module):
             for hook in self.output_hooks:
                 x = hook(self.index, x)
         return x
+
+    def _checkpointed(self, unit: nn.Module, inputs: tuple, context: Any) -> Any:
+        replay = _BufferReplay(unit, context)
+        recompute = _RecomputeContext(replay, self.context)
+        out = checkpoint(unit, *inputs, use_reentrant=False, preserve_rng_state=True,
+                         context_fn=lambda: (contextlib.nullcontext(), recompute))
+        replay.settle()
+        return out
+
+    def _refuse_te(self) -> None:
+        for m in self.units.modules():
+            if type(m).__module__.startswith("transformer_engine"):
+                raise PlanError(
+                    f"Stage {self.index} runs `{type(m).__name__}` from Transformer Engine (fp8) with activation "
+                    f"checkpointing; its recompute would advance TE's fp8 scaling state a second time. Turn "
+                    f"`StageSpec(activation_checkpointing=False)` for stage {self.index}, or use "
+                    f"`HPPPrecision(fp8_backend='emulate')`."
+                )
+        self._te_checked = True
+
+
+class _BufferReplay:
+    """The buffers of one checkpointed unit call as they were before it.
+
+    Taken before the forward: every buffer of the unit, and the amax histories of a traced stage's
+    fp8 emulation. While the recompute runs, the buffers are replaced by copies of these values (the
+    recompute reads what the forward read, even after later micro-batches updated them: delayed fp8
+    scaling) and afterwards put back untouched (the recompute's own updates, BatchNorm's running
+    statistics and ``num_batches_tracked`` for one, land in the copies): each buffer is updated once
+    per micro-batch, as without checkpointing. All buffers are kept, not only those the forward
+    changed: kernels such as BatchNorm's update buffers in place without bumping their version, and
+    comparing values would synchronise the device; buffers are small next to the activations saved.
+    """
+
+    def __init__(self, unit: nn.Module, context: Any) -> None:
+        self._slots: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[nn.Module, str]]]] = {}
+        self._mode = _fp8_emulation(context)  # a traced stage's fp8 emulation: its per-weight states live there
+        self._states: dict[Any, nn.Module] = {} if self._mode is None else self._mode._states
+        self._before, self._new = set(self._states), set()
+        modules = [*unit.modules(), *self._states.values()]
+        for m in modules:
+            for name, b in m._buffers.items():
+                if b is not None:
+                    slot = self._slots.get(id(b))
+                    if slot is None:
+                        slot = self._slots[id(b)] = (b, b.detach().clone(), [])
+                    slot[2].append((m, name))
+
+    def settle(self) -> None:
+        """After the forward: note the fp8 states it created."""
+        self._new = set(self._states) - self._before
+
+    def swap_in(self) -> Any:
+        put_back = []
+        for b, before, owners in self._slots.values():
+            copy = before.clone()
+            for m, name in owners:
+                m._buffers[name] = copy
+            put_back.append((b, owners))
+        if self._mode is not None:  # states the forward created are created afresh by the recompute, then dropped
+            self._mode._states = {k: v for k, v in self._states.items() if k not in self._new}
+        return put_back
+
+    def swap_out(self, put_back: Any) -> None:
+        for b, owners in put_back:
+            for m, name in owners:
+                m._buffers[name] = b
+        if self._mode is not None:
+            self._mode._states = self._states
+
+
+class _RecomputeContext:
+    """What a checkpointed unit's recompute runs in: the stage's ``context`` and the buffers as the
+    forward saw them (reusable: a backward with ``retain_graph`` may recompute again)."""
+
+    def __init__(self, replay: _BufferReplay, context: Callable[[], contextlib.AbstractContextManager] | None) -> None:
+        self.replay, self.context = replay, context
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        stack.callback(self.replay.swap_out, self.replay.swap_in())
+        try:
+            if self.context is not None:
+                stack.enter_context(self.context())
+        except BaseException:
+            stack.close()
+            raise
+        self._stacks.append(stack)
+
+    def __exit__(self, *exc: Any) -> bool:
+        return self._stacks.pop().__exit__(*exc)
+
+
+def _fp8_emulation(context: Any) -> EmulatedFP8Mode | None:
+    return context if isinstance(context, EmulatedFP8Mode) else None
 
 
 def _cast(x: Any, dtype: torch.dtype) -> Any:

@@ -66,12 +66,16 @@ class StageSpec:
         precision: One of :data:`PRECISIONS`; ``None`` means the Trainer's ``precision``.
         clip_norm: Gradient-clipping threshold for this stage; ``None`` means the Trainer's
             ``gradient_clip_val``.
+        activation_checkpointing: ``True`` recomputes each unit's forward during the backward
+            instead of keeping its activations (less memory, about one more forward of compute; the
+            numerics are unchanged); ``False`` keeps them; ``None`` means the strategy's default.
     """
 
     modules: list[str] = field(default_factory=list)
     device: str | None = None
     precision: str | None = None
     clip_norm: float | None = None
+    activation_checkpointing: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.modules, str):
@@ -98,6 +102,11 @@ class StageSpec:
                     f"`StageSpec.clip_norm` is {self.clip_norm!r}; it must be > 0 (or None to use the "
                     f"Trainer's `gradient_clip_val`)."
                 )
+        if self.activation_checkpointing is not None and not isinstance(self.activation_checkpointing, bool):
+            raise PlanError(
+                f"`StageSpec.activation_checkpointing` is {self.activation_checkpointing!r}; it must be True, False "
+                f"or None (the strategy's default)."
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -140,8 +149,8 @@ class StagePlan:
         Args:
             points: Module names at any depth (``"model.transformer.h.6"``), in the order ``forward``
                 reaches them.
-            **stage_fields: ``device``, ``precision``, ``clip_norm``: one value for every stage, or a
-                list with one value per stage.
+            **stage_fields: ``device``, ``precision``, ``clip_norm``, ``activation_checkpointing``: one
+                value for every stage, or a list with one value per stage.
 
         Example::
 
@@ -153,7 +162,7 @@ class StagePlan:
         if len(set(points)) != len(points):
             raise PlanError(f"`StagePlan.split_at({points!r})` names a cut point twice; each stage begins at its own module.")
         n = len(points) + 1
-        allowed = {"device", "precision", "clip_norm"}
+        allowed = set(_STAGE_FIELDS)
         unknown = sorted(set(stage_fields) - allowed)
         if unknown:
             raise PlanError(f"`StagePlan.split_at` got unknown fields {unknown}; it takes {sorted(allowed)}.")
@@ -289,7 +298,7 @@ class StagePlan:
                     )
                 pending_next = False
                 prev = specs.get(sid)
-                fields = {"device": decl.device, "precision": decl.precision, "clip_norm": decl.clip_norm}
+                fields = {key: getattr(decl, key) for key in _STAGE_FIELDS}
                 if prev is not None:
                     for key, value in fields.items():
                         if value is not None and prev.get(key) is not None and prev[key] != value:
@@ -327,8 +336,9 @@ class StagePlan:
                 f"A stage plan must be a mapping with a 'stages' list, got {type(data).__name__} "
                 f"with keys {sorted(data) if isinstance(data, dict) else '-'}."
             )
+        known = [f.name for f in dataclasses.fields(StageSpec)]
         unknown = [
-            (i, sorted(set(s) - {f.name for f in dataclasses.fields(StageSpec)}))
+            (i, sorted(set(s) - set(known)))
             for i, s in enumerate(data["stages"])
             if isinstance(s, dict)
         ]
@@ -336,7 +346,7 @@ class StagePlan:
         if unknown:
             i, keys = unknown[0]
             raise PlanError(
-                f"Stage {i} of the plan has unknown keys {keys}; allowed: modules, device, precision, clip_norm."
+                f"Stage {i} of the plan has unknown keys {keys}; allowed: {', '.join(known)}."
             )
         return cls([StageSpec(**dict(s)) for s in data["stages"]], dict(data.get("meta") or {}))
 
@@ -377,11 +387,15 @@ class StagePlan:
 
     def table(self) -> str:
         """A short human-readable table of the plan."""
-        rows = [("stage", "units", "device", "precision", "clip_norm")]
+        checkpointing = any(s.activation_checkpointing is not None for s in self.stages)
+        rows = [("stage", "units", "device", "precision", "clip_norm") + (("act_ckpt",) if checkpointing else ())]
         labels = self.meta.get("precision") or [None] * len(self.stages)
         for k, s in enumerate(self.stages):
             units = ", ".join(s.modules) if len(s.modules) <= 4 else f"{s.modules[0]} .. {s.modules[-1]} ({len(s.modules)})"
-            rows.append((str(k), units, s.device or "any", labels[k] or s.precision or "trainer", "-" if s.clip_norm is None else f"{s.clip_norm:g}"))
+            row = (str(k), units, s.device or "any", labels[k] or s.precision or "trainer", "-" if s.clip_norm is None else f"{s.clip_norm:g}")
+            if checkpointing:
+                row += ({None: "default", True: "on", False: "off"}[s.activation_checkpointing],)
+            rows.append(row)
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -392,20 +406,27 @@ class _StageDecl:
     device: str | None
     precision: str | None
     clip_norm: float | None
+    activation_checkpointing: bool | None = None
 
 
-def stage(stage_id: int, device: str | None = None, precision: str | None = None, clip_norm: float | None = None):
+_STAGE_FIELDS = ("device", "precision", "clip_norm", "activation_checkpointing")
+"""The per-stage settings of a :class:`StageSpec` (every field but ``modules``)."""
+
+
+def stage(stage_id: int, device: str | None = None, precision: str | None = None, clip_norm: float | None = None,
+          activation_checkpointing: bool | None = None):
     """Class decorator: every instance of the decorated module class belongs to stage ``stage_id``.
 
     Example::
 
-        @stage(0, device="a100", precision="16-mixed", clip_norm=1.0)
+        @stage(0, device="a100", precision="16-mixed", clip_norm=1.0, activation_checkpointing=True)
         class VisionEncoder(nn.Module): ...
     """
     if isinstance(stage_id, bool) or not isinstance(stage_id, int) or stage_id < 0:
         raise PlanError(f"`@stage` takes a stage id >= 0 as its first argument, got {stage_id!r}.")
-    spec = StageSpec(device=device, precision=precision, clip_norm=clip_norm)  # validates the fields
-    decl = _StageDecl(stage_id, spec.device, spec.precision, spec.clip_norm)
+    spec = StageSpec(device=device, precision=precision, clip_norm=clip_norm,
+                     activation_checkpointing=activation_checkpointing)  # validates the fields
+    decl = _StageDecl(stage_id, spec.device, spec.precision, spec.clip_norm, spec.activation_checkpointing)
 
     def wrap(cls):
         if not isinstance(cls, type):
