@@ -253,11 +253,6 @@ def test_fp8_on_a_traced_stage_without_an_fp8_device_fails_at_setup_on_every_ran
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "lightning_hpp bug: HPPPrecision.configure_stages raises the PlanError for Transformer Engine on a traced stage "
-    "only while converting the stages a rank holds, so only the rank holding stage 1 raises it; rank 0 goes on to the "
-    "next collective (trainer.log_dir's broadcast in HPPStrategy.setup) and dies there with gloo's 'Connection "
-    "closed by peer'."))
 def test_transformer_engine_fp8_on_a_traced_stage_is_refused_with_the_stage_on_every_rank(tmp_path):
     # fp8_capable: the worker makes every device count as an H100 with Transformer Engine
     for error in _refused(tmp_path, "gpt2_fp8_te", fp8_capable=True):
@@ -297,11 +292,6 @@ def test_v_schedules_on_traced_gpt2_match_single_process(v_runs, schedule):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "lightning_hpp bug: the runner builds torch's schedules with scale_grads=True, so each stage divides its "
-    "parameters' .grad by n_microbatches after its own last backward. Under V placement the tied embedding (stage 0) "
-    "and LM head (stage 3) are one Parameter on rank 0, divided twice, the second time after only part of stage 0's "
-    "micro-batches: its update is wrong from step 1 (embedding gradient of micro-batches 0-1 and the head's at 1/4)."))
 @pytest.mark.parametrize("schedule", V_SCHEDULES)
 def test_v_schedules_on_traced_gpt2_with_tied_embeddings_on_one_rank_match_single_process(v_runs, schedule):
     out, runs = v_runs

@@ -128,10 +128,10 @@ class PipelineRunner:
                 cls = self.kind.cls
                 if not train and self.kind.style == "loop":
                     cls = S.ScheduleLoopedBFS
-                sched = cls(stages, n, loss_fn=loss_fn, scale_grads=True)
+                sched = cls(stages, n, loss_fn=loss_fn, scale_grads=False)
             else:
                 cls = self.kind.cls if train else S.ScheduleGPipe
-                sched = cls(stages[0], n, loss_fn=loss_fn, scale_grads=True)
+                sched = cls(stages[0], n, loss_fn=loss_fn, scale_grads=False)
             for observe in self.schedule_observers:
                 observe(sched)
             self._schedules[key] = sched
@@ -151,7 +151,9 @@ class PipelineRunner:
         self._recorders.append(rec)
         self._losses.append(loss.detach())
         self._mb_seen.append(mb)
-        return loss * self._loss_scale
+        # the mean over micro-batches, taken here rather than by torch's scale_grads: torch divides each stage's
+        # gradients after its last backward, twice for a parameter two stages on this rank share (tied weights)
+        return loss * (self._loss_scale / self.n_microbatches)
 
     # ----------------------------------------------------------------- steps
     def train_step(self, step_fn: Callable[..., Any], batch: Any, *step_args: Any, loss_scale: float = 1.0) -> tuple[torch.Tensor, list]:

@@ -149,9 +149,17 @@ class HPPPrecision(Precision):
         guard = BoundaryGuard(self.nonfinite, view.microbatch, view.step, self._scaled)
         last = len(precs) - 1
         labels: list[str] = []
-        for k, p in enumerate(precs):
+        captured = any(getattr(sm, "captured", False) for sm in view.stages.values())  # one frontend for all stages
+        for k, p in enumerate(precs):  # every stage, on every rank: all ranks refuse the same plan alike
             if p == "fp8":
                 backend = fp8.check_fp8_stage(k, device, device_kind, self.fp8_backend)
+                if backend == "te" and captured:
+                    raise PlanError(
+                        f"Stage {k} runs in fp8 through Transformer Engine, which replaces `nn.Linear` modules, but the "
+                        f"traced frontend runs stage {k} as a captured graph. Use `HPPPrecision(fp8_backend='emulate')` "
+                        f"(fp8 numerics, not fp8 speed), precision='bf16-mixed' for stage {k}, or cut it between "
+                        f"top-level modules so that the sequential frontend runs it as written."
+                    )
                 labels.append(fp8.describe_backend(backend, self.fp8_recipe, device.type))
             else:
                 labels.append(p)
@@ -160,14 +168,6 @@ class HPPPrecision(Precision):
         for k, sm in held:
             mode = MODES[precs[k]]
             if precs[k] == "fp8" and getattr(sm, "captured", False):
-                backend = fp8.check_fp8_stage(k, device, device_kind, self.fp8_backend)
-                if backend == "te":
-                    raise PlanError(
-                        f"Stage {k} runs in fp8 through Transformer Engine, which replaces `nn.Linear` modules, but the "
-                        f"traced frontend runs stage {k} as a captured graph. Use `HPPPrecision(fp8_backend='emulate')` "
-                        f"(fp8 numerics, not fp8 speed), precision='bf16-mixed' for stage {k}, or cut it between "
-                        f"top-level modules so that the sequential frontend runs it as written."
-                    )
                 emulation = emulations.setdefault(k, fp8.EmulatedFP8Mode(self.fp8_recipe))
                 sm.context = lambda emulation=emulation: emulation
             elif precs[k] == "fp8":
