@@ -138,7 +138,33 @@ class PlacementOptions:
             raise PlanError(f"`PlacementOptions(profile={self.profile!r})`: must be the path of a cost-profile JSON.")
 
 
-Section = TypeVar("Section", CheckpointOptions, BiasOptions, TelemetryOptions, PlacementOptions)
+@dataclass(frozen=True)
+class InitOptions:
+    """Initial weights of a model built on the meta device (``configure_model()`` or
+    ``Trainer.init_module(empty_init=True)``): each rank materializes only its own stages."""
+
+    weights: str | None = None
+    """Load them from disk, reading only this rank's tensors: a ``.safetensors`` file, a transformers
+    checkpoint directory (``model.safetensors`` or a sharded ``model.safetensors.index.json``), or a
+    sharded checkpoint of this project. ``None``: each module's own initializer."""
+    rename: str | None = None
+    """A prefix of the model's parameter names that the file does not have (``"model."`` for a
+    LightningModule holding ``self.model = LlamaForCausalLM(...)`` loading what ``save_pretrained`` wrote)."""
+    seed: int | None = None
+    """Base seed of the initializers (each module seeded by it and its name); default ``PL_GLOBAL_SEED`` or 0."""
+
+    def __post_init__(self) -> None:
+        for field in ("weights", "rename"):
+            value = getattr(self, field)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise PlanError(f"`InitOptions({field}={value!r})`: must be a path / string or None.")
+        if self.weights is not None:
+            object.__setattr__(self, "weights", os.fspath(self.weights))
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise PlanError(f"`InitOptions(seed={self.seed!r})`: must be an integer or None.")
+
+
+Section = TypeVar("Section", CheckpointOptions, BiasOptions, TelemetryOptions, PlacementOptions, InitOptions)
 
 
 def section(cls: type[Section], value: Any, arg: str) -> Section:

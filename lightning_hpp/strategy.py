@@ -17,7 +17,10 @@ It holds no pipeline logic of its own; each hook hands over to the layer that ow
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -44,8 +47,16 @@ from lightning_hpp.checkpoint import resume as _resume
 from lightning_hpp.errors import CheckpointError, PlanError, ScheduleError
 from lightning_hpp.launch import Launcher, init_process_group
 from lightning_hpp.model.frontend import FRONTENDS, balanced_plan, cut_model, planning_units
+from lightning_hpp.model.materialize import has_meta_parameters, init_on_meta, materialize, unread_parameters
 from lightning_hpp.model.units import find_units
-from lightning_hpp.options import BiasOptions, CheckpointOptions, PlacementOptions, TelemetryOptions, section
+from lightning_hpp.options import (
+    BiasOptions,
+    CheckpointOptions,
+    InitOptions,
+    PlacementOptions,
+    TelemetryOptions,
+    section,
+)
 from lightning_hpp.pipeline.data import first_loader, peek_batch, seed_workers_per_replica, shard_over_replicas
 from lightning_hpp.pipeline.grads import GradHandover, shared_gradient_groups
 from lightning_hpp.pipeline.mesh import Mesh, stages_of_position
@@ -90,6 +101,8 @@ class HPPStrategy(ParallelStrategy):
         bias: :class:`~lightning_hpp.options.BiasOptions`: the coded-bias audit, fingerprints, determinism.
         telemetry: :class:`~lightning_hpp.options.TelemetryOptions`, ``True`` (its defaults) or ``None``.
         placement: :class:`~lightning_hpp.options.PlacementOptions`: device kinds, ``plan="auto"`` profile.
+        init: :class:`~lightning_hpp.options.InitOptions`: initial weights of a model built on the meta
+            device (``configure_model()``, ``Trainer.init_module(empty_init=True)``), materialized per rank.
         timeout: Timeout of every collective and pipeline send/recv (a ``timedelta`` or seconds); a
             rank that stops answering ends the job after at most this long.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
@@ -111,6 +124,7 @@ class HPPStrategy(ParallelStrategy):
         bias: BiasOptions | dict | None = None,
         telemetry: TelemetryOptions | dict | bool | None = None,
         placement: PlacementOptions | dict | None = None,
+        init: InitOptions | dict | None = None,
         timeout: timedelta | float = timedelta(minutes=5),
         process_group_backend: str | None = None,
         accelerator: Any = None,
@@ -146,6 +160,7 @@ class HPPStrategy(ParallelStrategy):
         self._bias = section(BiasOptions, bias, "bias")
         self._telemetry = None if telemetry in (None, False) else section(TelemetryOptions, None if telemetry is True else telemetry, "telemetry")
         self._placement = section(PlacementOptions, placement, "placement")
+        self._init = section(InitOptions, init, "init")
         self._guard = BiasGuard(fingerprint=self._bias.fingerprint, audit=self._bias.audit)
         self._active_guard: BiasGuard | None = None
         self._deterministic = self._bias.deterministic
@@ -290,6 +305,25 @@ class HPPStrategy(ParallelStrategy):
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         init_process_group(self.cluster_environment, self._process_group_backend, self._timeout, self.root_device, self.world_size)
 
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """``Trainer.init_module(empty_init=True)`` builds the model on the meta device (each rank
+        materializes only its stages at setup); otherwise as every strategy does."""
+        if empty_init:
+            with init_on_meta():
+                yield
+        else:
+            with super().tensor_init_context(empty_init):
+                yield
+
+    @override
+    @contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        """``configure_model()`` builds the model on the meta device."""
+        with init_on_meta():
+            yield
+
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
@@ -356,10 +390,11 @@ class HPPStrategy(ParallelStrategy):
             trainer_precision = str(self.precision_plugin.precision)
             self.precision_plugin = HPPPrecision()
         fitting = trainer.state.fn == TrainerFn.FITTING
-        example = self._example_call(trainer, module)
         rank_kinds = gather_kinds(self.root_device, self.global_rank, self._placement.device_map)
-        plan, grid = self._initial_plan(module, example, rank_kinds)
-        cut = cut_model(module, plan, example, frontend=self._frontend, modes=("train", "eval") if fitting else ("eval",))
+        with unread_parameters(module, self.root_device) if has_meta_parameters(module) else contextlib.nullcontext():
+            example = self._example_call(trainer, module)
+            plan, grid = self._initial_plan(module, example, rank_kinds)
+            cut = cut_model(module, plan, example, frontend=self._frontend, modes=("train", "eval") if fitting else ("eval",))
         self._plan = cut.plan
         pp = self._pp_degree()
         if self._plan.num_stages > self.world_size * (2 if SCHEDULES[self._schedule].multi else 1) or pp > self.world_size:
@@ -376,8 +411,10 @@ class HPPStrategy(ParallelStrategy):
         self._plan.meta["device_kinds"] = rank_kinds
         self._mesh.init_groups()
         self._stage_ids = positions[self._mesh.position]
-        shared = shared_gradient_groups(cut.shared, dict(module.named_parameters()), positions, self._mesh)
         cut.keep_only(module, self._stage_ids)
+        if has_meta_parameters(module):
+            self._materialize(module, cut)
+        shared = shared_gradient_groups(cut.shared, dict(module.named_parameters()), positions, self._mesh)
         names = self._plan.stages
         traced = cut.frontend == "traced"
         stages = {mode: {k: StageModule(names[k].modules, cut.bodies[mode][k], k, spread=cut.spread[k], captured=traced)
@@ -385,6 +422,9 @@ class HPPStrategy(ParallelStrategy):
         if cut.frontend == "sequential":
             stages["eval"] = stages["train"]
         self.model_to_device()
+        for body in (b for mode in ("train", "eval") for k in self._stage_ids for b in cut.bodies[mode][k]):
+            if hasattr(body, "place"):  # traced stages: ops that create tensors do so on this rank's device
+                body.place(self.root_device)
         runner = PipelineRunner(module, stages["train"], self._plan.num_stages, self._mesh, self._schedule,
                                 self._n_microbatches, self.root_device, eval_stage_modules=stages["eval"],
                                 flatten=cut.flatten, unflatten=cut.unflatten)
@@ -416,6 +456,22 @@ class HPPStrategy(ParallelStrategy):
         rank_zero_info(f"HPPStrategy: no plan given; {plan.meta['balanced']}: cut at {plan.meta['cut_points']}.")
         return plan, None
 
+    def _materialize(self, module: Any, cut: Any) -> None:
+        """This rank's stages out of the meta device: their own initializers, or their tensors read from disk."""
+        seed = self._init.seed if self._init.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        names = materialize(module, self.root_device, seed=seed, initialize=self._init.weights is None)
+        if self._init.weights is not None:
+            from lightning_hpp.checkpoint.weights import load_stage_weights
+
+            load_stage_weights(module, self._init.weights, names=names, rename=self._init.rename)
+        for mode in ("train", "eval"):
+            for k in self._stage_ids:
+                for body in cut.bodies[mode][k]:
+                    if hasattr(body, "repoint"):
+                        body.repoint(module)
+        rank_zero_info(f"HPPStrategy: rank {self.global_rank} materialized its {len(names)} parameters "
+                       f"({'read from ' + self._init.weights if self._init.weights else 'their modules initializers'}).")
+
     def _example_call(self, trainer: Any, module: Any) -> tuple[tuple, dict] | None:
         """``(args, kwargs)`` of the step's ``self(...)`` call on one real micro-batch, RNG untouched."""
         loop = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
@@ -440,6 +496,10 @@ class HPPStrategy(ParallelStrategy):
             raise PlanError("plan='auto' profiles the model on one real micro-batch, but the dataloader gave no batch.")
         if self._schedule not in ("gpipe", "1f1b"):
             raise PlanError(f"plan='auto' plans 'gpipe' and '1f1b' schedules; got schedule={self._schedule!r}.")
+        if has_meta_parameters(module) and self._placement.profile is None:
+            raise PlanError("plan='auto' measures the model, but it was built on the meta device (no weights yet). Pass a "
+                            "cost profile (`HPPStrategy(placement=PlacementOptions(profile=...))`, see "
+                            "`python -m lightning_hpp.planning.cli`), or a plan (`StagePlan.split_at([...])`).")
         units, inputs, to_cut = planning_units(module, example)
         dp = self.world_size // self._pp_arg if self._pp_arg else 1
         plan, grid, table = auto_plan(units, inputs, self.global_rank, rank_kinds, dp_degree=dp, schedule=self._schedule,

@@ -39,7 +39,13 @@ import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
-from torch.distributed.pipelining._IR import MultiUseParameterConfig, Pipe, SplitPoint, annotate_split_points
+from torch.distributed.pipelining._IR import (
+    MultiUseParameterConfig,
+    Pipe,
+    SplitPoint,
+    _modify_graph_op_device,
+    annotate_split_points,
+)
 from torch.export import Dim
 
 from lightning_hpp.errors import PlanError, TraceError
@@ -74,6 +80,24 @@ class TracedStage(nn.Module):
         out = tuple(_encode_int(env[n], device) if n in self.ints and not self.last
                     else _pass_through(env[n]) if n in passed else env[n] for n in self.outputs)
         return out[0] if len(out) == 1 else out
+
+
+    def place(self, device: torch.device) -> None:
+        """Make the ops that create tensors (``torch.arange``, ``torch.ones``, ...) create them on ``device``:
+        the trace burnt in the device it ran on (the meta device, for a model built there)."""
+        _modify_graph_op_device(self.graph, device)
+
+    def repoint(self, module: nn.Module) -> None:
+        """Use ``module``'s current parameter and buffer objects (after they were materialized)."""
+        params = dict(module.named_parameters(remove_duplicate=False))
+        buffers = dict(module.named_buffers(remove_duplicate=False))
+        for registry_name, source in (("_parameters", params), ("_buffers", buffers)):
+            for owner_name, owner in self.graph.named_modules(remove_duplicate=False):
+                registry = getattr(owner, registry_name)
+                for key in list(registry):
+                    full = f"{owner_name}.{key}" if owner_name else key
+                    if full in source:
+                        registry[key] = source[full]
 
 
 def _encode_int(value: int, device: torch.device | None) -> torch.Tensor:

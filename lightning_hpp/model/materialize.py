@@ -1,0 +1,130 @@
+"""Models larger than one device: built on the meta device, each rank materializing only its stages.
+
+:func:`init_on_meta` is the context HPPStrategy gives ``configure_model()`` and
+``Trainer.init_module(empty_init=True)``: every parameter registered inside it lives on the meta
+device (shape and dtype, no storage), while buffers stay real — the values modules compute at
+construction (RoPE frequencies, BatchNorm statistics, position ids) survive, and buffers are small.
+Parameter construction runs under Lightning's ``_EmptyInit``, so no initializer touches memory.
+
+After the cut, :func:`materialize` gives this rank's meta parameters real storage on its device —
+one tensor per tied group, the ties kept — and initialises them with their module's own
+initializer: a transformers model's ``_init_weights``, else the module's ``reset_parameters``.
+Each module is seeded from the base seed and its name, so a module gets the same weights whatever
+the plan, the rank or the order (and :func:`materialize` on the whole model in one process gives
+the single-process reference the same weights). They differ from the weights of an eager
+construction, whose random stream runs through the modules in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Iterator
+
+import torch
+from lightning.fabric.utilities.init import _EmptyInit
+from torch import nn
+
+from lightning_hpp.errors import PlanError
+
+
+@contextlib.contextmanager
+def init_on_meta() -> Iterator[None]:
+    """Register every new parameter on the meta device; buffers stay real."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        with _EmptyInit(enabled=True):
+            yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+@contextlib.contextmanager
+def unread_parameters(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Let a model built by :func:`init_on_meta` be traced on ``device``: meanwhile its meta parameters
+    are stood in for by uninitialised tensors there, which tracing never reads (``torch.export`` looks
+    at shapes only), so no page of them is touched: the memory is reserved, not used. Constants the
+    model creates in ``forward`` then get real values on ``device``, as in a trace of the real model.
+    The meta parameters are put back afterwards (ties kept: one stand-in per parameter)."""
+    saved, stand_ins = [], {}
+    for mod in module.modules():
+        for key, p in list(mod._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in stand_ins:
+                    stand_ins[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                saved.append((mod, key, p))
+                mod._parameters[key] = stand_ins[id(p)]
+    try:
+        yield
+    finally:
+        for mod, key, p in saved:
+            mod._parameters[key] = p
+
+
+def has_meta_parameters(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+def materialize(module: nn.Module, device: torch.device, *, seed: int = 0, initialize: bool = True) -> list[str]:
+    """Give every meta parameter of ``module`` real storage on ``device`` and, with ``initialize``,
+    its module's initial values (seeded per module name); returns the names materialized.
+
+    Raises:
+        PlanError: a module with meta parameters and no initializer (and ``initialize``).
+    """
+    fresh: dict[int, nn.Parameter] = {}
+    for _, mod in module.named_modules(remove_duplicate=False):
+        for key, p in list(mod._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in fresh:
+                    fresh[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                mod._parameters[key] = fresh[id(p)]
+    new = {id(p) for p in fresh.values()}
+    names = [n for n, p in module.named_parameters() if id(p) in new]
+    if not initialize or not new:
+        return names
+    done: set[int] = set()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        for name, mod in module.named_modules():
+            own = [p for p in mod.parameters(recurse=False) if id(p) in new and id(p) not in done]
+            if not own:
+                continue
+            torch.manual_seed((seed + zlib.crc32(name.encode())) % 2**63)
+            _initialize(module, name, mod)
+            done.update(id(p) for p in mod.parameters(recurse=False))
+    return names
+
+
+def _initialize(root: nn.Module, name: str, mod: nn.Module) -> None:
+    owner = _pretrained_owner(root, name)
+    if owner is not None:
+        owner._init_weights(mod)
+        return
+    if hasattr(mod, "reset_parameters"):
+        mod.reset_parameters()
+        return
+    raise PlanError(
+        f"Module {name!r} ({type(mod).__name__}) was built on the meta device and has no initializer: give it a "
+        f"`reset_parameters()` method, or load its weights from disk with "
+        f"`HPPStrategy(init=InitOptions(weights=...))`."
+    )
+
+
+def _pretrained_owner(root: nn.Module, name: str) -> nn.Module | None:
+    """The innermost transformers ``PreTrainedModel`` holding module ``name`` (its ``_init_weights`` knows it)."""
+    owner = None
+    parts = name.split(".") if name else []
+    mod = root
+    for i in range(len(parts) + 1):
+        if callable(getattr(mod, "_init_weights", None)) and hasattr(mod, "config"):
+            owner = mod
+        if i < len(parts):
+            mod = getattr(mod, parts[i])
+    return owner
