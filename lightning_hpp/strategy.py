@@ -47,7 +47,7 @@ from lightning_hpp.checkpoint import resume as _resume
 from lightning_hpp.errors import CheckpointError, PlanError, ScheduleError
 from lightning_hpp.launch import Launcher, init_process_group
 from lightning_hpp.model.frontend import FRONTENDS, balanced_plan, cut_model, planning_units
-from lightning_hpp.model.materialize import has_meta_parameters, init_on_meta, materialize, unread_parameters
+from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, init_on_meta, materialize
 from lightning_hpp.model.units import find_units
 from lightning_hpp.options import (
     BiasOptions,
@@ -96,6 +96,8 @@ class HPPStrategy(ParallelStrategy):
         frontend: How the model is cut: ``"sequential"`` (the user's modules run as written; cuts between
             the top-level units of a chain forward), ``"traced"`` (``torch.export`` captures the model,
             cuts at modules of any depth) or ``"auto"`` (sequential where it applies, else traced).
+        activation_checkpointing: Recompute each unit's activations in the backward instead of keeping
+            them (per stage: ``StageSpec(activation_checkpointing=...)`` overrides this default).
         checkpoint: :class:`~lightning_hpp.options.CheckpointOptions` (or a dict of its fields): the
             strategy's own ``step-<N>`` checkpoints and where to resume from.
         bias: :class:`~lightning_hpp.options.BiasOptions`: the coded-bias audit, fingerprints, determinism.
@@ -119,6 +121,7 @@ class HPPStrategy(ParallelStrategy):
         n_microbatches: int = 4,
         pp_degree: int | None = None,
         frontend: str = "auto",
+        activation_checkpointing: bool = False,
         *,
         checkpoint: CheckpointOptions | dict | None = None,
         bias: BiasOptions | dict | None = None,
@@ -155,6 +158,9 @@ class HPPStrategy(ParallelStrategy):
         if frontend not in FRONTENDS:
             raise PlanError(f"`HPPStrategy(frontend={frontend!r})` is not supported; use one of {', '.join(map(repr, FRONTENDS))}.")
         self._frontend = frontend
+        if not isinstance(activation_checkpointing, bool):
+            raise PlanError(f"`HPPStrategy(activation_checkpointing={activation_checkpointing!r})`: must be True or False.")
+        self._activation_checkpointing = activation_checkpointing
         self._timeout = _timeout(timeout)
         self._checkpoint = section(CheckpointOptions, checkpoint, "checkpoint")
         self._bias = section(BiasOptions, bias, "bias")
@@ -391,7 +397,7 @@ class HPPStrategy(ParallelStrategy):
             self.precision_plugin = HPPPrecision()
         fitting = trainer.state.fn == TrainerFn.FITTING
         rank_kinds = gather_kinds(self.root_device, self.global_rank, self._placement.device_map)
-        with unread_parameters(module, self.root_device) if has_meta_parameters(module) else contextlib.nullcontext():
+        with fake_parameters(module, self.root_device) if has_meta_parameters(module) else contextlib.nullcontext():
             example = self._example_call(trainer, module)
             plan, grid = self._initial_plan(module, example, rank_kinds)
             cut = cut_model(module, plan, example, frontend=self._frontend, modes=("train", "eval") if fitting else ("eval",))
@@ -417,7 +423,10 @@ class HPPStrategy(ParallelStrategy):
         shared = shared_gradient_groups(cut.shared, dict(module.named_parameters()), positions, self._mesh)
         names = self._plan.stages
         traced = cut.frontend == "traced"
-        stages = {mode: {k: StageModule(names[k].modules, cut.bodies[mode][k], k, spread=cut.spread[k], captured=traced)
+        recompute = [self._activation_checkpointing if s.activation_checkpointing is None else s.activation_checkpointing
+                     for s in names]
+        stages = {mode: {k: StageModule(names[k].modules, cut.bodies[mode][k], k, spread=cut.spread[k], captured=traced,
+                                        checkpoint_activations=recompute[k])
                          for k in self._stage_ids} for mode in ("train", "eval")}
         if cut.frontend == "sequential":
             stages["eval"] = stages["train"]

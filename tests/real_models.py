@@ -89,25 +89,37 @@ def bn_mlp() -> nn.Module:
                          nn.Linear(16, 4))
 
 
-BUILDERS = {"gpt2": gpt2, "llama": llama, "vit": vit, "nanogpt": NanoGPT, "bn_mlp": bn_mlp}
-IMAGE_LIKE = ("vit", "bn_mlp")  # batches of (x, y)
+def deep_mlp(blocks: int = 8, width: int = 64) -> nn.Module:
+    """Linear blocks of one width (the memory tests scale ``width``); units ``model.0`` ... ``model.<blocks+1>``."""
+    return nn.Sequential(nn.Linear(8, width), *(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks)),
+                         nn.Linear(width, 4))
+
+
+BUILDERS = {"gpt2": gpt2, "llama": llama, "vit": vit, "nanogpt": NanoGPT, "bn_mlp": bn_mlp, "deep_mlp": deep_mlp}
+IMAGE_LIKE = ("vit", "bn_mlp", "deep_mlp")  # batches of (x, y)
 
 
 class LMWrapper(L.LightningModule):
     """``self.model = <third-party model>``; forward passes keyword arguments as users write them."""
 
-    def __init__(self, kind: str, lr: float = 0.05, reference_microbatches: int = 1, seed: int = 0, **kw) -> None:
+    def __init__(self, kind: str, lr: float = 0.05, reference_microbatches: int = 1, seed: int = 0,
+                 in_configure_model: bool = False, **kw) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.kind = kind
-        self.model = BUILDERS[kind](**kw)
+        self.kind, self.kw = kind, kw
+        # a big model is built in configure_model(), which HPPStrategy runs on the meta device
+        self.model = None if in_configure_model else BUILDERS[kind](**kw)
         self.lr = lr
         self.reference_microbatches = reference_microbatches
+
+    def configure_model(self):
+        if self.model is None:
+            self.model = BUILDERS[self.kind](**self.kw)
 
     def forward(self, x, attention_mask=None):
         if self.kind == "vit":
             return self.model(pixel_values=x).logits
-        if self.kind in ("nanogpt", "bn_mlp"):
+        if self.kind in ("nanogpt", "bn_mlp", "deep_mlp"):
             return self.model(x)
         return self.model(input_ids=x, attention_mask=attention_mask).logits
 
@@ -143,7 +155,7 @@ def dataset(kind: str, n: int = 32, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     if kind == "vit":
         return TensorDataset(torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 5, (n,), generator=g))
-    if kind == "bn_mlp":
+    if kind in ("bn_mlp", "deep_mlp"):
         return TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g))
     ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
     mask = torch.ones(n, SEQ, dtype=torch.long)

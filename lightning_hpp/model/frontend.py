@@ -251,7 +251,7 @@ def planning_units(module: nn.Module, example: tuple[tuple, dict]) -> tuple[list
 
     def to_cut(plan: StagePlan) -> StagePlan:
         cut = StagePlan.split_at([s.modules[0] for s in plan.stages[1:]],
-                                 **{f: [getattr(s, f) for s in plan.stages] for f in ("device", "precision", "clip_norm")})
+                                 **{f: [getattr(s, f) for s in plan.stages] for f in ("device", "precision", "clip_norm", "activation_checkpointing")})
         cut.meta.update({k: v for k, v in plan.meta.items() if k != "cut_points"})
         return cut
 

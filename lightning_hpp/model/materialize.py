@@ -47,18 +47,23 @@ def init_on_meta() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def unread_parameters(module: nn.Module, device: torch.device) -> Iterator[None]:
-    """Let a model built by :func:`init_on_meta` be traced on ``device``: meanwhile its meta parameters
-    are stood in for by uninitialised tensors there, which tracing never reads (``torch.export`` looks
-    at shapes only), so no page of them is touched: the memory is reserved, not used. Constants the
-    model creates in ``forward`` then get real values on ``device``, as in a trace of the real model.
-    The meta parameters are put back afterwards (ties kept: one stand-in per parameter)."""
+def fake_parameters(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Let a model built by :func:`init_on_meta` be run and traced as if it lived on ``device``:
+    meanwhile its meta parameters are stood in for by fake tensors on ``device`` (torch's
+    ``FakeTensorMode``: shapes, dtypes and devices, no storage), so nothing is allocated, and the
+    constants the model creates in ``forward`` get real values on ``device``, as in a trace of the
+    real model. The meta parameters are put back afterwards (ties kept: one stand-in per parameter)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     saved, stand_ins = [], {}
     for mod in module.modules():
         for key, p in list(mod._parameters.items()):
             if p is not None and p.is_meta:
                 if id(p) not in stand_ins:
-                    stand_ins[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                    with mode:
+                        fake = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=device)
+                    stand_ins[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
                 saved.append((mod, key, p))
                 mod._parameters[key] = stand_ins[id(p)]
     try:
@@ -66,6 +71,13 @@ def unread_parameters(module: nn.Module, device: torch.device) -> Iterator[None]
     finally:
         for mod, key, p in saved:
             mod._parameters[key] = p
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """A tensor without values: on the meta device, or one of :func:`fake_parameters`' stand-ins (or made from one)."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return t.is_meta or _is_fake(t)
 
 
 def has_meta_parameters(module: nn.Module) -> bool:

@@ -11,13 +11,14 @@ import torch
 from torch import nn
 
 from lightning_hpp.errors import SequentialForwardError
+from lightning_hpp.model.materialize import is_fake
 
 
 def _same(a: Any, b: Any) -> bool:
     if a is b:
         return True
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.is_meta or b.is_meta:  # a model on the meta device has no values: only the tensor itself counts
+        if is_fake(a) or is_fake(b):  # a model built on the meta device has no values: only the tensor itself counts
             return False
         return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):

@@ -7,7 +7,8 @@ Usage: python -m tests.workers.run_real '<json: {"devices": N, "runs": [config, 
 
 Config keys: ``model`` (a tests.real_models kind, or ``"mlp"``: tests.models.MLP), ``points`` (cut
 points, or None), ``precision`` (one per stage, with ``points``), ``schedule``, ``n_micro``, ``pp``,
-``frontend``, ``steps``, ``batch``, ``n``, ``limit_val_batches``, ``out``, and for checkpoints
+``frontend``, ``steps``, ``batch``, ``n``, ``limit_val_batches``, ``out``, ``model_kw`` (for the
+model, e.g. ``{"in_configure_model": true}``), ``strategy`` (more HPPStrategy keyword arguments), and for checkpoints
 ``ckpt_dir``, ``every`` (steps between saves), ``resume`` (``"auto"`` or a path), ``fp8_backend``
 (``HPPPrecision(fp8_backend=...)``), and ``fp8_capable`` (``true``: every device counts as able to run Transformer Engine fp8, as an H100 with
 TE installed would, so that what is refused *because of the frontend* can be checked on CPUs). A
@@ -61,16 +62,34 @@ def run(cfg: dict, devices: int) -> None:
         fp8.fp8_capable, fp8.te_version = saved
 
 
+def _record_materialized() -> list[str]:
+    """Every parameter name this rank materializes off the meta device (the worker saves the list)."""
+    import lightning_hpp.strategy as strategy_module
+
+    names: list[str] = []
+    real = strategy_module.materialize
+
+    def recording(*args, **kwargs):
+        out = real(*args, **kwargs)
+        names.extend(out)
+        return out
+
+    strategy_module.materialize = recording
+    return names
+
+
 def _run(cfg: dict, devices: int) -> None:
     L.seed_everything(0)
+    materialized = _record_materialized()
     model, train, val, loss_key = _model_and_data(cfg)
     fields = {"precision": cfg["precision"]} if cfg.get("precision") else {}
-    plan = StagePlan.split_at(cfg["points"], **fields) if cfg.get("points") else None
+    points = cfg.get("points")
+    plan = "auto" if points == "auto" else StagePlan.split_at(points, **fields) if points else None
     ckpt_dir = cfg.get("ckpt_dir")
     checkpoint = CheckpointOptions(dir=ckpt_dir, every_n_steps=cfg.get("every") if ckpt_dir else None,
                                    resume=cfg.get("resume"))
     strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["n_micro"], pp_degree=cfg.get("pp"),
-                           frontend=cfg.get("frontend", "auto"), checkpoint=checkpoint, timeout=120)
+                           frontend=cfg.get("frontend", "auto"), checkpoint=checkpoint, timeout=120, **cfg.get("strategy", {}))
     losses = StepLosses(loss_key)
     plugins = [HPPPrecision(fp8_backend=cfg["fp8_backend"])] if cfg.get("fp8_backend") else None
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg["steps"], logger=False,
@@ -89,6 +108,9 @@ def _run(cfg: dict, devices: int) -> None:
     optim, _ = optimizer_to_named(trainer.optimizers[0], param_names(model))
     out = {
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "meta_params": [n for n, p in model.named_parameters() if p.is_meta],
+        "materialized": materialized,
         "losses": losses.losses,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "stage_ids": strategy.stage_ids,
