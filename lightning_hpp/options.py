@@ -185,3 +185,19 @@ def section(cls: type[Section], value: Any, arg: str) -> Section:
             raise PlanError(f"`HPPStrategy({arg}=...)` has unknown keys {unknown}; `{cls.__name__}` takes {sorted(fields)}.")
         return cls(**data)
     raise PlanError(f"`HPPStrategy({arg}={value!r})`: pass a `{cls.__name__}(...)`, a dict of its fields, or None.")
+
+
+# the flat options of the first release, and where each one lives now
+_MOVED = {
+    **{k: f"HPPStrategy(checkpoint=CheckpointOptions({v}=...))" for k, v in (
+        ("checkpoint_dir", "dir"), ("resume", "resume"), ("save_every_n_steps", "every_n_steps"), ("keep_last", "keep_last"),
+        ("async_save", "async_save"), ("save_on_error", "on_error"))},
+    **{k: f"HPPStrategy(bias=BiasOptions({k}=...))" for k in ("deterministic", "seed", "audit", "fingerprint")},
+    **{k: f"HPPStrategy(placement=PlacementOptions({v}=...))" for k, v in (("device_map", "device_map"), ("auto_profile", "profile"))},
+    **{k: f"Trainer(plugins=[HPPPrecision({k}=...)])" for k in ("clip", "fp8_backend", "fp8_recipe", "nonfinite")},
+}
+
+
+def moved_option_hint(name: str) -> str:
+    """Where a keyword argument of the first release's ``HPPStrategy`` lives now ("" if it never existed)."""
+    return f" It moved: use `{_MOVED[name]}`." if name in _MOVED else ""

@@ -44,10 +44,11 @@ from lightning_hpp import _dist
 from lightning_hpp.bias.determinism import determinism_seed, enable_determinism, ensure_hash_seed
 from lightning_hpp.bias.guard import BiasGuard
 from lightning_hpp.checkpoint import resume as _resume
+from lightning_hpp.checkpoint.lightning_state import load_lightning_checkpoint, save_lightning_checkpoint
 from lightning_hpp.errors import CheckpointError, PlanError, ScheduleError
 from lightning_hpp.launch import Launcher, init_process_group
 from lightning_hpp.model.frontend import FRONTENDS, balanced_plan, cut_model, planning_units
-from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, init_on_meta, materialize
+from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, init_on_meta, materialize_stages
 from lightning_hpp.model.units import find_units
 from lightning_hpp.options import (
     BiasOptions,
@@ -55,6 +56,7 @@ from lightning_hpp.options import (
     InitOptions,
     PlacementOptions,
     TelemetryOptions,
+    moved_option_hint,
     section,
 )
 from lightning_hpp.pipeline.data import first_loader, peek_batch, seed_workers_per_replica, shard_over_replicas
@@ -68,16 +70,6 @@ from lightning_hpp.pipeline.steps import capture_input, count_forward_calls, sec
 from lightning_hpp.planning.placement import auto_plan, gather_kinds, kind_grid
 from lightning_hpp.planning.plan import PLAN_FILENAME, StagePlan
 from lightning_hpp.precision.plugin import HPPPrecision, StageView
-
-# the flat options of the first release, and where each one lives now
-_MOVED = {
-    **{k: f"HPPStrategy(checkpoint=CheckpointOptions({v}=...))" for k, v in (
-        ("checkpoint_dir", "dir"), ("resume", "resume"), ("save_every_n_steps", "every_n_steps"), ("keep_last", "keep_last"),
-        ("async_save", "async_save"), ("save_on_error", "on_error"))},
-    **{k: f"HPPStrategy(bias=BiasOptions({k}=...))" for k in ("deterministic", "seed", "audit", "fingerprint")},
-    **{k: f"HPPStrategy(placement=PlacementOptions({v}=...))" for k, v in (("device_map", "device_map"), ("auto_profile", "profile"))},
-    **{k: f"Trainer(plugins=[HPPPrecision({k}=...)])" for k in ("clip", "fp8_backend", "fp8_recipe", "nonfinite")},
-}
 
 
 class HPPStrategy(ParallelStrategy):
@@ -138,8 +130,7 @@ class HPPStrategy(ParallelStrategy):
     ) -> None:
         if moved:
             name = next(iter(moved))
-            hint = f" It moved: use `{_MOVED[name]}`." if name in _MOVED else ""
-            raise PlanError(f"`HPPStrategy` got an unexpected keyword argument {name!r}.{hint}")
+            raise PlanError(f"`HPPStrategy` got an unexpected keyword argument {name!r}.{moved_option_hint(name)}")
         if precision_plugin is not None and not isinstance(precision_plugin, HPPPrecision):
             raise PlanError(f"`HPPStrategy(precision_plugin=...)` must be an `HPPPrecision`, got {type(precision_plugin).__name__}.")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -468,17 +459,9 @@ class HPPStrategy(ParallelStrategy):
     def _materialize(self, module: Any, cut: Any) -> None:
         """This rank's stages out of the meta device: their own initializers, or their tensors read from disk."""
         seed = self._init.seed if self._init.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
-        names = materialize(module, self.root_device, seed=seed, initialize=self._init.weights is None)
-        if self._init.weights is not None:
-            from lightning_hpp.checkpoint.weights import load_stage_weights
-
-            load_stage_weights(module, self._init.weights, names=names, rename=self._init.rename)
-        for mode in ("train", "eval"):
-            for k in self._stage_ids:
-                for body in cut.bodies[mode][k]:
-                    if hasattr(body, "repoint"):
-                        body.repoint(module)
-        rank_zero_info(f"HPPStrategy: rank {self.global_rank} materialized its {len(names)} parameters "
+        bodies = [b for mode in ("train", "eval") for k in self._stage_ids for b in cut.bodies[mode][k]]
+        n = materialize_stages(module, bodies, self.root_device, seed=seed, weights=self._init.weights, rename=self._init.rename)
+        rank_zero_info(f"HPPStrategy: rank {self.global_rank} materialized its {n} parameters "
                        f"({'read from ' + self._init.weights if self._init.weights else 'their modules initializers'}).")
 
     def _example_call(self, trainer: Any, module: Any) -> tuple[tuple, dict] | None:
@@ -605,25 +588,19 @@ class HPPStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Write one sharded checkpoint directory at ``filepath`` (collective: every rank calls it)."""
-        from lightning_hpp.checkpoint.lightning_state import to_sharded
-        from lightning_hpp.checkpoint.sharded import save_sharded
-        from lightning_hpp.checkpoint.store import Retention
-
         if storage_options is not None:
             raise CheckpointError(f"`storage_options={storage_options!r}` is not used by HPPStrategy: S3 settings come from the "
                                   f"environment (AWS_* variables). Remove it from the `save_checkpoint` call.")
         assert self._mesh is not None and self._plan is not None
-        url, opts = str(filepath), self._checkpoint
-        state = to_sharded(checkpoint, self.lightning_module, self.optimizers, global_rank=self.global_rank,
-                           position=self._mesh.position, replica=self._mesh.replica)
-        trainer = self.lightning_module.trainer
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, Tensor) and v.numel() == 1}
+        metrics = {k: float(v) for k, v in self.lightning_module.trainer.callback_metrics.items()
+                   if isinstance(v, Tensor) and v.numel() == 1}
         extra = {"plan": self._plan.to_dict(), "metrics": metrics, "hyper_parameters": checkpoint.get("hyper_parameters"),
                  "fingerprint": self._active_guard.checkpoint_metadata() if self._active_guard is not None else None}
-        in_dir = opts.dir is not None and url.rstrip("/").rsplit("/", 1)[0] == opts.dir.rstrip("/")
-        retention = Retention(keep_last=opts.keep_last) if opts.keep_last is not None and in_dir else None
-        save_sharded(state, url, step=int(checkpoint.get("global_step", 0)), extra_metadata=extra, async_save=opts.async_save,
-                     on_error=opts.on_error, retention=retention, protect=[self._resumed_from] if self._resumed_from else [])
+        opts = self._checkpoint
+        save_lightning_checkpoint(checkpoint, str(filepath), self.lightning_module, self.optimizers, global_rank=self.global_rank,
+                                  position=self._mesh.position, replica=self._mesh.replica, extra=extra, step_dir=opts.dir,
+                                  keep_last=opts.keep_last, async_save=opts.async_save, on_error=opts.on_error,
+                                  protect=[self._resumed_from] if self._resumed_from else [])
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -641,13 +618,9 @@ class HPPStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load this rank's part of a sharded checkpoint, whatever layout saved it (collective)."""
-        from lightning_hpp.checkpoint.lightning_state import from_sharded, load_template
-        from lightning_hpp.checkpoint.sharded import checkpoint_keys, load_sharded
-
         url = _resume.committed_checkpoint(str(checkpoint_path))
-        template = load_template(self.lightning_module, self.optimizers, set(checkpoint_keys(url)))
-        checkpoint = from_sharded(load_sharded(url, template), self.lightning_module, self.optimizers,
-                                  global_rank=self.global_rank, position=self._mesh.position if self._mesh else 0)
+        checkpoint = load_lightning_checkpoint(url, self.lightning_module, self.optimizers, global_rank=self.global_rank,
+                                               position=self._mesh.position if self._mesh else 0)
         self._pending_rng = checkpoint.pop("hpp_rng", None)
         self._resumed_from = url
         self._resume_batches = _resume.consumed_batches(checkpoint)

@@ -238,3 +238,36 @@ def from_sharded(
     if rng is not None:
         checkpoint["hpp_rng"] = rng
     return checkpoint
+
+
+def save_lightning_checkpoint(
+    checkpoint: dict[str, Any], url: str, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], *,
+    global_rank: int, position: int, replica: int, extra: dict[str, Any], step_dir: str | None, keep_last: int | None,
+    async_save: bool, on_error: str, protect: list[str],
+) -> None:
+    """Write this rank's part of Lightning's ``checkpoint`` as one sharded checkpoint at ``url`` (collective).
+
+    Args:
+        extra: Facts for ``metadata.json`` (plan, metrics, fingerprints, hyperparameters).
+        step_dir: The directory of the strategy's own ``step-<N>`` checkpoints; retention
+            (``keep_last``) applies only to checkpoints written there.
+        protect: Checkpoints retention must keep (the one the run resumed from).
+    """
+    from lightning_hpp.checkpoint.sharded import save_sharded
+    from lightning_hpp.checkpoint.store import Retention
+
+    state = to_sharded(checkpoint, module, optimizers, global_rank=global_rank, position=position, replica=replica)
+    in_dir = step_dir is not None and url.rstrip("/").rsplit("/", 1)[0] == step_dir.rstrip("/")
+    retention = Retention(keep_last=keep_last) if keep_last is not None and in_dir else None
+    save_sharded(state, url, step=int(checkpoint.get("global_step", 0)), extra_metadata=extra, async_save=async_save,
+                 on_error=on_error, retention=retention, protect=protect)
+
+
+def load_lightning_checkpoint(url: str, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], *,
+                              global_rank: int, position: int) -> dict[str, Any]:
+    """This rank's part of the sharded checkpoint at ``url``, as Lightning's checkpoint dict (collective);
+    whatever plan, frontend, pp or dp degree wrote it."""
+    from lightning_hpp.checkpoint.sharded import checkpoint_keys, load_sharded
+
+    template = load_template(module, optimizers, set(checkpoint_keys(url)))
+    return from_sharded(load_sharded(url, template), module, optimizers, global_rank=global_rank, position=position)

@@ -140,3 +140,19 @@ def _pretrained_owner(root: nn.Module, name: str) -> nn.Module | None:
         if i < len(parts):
             mod = getattr(mod, parts[i])
     return owner
+
+
+def materialize_stages(module: nn.Module, bodies: list[nn.Module], device: torch.device, *, seed: int,
+                       weights: str | None = None, rename: str | None = None) -> int:
+    """Materialize what is left of ``module`` after the cut (this rank's stages), initialised by
+    :func:`materialize` or, with ``weights``, read from disk; point traced stage ``bodies`` at the new
+    tensors. Returns how many parameters were materialized."""
+    names = materialize(module, device, seed=seed, initialize=weights is None)
+    if weights is not None:
+        from lightning_hpp.checkpoint.weights import load_stage_weights
+
+        load_stage_weights(module, weights, names=names, rename=rename)
+    for body in bodies:
+        if hasattr(body, "repoint"):
+            body.repoint(module)
+    return len(names)

@@ -64,7 +64,7 @@ def run(cfg: dict, devices: int) -> None:
 
 def _record_materialized() -> list[str]:
     """Every parameter name this rank materializes off the meta device (the worker saves the list)."""
-    import lightning_hpp.strategy as strategy_module
+    import lightning_hpp.model.materialize as strategy_module
 
     names: list[str] = []
     real = strategy_module.materialize
