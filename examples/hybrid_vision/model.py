@@ -182,8 +182,9 @@ class HybridVisionModel(L.LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
-        self.log("val/loss", F.cross_entropy(logits, y))
-        self.log("val/acc", (logits.argmax(-1) == y).float().mean(), prog_bar=True)
+        # epoch-level values: averaged over the data-parallel replicas (each sees its own shard)
+        self.log("val/loss", F.cross_entropy(logits, y), sync_dist=True)
+        self.log("val/acc", (logits.argmax(-1) == y).float().mean(), prog_bar=True, sync_dist=True)
 
     def predict_step(self, batch: torch.Tensor | tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         x = batch[0] if isinstance(batch, (tuple, list)) else batch

@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 
 import lightning as L
 import torch
@@ -84,5 +85,7 @@ def _precision_options(plan: str) -> dict:
 
 
 if __name__ == "__main__":
+    # Lightning 2.6.6 calls a torch pytree API that torch 2.13 deprecates (once per rank and loader)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
     torch.set_num_threads(1)
     main()
