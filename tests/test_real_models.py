@@ -53,7 +53,8 @@ def assert_matches(ref_model, ref_losses, out_dir, ranks, compare_losses=True):
 
 def test_transformers_and_nanogpt_two_stages_traced(tmp_path):
     runs = [
-        {"name": "gpt2_1f1b", "model": "gpt2", "points": ["model.transformer.h.2"], "schedule": "1f1b"},
+        {"name": "gpt2_1f1b", "model": "gpt2", "points": ["model.transformer.h.2"], "schedule": "1f1b",
+         "strategy": {"telemetry": {"every_n_steps": 1}}},  # telemetry times traced stages like any others
         {"name": "vit_gpipe", "model": "vit", "points": ["model.vit.layers.2"], "schedule": "gpipe"},
         {"name": "nanogpt_balanced", "model": "nanogpt", "points": None, "schedule": "1f1b"},
         {"name": "gpt2_interleaved", "model": "gpt2", "points": ["model.transformer.h.1", "model.transformer.h.2",
@@ -67,6 +68,8 @@ def test_transformers_and_nanogpt_two_stages_traced(tmp_path):
         assert out["plan"]["meta"]["frontend"] == "traced"
         ref_model, ref_losses = reference(r["model"], 3, 8, 4)
         assert_matches(ref_model, ref_losses, r["out"], [0, 1])
+    metrics = load_rank(tmp_path / "gpt2_1f1b", 0)["metrics"]
+    assert 0 <= metrics["pipeline/bubble"] < 1 and metrics["pipeline/stage_1/fwd_ms"] > 0
     # a model without a plan is cut over its blocks, balanced by parameter count
     assert load_rank(tmp_path / "nanogpt_balanced", 0)["plan"]["meta"]["cut_points"] == ["model.transformer.h.2"]
     # the tied embedding / LM head stays one tensor, identical on both stages after training
