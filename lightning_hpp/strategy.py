@@ -511,7 +511,9 @@ class HPPStrategy(ParallelStrategy):
         assert self._runner is not None and self._grads is not None
         trainer = self.lightning_module.trainer
         scale = self.precision_plugin.loss_scale / trainer.accumulate_grad_batches
-        with self._grads.during_step():
+        # Lightning zeroes the gradients after the first training_step of each accumulation window
+        window_start = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
+        with self._grads.during_step(keep_held=not window_start):
             loss, logs = self._runner.train_step(self.lightning_module.training_step, *args, loss_scale=scale, **kwargs)
         self._replay(logs)
         self._step_stats = {"loss": float(loss)}

@@ -55,9 +55,16 @@ class GradHandover:
         self._fresh: list[Tensor | None] | None = None
 
     @contextmanager
-    def during_step(self) -> Iterator[None]:
-        """Run the schedule with empty ``.grad``; keep what it produced, restore what was there."""
-        held = [p.grad for p in self.params]
+    def during_step(self, keep_held: bool = True) -> Iterator[None]:
+        """Run the schedule with empty ``.grad``; keep what it produced, restore what was there.
+
+        Args:
+            keep_held: Restore the gradients that were there (inside an accumulation window); at the
+                first batch of a window Lightning zeroes them right after ``training_step`` anyway,
+                so they are dropped now: they would otherwise sit beside the new ones for the whole
+                schedule (one more copy of the stage's gradients at the peak).
+        """
+        held = [p.grad if keep_held else None for p in self.params]
         for p in self.params:
             p.grad = None
         try:
