@@ -66,3 +66,15 @@ def loaders(batch_size: int, n: int = 128, shuffle: bool = False):
     train = DataLoader(ds, batch_size=batch_size, shuffle=shuffle, drop_last=True)
     val = DataLoader(make_dataset(64, seed=1), batch_size=batch_size)
     return train, val
+
+
+class Wide(L.LightningModule):
+    """A chain whose GEMM sizes fp8 runs (multiples of 16): units ``layers.0`` ... ``layers.4``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 16))
+
+    def forward(self, x):
+        return self.layers(x)

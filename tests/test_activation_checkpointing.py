@@ -146,15 +146,7 @@ def test_stage_precision_contexts_are_bitwise_identical_with_checkpointing(preci
     history as the forward did, although the later micro-batches have advanced it since."""
     from lightning_hpp import HPPPrecision
     from lightning_hpp.precision.plugin import StageView
-
-    class Wide(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.layers = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 16))
-
-        def forward(self, x):
-            return self.layers(x)
+    from tests.models import Wide
 
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
     microbatches = [(t * (i + 1),) for i, t in enumerate(x.chunk(MICROBATCHES))]  # different amaxes per micro-batch

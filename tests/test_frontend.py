@@ -152,20 +152,10 @@ def test_uncapturable_steps_stop_every_rank_at_setup(case, message):
 def test_fp8_emulation_on_a_traced_stage_equals_the_converted_layers():
     import copy
 
-    import lightning as L
-
     from lightning_hpp import HPPPrecision
     from lightning_hpp.pipeline.stage import StageModule
     from lightning_hpp.precision.plugin import StageView
-
-    class Wide(L.LightningModule):  # GEMM sizes that fp8 runs (multiples of 16)
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.layers = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 16))
-
-        def forward(self, x):
-            return self.layers(x)
+    from tests.models import Wide
 
     x = torch.randn(8, 32)
     plan = StagePlan.split_at(["layers.2"], precision=["fp8", "32-true"])
