@@ -174,15 +174,3 @@ def loader(kind: str, batch: int, n: int = 32, shuffle_like_lightning: bool = Fa
 
 def steps_of(n: int, batch: int) -> int:
     return math.floor(n / batch)
-
-
-def gpt2_untied(layers: int = 4) -> nn.Module:
-    """GPT-2 as :func:`gpt2`, with an LM head of its own (``tie_word_embeddings=False``)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=layers, n_head=4, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
-    return GPT2LMHeadModel(cfg)
-
-
-BUILDERS["gpt2_untied"] = gpt2_untied

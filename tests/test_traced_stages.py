@@ -265,10 +265,10 @@ V_SCHEDULES = ("zbv", "dualpipev")
 
 @pytest.fixture(scope="module")
 def v_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    """GPT-2, untied and tied, in 4 traced stages on 2 ranks under both V-placement schedules: one launch."""
+    """GPT-2 (tied embeddings: the stricter case) in 4 traced stages on 2 ranks under both V-placement
+    schedules: one launch."""
     out = tmp_path_factory.mktemp("v_schedules")
-    runs = [_gpt2_run(f"{kind}_{s}", out, model=kind, points=GPT2_FOUR, schedule=s)
-            for kind in ("gpt2_untied", "gpt2") for s in V_SCHEDULES]
+    runs = [_gpt2_run(f"gpt2_{s}", out, model="gpt2", points=GPT2_FOUR, schedule=s) for s in V_SCHEDULES]
     run_script("tests.workers.run_real", {"devices": 2, "runs": runs}, timeout=300)
     return out, runs
 
@@ -282,13 +282,6 @@ def _check_v_run(out: Path, run: dict) -> None:
     assert outs[0]["plan"]["meta"]["frontend"] == "traced"
     ref_model, ref_losses = reference(run["model"], 3, 8, 4)
     assert_matches(ref_model, ref_losses, run["out"], [0, 1])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("schedule", V_SCHEDULES)
-def test_v_schedules_on_traced_gpt2_match_single_process(v_runs, schedule):
-    out, runs = v_runs
-    _check_v_run(out, next(r for r in runs if r["name"] == f"gpt2_untied_{schedule}"))
 
 
 @pytest.mark.slow
