@@ -8,8 +8,6 @@ computes (the reference for the parity tests).
 
 from __future__ import annotations
 
-import math
-
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -170,7 +168,3 @@ def loader(kind: str, batch: int, n: int = 32, shuffle_like_lightning: bool = Fa
 
         return DataLoader(ds, batch_size=batch, sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0), drop_last=True)
     return DataLoader(ds, batch_size=batch, drop_last=True)
-
-
-def steps_of(n: int, batch: int) -> int:
-    return math.floor(n / batch)
