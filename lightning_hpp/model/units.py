@@ -56,10 +56,6 @@ def find_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return units
 
 
-def get_unit(module: nn.Module, name: str) -> nn.Module:
-    return module.get_submodule(name)
-
-
 def replace_unit(module: nn.Module, name: str, new: nn.Module) -> None:
     """Replace unit ``name`` (``"encoder"`` or ``"blocks.3"``) inside ``module``."""
     parent_name, _, leaf = name.rpartition(".")
@@ -68,14 +64,6 @@ def replace_unit(module: nn.Module, name: str, new: nn.Module) -> None:
         parent[int(leaf)] = new
     else:
         setattr(parent, leaf, new)
-
-
-def apply_unit(unit: nn.Module, x: Any, first: bool) -> Any:
-    """Apply one unit the way the pipeline does: the first unit takes the forward's positional
-    arguments, every later unit takes the previous unit's output as one argument."""
-    if first:
-        return unit(*x)
-    return unit(x)
 
 
 class RemoteUnit(nn.Module):
