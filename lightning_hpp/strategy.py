@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment, TorchCheckpointIO
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -59,15 +60,22 @@ from lightning_hpp.options import (
     moved_option_hint,
     section,
 )
-from lightning_hpp.pipeline.data import first_loader, peek_batch, seed_workers_per_replica, shard_over_replicas
+from lightning_hpp.pipeline.data import (
+    can_rebatch,
+    first_loader,
+    peek_batch,
+    rebatch,
+    seed_workers_per_replica,
+    shard_over_replicas,
+)
 from lightning_hpp.pipeline.grads import GradHandover, shared_gradient_groups
 from lightning_hpp.pipeline.mesh import Mesh, stages_of_position
-from lightning_hpp.pipeline.microbatch import split_batch
+from lightning_hpp.pipeline.microbatch import batch_size_of, split_batch
 from lightning_hpp.pipeline.runner import PipelineRunner
 from lightning_hpp.pipeline.schedules import SCHEDULES, check_schedule
 from lightning_hpp.pipeline.stage import StageModule
 from lightning_hpp.pipeline.steps import capture_input, count_forward_calls, second_call_error
-from lightning_hpp.planning.placement import auto_plan, gather_kinds, kind_grid
+from lightning_hpp.planning.placement import auto_plan, gather_kinds, kind_grid, loss_probe
 from lightning_hpp.planning.plan import PLAN_FILENAME, StagePlan
 from lightning_hpp.precision.plugin import HPPPrecision, StageView
 
@@ -77,11 +85,15 @@ class HPPStrategy(ParallelStrategy):
 
     Args:
         plan: ``None`` (the ``@stage`` decorators), a :class:`StagePlan`, the path of a
-            ``stage_plan.json``, or ``"auto"`` (profile the units on the ranks' device kinds and let
-            the exact partitioner choose cuts, kinds and precisions; gpipe and 1f1b).
+            ``stage_plan.json``, or ``"auto"`` (profile the units and the step's overheads on the ranks'
+            devices and search the whole plan: pp × dp, pp = 1 included, micro-batches, gpipe or 1f1b,
+            cuts, kinds and precisions; ``schedule``, ``n_microbatches`` and ``pp_degree``, when given,
+            are constraints of the search; the global batch stays the DataLoader's batch times
+            ``world_size / pp_degree`` (1 without ``pp_degree``), split between replicas as needed).
         schedule: One of ``gpipe``, ``1f1b``, ``interleaved1f1b``, ``looped_bfs``,
-            ``interleaved_zb``, ``zbv``, ``dualpipev``.
+            ``interleaved_zb``, ``zbv``, ``dualpipev``. Default ``1f1b`` (searched under ``plan="auto"``).
         n_microbatches: Micro-batches per training batch (the batch size must be divisible by it).
+            Default 4 (searched under ``plan="auto"``).
         pp_degree: Pipeline positions per replica. Default: the number of stages for one-stage-per-rank
             schedules, half of it for the multi-stage ones. ``world_size / pp_degree`` replicas train
             data-parallel.
@@ -109,8 +121,8 @@ class HPPStrategy(ParallelStrategy):
     def __init__(
         self,
         plan: StagePlan | str | os.PathLike | None = None,
-        schedule: str = "1f1b",
-        n_microbatches: int = 4,
+        schedule: str | None = None,
+        n_microbatches: int | None = None,
         pp_degree: int | None = None,
         frontend: str = "auto",
         activation_checkpointing: bool = False,
@@ -135,9 +147,9 @@ class HPPStrategy(ParallelStrategy):
             raise PlanError(f"`HPPStrategy(precision_plugin=...)` must be an `HPPPrecision`, got {type(precision_plugin).__name__}.")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
-        if schedule not in SCHEDULES:
+        if schedule is not None and schedule not in SCHEDULES:
             raise ScheduleError(f"`HPPStrategy(schedule={schedule!r})` is unknown. Valid schedules: {', '.join(SCHEDULES)}.")
-        if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
+        if n_microbatches is not None and (not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1):
             raise PlanError(f"`HPPStrategy(n_microbatches={n_microbatches!r})`: must be a positive integer.")
         if pp_degree is not None and (not isinstance(pp_degree, int) or isinstance(pp_degree, bool) or pp_degree < 1):
             raise PlanError(f"`HPPStrategy(pp_degree={pp_degree!r})`: must be a positive integer or None.")
@@ -164,8 +176,10 @@ class HPPStrategy(ParallelStrategy):
         if self._deterministic:
             ensure_hash_seed(self._seed())  # before Lightning launches the other ranks
         self._plan_arg = plan
-        self._schedule = schedule
-        self._n_microbatches = n_microbatches
+        self._schedule_arg, self._m_arg = schedule, n_microbatches
+        self._schedule = schedule or "1f1b"
+        self._n_microbatches = n_microbatches or 4
+        self._split = 1  # plan="auto" with more replicas than loader batches: each loader batch is this much smaller
         self._pp_arg = pp_degree
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -389,8 +403,11 @@ class HPPStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         rank_kinds = gather_kinds(self.root_device, self.global_rank, self._placement.device_map)
         with fake_parameters(module, self.root_device) if has_meta_parameters(module) else contextlib.nullcontext():
-            example = self._example_call(trainer, module)
-            plan, grid = self._initial_plan(module, example, rank_kinds)
+            auto = self._plan_arg == "auto"
+            example = self._example_call(trainer, module, parts=(self._m_arg or 1) if auto else None)
+            plan, grid = self._initial_plan(trainer, module, example, rank_kinds)
+            if auto and example is not None:  # the cut sees one micro-batch of the chosen size
+                example = self._example_call(trainer, module)
             cut = cut_model(module, plan, example, frontend=self._frontend, modes=("train", "eval") if fitting else ("eval",))
         self._plan = cut.plan
         pp = self._pp_degree()
@@ -439,10 +456,10 @@ class HPPStrategy(ParallelStrategy):
             + (f", shared parameters {sorted(cut.shared)}" if cut.shared else "") + f"\n{self._plan.table()}"
         )
 
-    def _initial_plan(self, module: Any, example: tuple | None, rank_kinds: list[str]) -> tuple[StagePlan, Any]:
+    def _initial_plan(self, trainer: Any, module: Any, example: tuple | None, rank_kinds: list[str]) -> tuple[StagePlan, Any]:
         """The plan before the cut: ``plan="auto"``, the user's plan, the ``@stage`` decorators, or balanced."""
         if self._plan_arg == "auto":
-            return self._auto_plan(module, example, rank_kinds)
+            return self._auto_plan(trainer, module, example, rank_kinds)
         if self._plan_arg is not None:
             return self._plan_arg, None
         try:
@@ -464,39 +481,56 @@ class HPPStrategy(ParallelStrategy):
         rank_zero_info(f"HPPStrategy: rank {self.global_rank} materialized its {n} parameters "
                        f"({'read from ' + self._init.weights if self._init.weights else 'their modules initializers'}).")
 
-    def _example_call(self, trainer: Any, module: Any) -> tuple[tuple, dict] | None:
-        """``(args, kwargs)`` of the step's ``self(...)`` call on one real micro-batch, RNG untouched."""
+    def _peek(self, trainer: Any, module: Any) -> tuple[Any, Any]:
+        """``(step_fn, batch)``: the step of the running stage and one loader batch where the model is, RNG untouched."""
         loop = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
                 TrainerFn.TESTING: trainer.test_loop, TrainerFn.PREDICTING: trainer.predict_loop}[trainer.state.fn]
         step_fn = {TrainerFn.FITTING: module.training_step, TrainerFn.VALIDATING: module.validation_step,
                    TrainerFn.TESTING: module.test_step, TrainerFn.PREDICTING: module.predict_step}[trainer.state.fn]
         with isolate_rng():
             batch = peek_batch(first_loader(loop._data_source.dataloader())) if loop._data_source.is_defined() else None
-            if batch is None:
-                return None
+        # the checks run the whole model, which stays where it is until it is cut (a meta model's stand-ins
+        # are on this rank's device)
+        home = next((p.device for p in module.parameters()), self.root_device)
+        return step_fn, None if batch is None else move_data_to_device(batch, home)
+
+    def _example_call(self, trainer: Any, module: Any, parts: int | None = None) -> tuple[tuple, dict] | None:
+        """``(args, kwargs)`` of the step's ``self(...)`` call on one real micro-batch (the loader batch in
+        ``parts``, default: the replicas sharing it times the micro-batches), RNG untouched."""
+        step_fn, batch = self._peek(trainer, module)
+        if batch is None:
+            return None
+        with isolate_rng():
             try:
-                batch = split_batch(batch, self._n_microbatches)[0]
+                batch = split_batch(batch, parts or self._split * self._n_microbatches)[0]
             except PlanError:
                 pass  # an indivisible batch is reported by the first step, with its size
-            batch = self.batch_to_device(batch)
             if count_forward_calls(module, step_fn, batch, 0) > 1:
                 raise second_call_error(step_fn.__name__)
             return capture_input(module, step_fn, batch, 0)
 
-    def _auto_plan(self, module: Any, example: tuple | None, rank_kinds: list[str]) -> tuple[StagePlan, list[list[int]]]:
+    def _auto_plan(self, trainer: Any, module: Any, example: tuple | None, rank_kinds: list[str]) -> tuple[StagePlan, list[list[int]]]:
         if example is None:
             raise PlanError("plan='auto' profiles the model on one real micro-batch, but the dataloader gave no batch.")
-        if self._schedule not in ("gpipe", "1f1b"):
-            raise PlanError(f"plan='auto' plans 'gpipe' and '1f1b' schedules; got schedule={self._schedule!r}.")
+        if self._schedule_arg not in (None, "gpipe", "1f1b"):
+            raise PlanError(f"plan='auto' plans 'gpipe' and '1f1b' schedules; got schedule={self._schedule_arg!r}. Leave "
+                            f"`schedule` unset to let it choose, or write the stage plan for {self._schedule_arg!r} by hand.")
         if has_meta_parameters(module) and self._placement.profile is None:
             raise PlanError("plan='auto' measures the model, but it was built on the meta device (no weights yet). Pass a "
                             "cost profile (`HPPStrategy(placement=PlacementOptions(profile=...))`, see "
                             "`python -m lightning_hpp.planning.cli`), or a plan (`StagePlan.split_at([...])`).")
         units, inputs, to_cut = planning_units(module, example)
-        dp = self.world_size // self._pp_arg if self._pp_arg else 1
-        plan, grid, table = auto_plan(units, inputs, self.global_rank, rank_kinds, dp_degree=dp, schedule=self._schedule,
-                                      n_microbatches=self._n_microbatches, profile_path=self._placement.profile)
-        self._pp_arg = plan.num_stages
+        step_fn, batch = self._peek(trainer, module)
+        loop = trainer.fit_loop if trainer.state.fn == TrainerFn.FITTING else None
+        loader = first_loader(loop._data_source.dataloader()) if loop is not None else None
+        groups = self.world_size // self._pp_arg if self._pp_arg else 1  # the global batch of the unsearched plan
+        probe = loss_probe(module, step_fn, batch, units, inputs, self.root_device)
+        plan, grid, table, chosen = auto_plan(
+            units, inputs, self.global_rank, rank_kinds, batch_size=batch_size_of(batch), device=self.root_device,
+            data_groups=groups, pp_degree=self._pp_arg, schedule=self._schedule_arg, n_microbatches=self._m_arg,
+            loss_probe=probe, profile_path=self._placement.profile, split_batches=can_rebatch(loader))
+        self._pp_arg, self._schedule, self._n_microbatches = chosen.pp_degree, chosen.schedule, chosen.n_microbatches
+        self._split = chosen.dp_degree // groups
         rank_zero_info(f"HPPStrategy: plan='auto' chose\n{table}")
         return to_cut(plan), grid
 
@@ -559,6 +593,7 @@ class HPPStrategy(ParallelStrategy):
             if self._deterministic or int(os.environ.get("PL_SEED_WORKERS", 0)):
                 seed_workers_per_replica(dataloader, self._seed(), self._mesh.replica)
             shard_over_replicas(dataloader, self._mesh.dp, self._mesh.replica)
+            rebatch(dataloader, self._split)
         return dataloader
 
     # ------------------------------------------------------------------ collectives

@@ -5,6 +5,8 @@
   draw the same indices;
 * :func:`seed_workers_per_replica` gives dataloader workers seeds derived from the replica, not
   the global rank (the stages of one replica then get the same random augmentations);
+* :func:`rebatch` makes a loader's batches smaller in place, when ``plan="auto"`` spreads one
+  step's batch over more replicas than the plan it replaced;
 * :func:`peek_batch` takes one real batch from a loader without moving any RNG, for the setup
   checks that need a real micro-batch.
 """
@@ -15,9 +17,10 @@ import math
 from typing import Any
 
 from lightning.pytorch.utilities.seed import isolate_rng
-from torch.utils.data import DistributedSampler
+from torch.utils.data import BatchSampler, DistributedSampler
 
 from lightning_hpp.bias.determinism import worker_init_fn
+from lightning_hpp.errors import MicroBatchError
 
 
 def _sampler_of(dataloader: Any) -> Any:
@@ -39,6 +42,32 @@ def shard_over_replicas(dataloader: Any, dp: int, replica: int) -> None:
         else:
             sampler.num_samples = math.ceil(n / dp)
         sampler.total_size = sampler.num_samples * dp
+
+
+def can_rebatch(dataloader: Any) -> bool:
+    """Whether :func:`rebatch` can make ``dataloader``'s batches smaller (it batches with torch's ``BatchSampler``)."""
+    return isinstance(getattr(dataloader, "batch_sampler", None), BatchSampler)
+
+
+def rebatch(dataloader: Any, parts: int) -> None:
+    """Make every batch of ``dataloader`` ``1 / parts`` of the size it was built with (in place, idempotent).
+
+    Raises:
+        MicroBatchError: the loader batches with something other than torch's ``BatchSampler``, or
+            its batch size is not divisible by ``parts``.
+    """
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    full = getattr(batch_sampler, "_hpp_full_batch", getattr(batch_sampler, "batch_size", None))
+    if parts == 1 and full == getattr(batch_sampler, "batch_size", None):
+        return
+    if not isinstance(batch_sampler, BatchSampler) or not isinstance(full, int) or full % parts:
+        raise MicroBatchError(
+            f"plan='auto' spreads each batch over {parts}x more replicas, so the DataLoader's batches must become "
+            f"{parts}x smaller, but its batch sampler is {type(batch_sampler).__name__} with batch size {full!r}. "
+            f"Use a DataLoader with `batch_size=` divisible by {parts}, or fix `HPPStrategy(pp_degree=...)`."
+        )
+    batch_sampler._hpp_full_batch = full
+    batch_sampler.batch_size = full // parts
 
 
 def seed_workers_per_replica(dataloader: Any, seed: int, replica: int) -> None:

@@ -44,7 +44,7 @@ from lightning_hpp.planning.devices import (
     supports_fp8,
 )
 from lightning_hpp.planning.plan import StagePlan, StageSpec, normalize_precision
-from lightning_hpp.planning.profile import CostProfile
+from lightning_hpp.planning.profile import CostProfile, Overheads
 
 SCHEDULES = ("gpipe", "1f1b")
 """Schedules the partitioner models: one stage per rank, bubble (p - 1) / (m + p - 1)."""
@@ -193,10 +193,15 @@ class KindCosts:
     param_bytes: np.ndarray
     activation_bytes: np.ndarray
     stash_bytes: np.ndarray
+    fixed_ms: np.ndarray | None = None
+    overheads: Overheads | None = None
 
     def __post_init__(self) -> None:
         z = np.zeros(1)
+        if self.fixed_ms is None:
+            self.fixed_ms = np.zeros(len(self.step_ms))
         self._w = np.concatenate([z, np.cumsum(self.step_ms)])
+        self._f = np.concatenate([z, np.cumsum(self.fixed_ms)])
         self._p = np.concatenate([z, np.cumsum(self.param_bytes)])
         self._s = np.concatenate([z, np.cumsum(self.stash_bytes)])
 
@@ -243,6 +248,8 @@ def _from_entry(entry, source: str, scale: float = 1.0) -> KindCosts:
         param_bytes=np.array([u.param_bytes for u in entry.units], dtype=float),
         activation_bytes=np.array([u.activation_bytes for u in entry.units], dtype=float),
         stash_bytes=np.array([u.saved_bytes or u.activation_bytes for u in entry.units], dtype=float),
+        fixed_ms=np.array([u.fixed_ms * scale for u in entry.units], dtype=float),
+        overheads=entry.overheads,
     )
 
 
@@ -321,6 +328,7 @@ class StageEstimate:
         compute_ms: Forward+backward time of the units.
         comm_ms: Time to send the output activation and the input gradient.
         allreduce_ms: Per-step gradient all-reduce over the data-parallel replicas.
+        optimizer_ms: Per-step optimizer update of the stage's parameters (0 when not modelled).
         memory_bytes: Predicted peak memory (parameters, gradients, optimizer state, in-flight activations).
         memory_limit: The device's memory (``inf`` when unlimited).
         in_flight: Micro-batches whose activations the stage holds at its peak.
@@ -337,6 +345,8 @@ class StageEstimate:
     memory_limit: float
     in_flight: int
     cost_source: str
+    optimizer_ms: float = 0.0
+    replica_kinds: list[str] | None = None
 
     @property
     def stage_ms(self) -> float:
@@ -359,6 +369,7 @@ class PartitionResult:
         microbatch_size: Samples per micro-batch (from the profile), if known.
         label: What produced it (``"auto"``, ``"uniform"``, ...).
         notes: Extra lines for the table.
+        fixed_step_ms: Fixed cost of one step (the schedule's own), 0 when not modelled.
         ranks: ``ranks[stage][replica]``, the global ranks holding each stage, when the placement
             was made for concrete ranks (:func:`plan_for_ranks`).
     """
@@ -371,6 +382,7 @@ class PartitionResult:
     label: str = "auto"
     notes: list[str] = field(default_factory=list)
     ranks: list[list[int]] | None = None
+    fixed_step_ms: float = 0.0
 
     @property
     def pp_degree(self) -> int:
@@ -386,12 +398,13 @@ class PartitionResult:
 
     @property
     def allreduce_ms(self) -> float:
-        return max(s.allreduce_ms for s in self.stages)
+        """The slowest stage's per-step update: gradient all-reduce plus optimizer step."""
+        return max(s.allreduce_ms + s.optimizer_ms for s in self.stages)
 
     @property
     def step_ms(self) -> float:
-        """Predicted step time: ``(m + p - 1) * slowest stage + slowest gradient all-reduce``."""
-        return (self.n_microbatches + self.pp_degree - 1) * self.bottleneck_ms + self.allreduce_ms
+        """Predicted step time: ``(m + p - 1) * slowest stage + slowest update + fixed step cost``."""
+        return (self.n_microbatches + self.pp_degree - 1) * self.bottleneck_ms + self.allreduce_ms + self.fixed_step_ms
 
     @property
     def bubble_fraction(self) -> float:
@@ -416,7 +429,8 @@ class PartitionResult:
     @property
     def plan(self) -> StagePlan:
         """The :class:`StagePlan`, with the predictions in ``meta["predicted"]``."""
-        stages = [StageSpec(modules=list(s.units), device=s.device, precision=s.precision) for s in self.stages]
+        stages = [StageSpec(modules=list(s.units), device=None if s.replica_kinds else s.device, precision=s.precision)
+                  for s in self.stages]
         meta: dict[str, Any] = {"predicted": self.predicted()}
         if self.ranks is not None:
             meta["ranks"] = [list(r) for r in self.ranks]
@@ -434,6 +448,9 @@ class PartitionResult:
             "compute_ms": [round(s.compute_ms, 6) for s in self.stages],
             "comm_ms": [round(s.comm_ms, 6) for s in self.stages],
             "allreduce_ms": [round(s.allreduce_ms, 6) for s in self.stages],
+            "optimizer_ms": [round(s.optimizer_ms, 6) for s in self.stages],
+            "fixed_step_ms": round(self.fixed_step_ms, 6),
+            "microbatch_size": self.microbatch_size,
             "memory_bytes": [int(s.memory_bytes) for s in self.stages],
             "cost_source": [s.cost_source for s in self.stages],
             "step_ms": round(self.step_ms, 6),
@@ -723,6 +740,10 @@ class _Problem:
     def allreduce(self, k: int, dp: int) -> np.ndarray:
         return _ring(dp) * self._mats[k][2] / (self.groups[k].link_gbps * 1e6)
 
+    def update_free(self, dp: int) -> bool:
+        """Whether the per-step term ``max_s a_s`` is 0 for every placement (no all-reduce)."""
+        return dp == 1
+
     def allowed(self, k: int, s: int) -> bool:
         return self.pinned is None or self.pinned[s] is None or self.pinned[s] == k
 
@@ -749,7 +770,7 @@ class _Problem:
             return _bottleneck(self.n, p, budgets, cost)
 
         c = m + p - 1
-        if dp == 1:
+        if self.update_free(dp):
             sol = run(_INF)
             return None if sol is None else (c * sol[0], sol[1], sol[2])
         # Enumerate the levels of T*(A) = min max t_s subject to max a_s <= A, from large A down.

@@ -5,22 +5,28 @@ Both run on every rank at setup, before the model is cut:
 * :func:`gather_kinds` — the device kind of every rank (detected, or overridden by ``device_map`` /
   ``HPP_DEVICE_KIND``), gathered over the world;
 * :func:`kind_grid` — the rank grid for a plan whose stages ask for device kinds;
-* :func:`auto_plan` — profile the units on one rank of each kind (one real micro-batch), share the
-  profiles, and let the exact partitioner choose cuts, kinds and precisions for these ranks.
+* :func:`auto_plan` — profile the units and the step's overheads on one rank of each kind, on its
+  device, share the profiles, and search the whole plan (pp x dp, micro-batches, schedule, cuts,
+  kinds) for these ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from lightning_hpp import _dist
 from lightning_hpp._dist import all_gather_object
 from lightning_hpp.errors import PlacementError
+from lightning_hpp.planning import calibrate
 from lightning_hpp.planning.devices import assign_ranks, detect_device_kind, precision_preference
 from lightning_hpp.planning.plan import StagePlan
+
+if TYPE_CHECKING:
+    from lightning_hpp.planning.partition import PartitionResult
 
 
 def gather_kinds(device: torch.device, rank: int, device_map: Any = None) -> list[str]:
@@ -65,46 +71,138 @@ def auto_plan(
     rank: int,
     rank_kinds: list[str],
     *,
-    dp_degree: int,
-    schedule: str,
-    n_microbatches: int,
+    batch_size: int,
+    device: torch.device,
+    data_groups: int = 1,
+    pp_degree: int | None = None,
+    schedule: str | None = None,
+    n_microbatches: int | None = None,
+    loss_probe: Callable[[int], Callable[[], Any]] | None = None,
     profile_path: str | None = None,
     link_gbps: float | None = None,
-) -> tuple[StagePlan, list[list[int]], str]:
-    """Profile, partition and place for the ranks of this job (collective).
+    split_batches: bool = True,
+) -> tuple[StagePlan, list[list[int]], str, PartitionResult]:
+    """Profile, then search the whole plan for the ranks of this job (collective).
 
-    The first rank of each kind measures every unit's forward+backward time and memory on the
-    real micro-batch ``example_args`` in that kind's preferred precision (or the profile at
-    ``profile_path`` is used); the profiles are merged on every rank, and every rank runs the same
-    deterministic partitioner, so all ranks agree on the plan.
+    The first rank of each kind measures, on its own ``device``, every unit's forward+backward time
+    and memory at two micro-batch sizes (the largest a plan can use, ``example_args`` holding that
+    many samples, and a small one), so each unit's time splits into a fixed part per micro-batch
+    and a part per sample; plus the overheads of :mod:`~lightning_hpp.planning.calibrate` (the
+    schedule's per micro-batch and per step, the optimizer, the loss through ``loss_probe``, a
+    send/recv between ranks 0 and 1). The profiles are merged on every rank, and every rank runs
+    the same deterministic :func:`~lightning_hpp.planning.search.search_plan`, so all ranks agree.
+
+    Args:
+        units: The planning units.
+        example_args: Their input for one micro-batch of ``batch_size // n_microbatches`` samples
+            (``batch_size`` when ``n_microbatches`` is not fixed).
+        rank, rank_kinds: This rank and every rank's kind.
+        batch_size, data_groups, pp_degree, schedule, n_microbatches: As for ``search_plan``.
+        device: This rank's device (where its stages will run).
+        loss_probe: ``loss_probe(b)`` returns a callable running the step's loss and its backward
+            on ``b`` samples; ``None`` leaves the loss out of the model.
+        profile_path: A cost profile to use instead of measuring (taken as it is).
+        link_gbps: Link speed where nothing was measured.
+        split_batches: Whether the loader's batches can be made smaller (more replicas than loader batches).
 
     Returns:
-        The plan (with ``meta["predicted"]``), the rank grid ``grid[position][replica]`` and a table
-        of the result for the log.
+        The plan (with ``meta["predicted"]``), the rank grid ``grid[position][replica]``, a table
+        of the result for the log, and the search's result (schedule, micro-batches, degrees).
     """
-    from lightning_hpp.planning.partition import DEFAULT_LINK_GBPS, plan_for_ranks
-    from lightning_hpp.planning.profile import CostProfile, check_profile_matches, profile_units
+    from lightning_hpp.planning.partition import DEFAULT_LINK_GBPS
+    from lightning_hpp.planning.profile import CostProfile, check_profile_matches
+    from lightning_hpp.planning.search import search_plan
 
     names = [n for n, _ in units]
     if profile_path is not None:
         profile = CostProfile.load(profile_path)
         check_profile_matches(profile, names)
     else:
+        world = len(rank_kinds)
+        lat, gbps = calibrate.p2p_costs(rank, world, device)
         mine = None
         if rank == rank_kinds.index(rank_kinds[rank]):  # first rank of its kind
-            kind = rank_kinds[rank]
-            precision = next(p for p in precision_preference(kind) if p != "fp8")
-            mine = profile_units(list(units), example_args, kind, precision=precision).to_dict()
+            big = batch_size // (n_microbatches or 1)
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training draws as without it
+                mine = _measure(units, example_args, rank_kinds[rank], device, big, loss_probe).to_dict()
+            mine["entries"][0]["overheads"].update(p2p_latency_ms=lat, p2p_gbps=gbps)
         profile = None
         for part in all_gather_object(mine):
             if part is not None:
                 p = CostProfile.from_dict(part)
                 profile = p if profile is None else profile.merge(p)
         assert profile is not None
-    result = plan_for_ranks(
-        profile, rank_kinds, dp_degree=dp_degree, schedule=schedule, n_microbatches=n_microbatches,
-        link_gbps=link_gbps if link_gbps is not None else DEFAULT_LINK_GBPS,
+    result = search_plan(
+        profile, rank_kinds, batch_size=batch_size, data_groups=data_groups, pp_degree=pp_degree,
+        n_microbatches=n_microbatches, schedule=schedule,
+        link_gbps=link_gbps if link_gbps is not None else DEFAULT_LINK_GBPS, split_batches=split_batches,
     )
-    if not result.fits:
-        raise PlacementError(f"plan='auto' found no placement that fits the devices' memory:\n{result.format_table()}")
-    return result.plan, [list(row) for row in result.ranks], result.format_table()
+    return result.plan, [list(row) for row in result.ranks], result.format_table(), result
+
+
+def _measure(units: Sequence[tuple[str, nn.Module]], example_args: tuple, kind: str, device: torch.device, big: int,
+             loss_probe: Callable[[int], Callable[[], Any]] | None):
+    """This kind's profile entry at micro-batch ``big`` with fixed costs and overheads."""
+    from lightning_hpp.errors import MicroBatchError
+    from lightning_hpp.pipeline.microbatch import split_batch
+    from lightning_hpp.planning.profile import Overheads, fit_fixed_costs, profile_units
+
+    precision = next(p for p in precision_preference(kind) if p != "fp8")
+    profile = profile_units(list(units), example_args, kind, precision=precision, device=device)
+    small = max(1, big // 16)
+    while big % small:
+        small -= 1
+    if small < big:
+        try:
+            few = split_batch(tuple(example_args), big // small)[0]
+            profile = fit_fixed_costs(profile, profile_units(list(units), few, kind, precision=precision, device=device))
+        except (MicroBatchError, RuntimeError, TypeError) as err:  # inputs without a common batch dim, a traced shape
+            profile.meta["fixed_ms"] = f"not measured: {err}"
+    per_mb, per_step = 0.0, 0.0
+    if _dist.initialized():  # torch pipelining needs a process group: this rank alone
+        import torch.distributed as dist
+
+        alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        per_mb, per_step = calibrate.schedule_overheads(device, alone)
+    loss_ms, loss_fixed = calibrate.loss_costs(loss_probe, small, big, device) if loss_probe is not None else (0.0, 0.0)
+    profile.entries[0].overheads = Overheads(
+        microbatch_ms=per_mb, step_ms=per_step, loss_ms=loss_ms, loss_fixed_ms=loss_fixed,
+        optimizer_ms_per_mb=calibrate.optimizer_ms_per_mb(device),
+    )
+    return profile
+
+
+def loss_probe(module: nn.Module, step_fn: Callable[..., Any], batch: Any, units: Sequence[tuple[str, nn.Module]],
+               inputs: tuple, device: torch.device) -> Callable[[int], Callable[[], Any]]:
+    """``probe(b)``: a callable running the user's step on ``b`` samples of ``batch`` with ``self(...)``
+    returning the last unit's output (computed once, without gradients), and the loss's backward, on ``device``.
+
+    This is what the last stage adds to its units per micro-batch: the loss, the metrics and logging
+    of ``training_step`` (logging is discarded here).
+    """
+    from lightning_hpp.pipeline.microbatch import batch_size_of, split_batch
+    from lightning_hpp.pipeline.steps import _no_log, extract_loss, redirected, replay_forward
+    from lightning_hpp.planning.profile import _as_args, _to_device
+
+    size = batch_size_of(batch)
+    name = getattr(step_fn, "__name__", "training_step")
+
+    def probe(b: int) -> Callable[[], Any]:
+        parts = size // b
+        micro = _to_device(split_batch(batch, parts)[0], device)
+        x = _as_args(split_batch(tuple(inputs), batch_size_of(inputs) // b)[0])
+        with torch.no_grad(), torch.random.fork_rng():
+            for _, unit in units:
+                x = _as_args(unit(*x))
+        out = _to_device(x[0] if len(x) == 1 else x, device)
+        out = out.detach().requires_grad_(out.is_floating_point()) if isinstance(out, torch.Tensor) else out
+
+        def run() -> None:
+            with redirected(module, replay_forward(out, name), _no_log):
+                loss = extract_loss(step_fn(micro, 0), name)
+            if loss.requires_grad:
+                loss.backward()
+
+        return run
+
+    return probe

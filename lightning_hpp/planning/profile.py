@@ -57,6 +57,9 @@ class UnitCost:
         activation_bytes: Bytes of the unit's output (the boundary tensor after this unit).
         saved_bytes: Bytes kept for the backward per micro-batch; 0 when unknown (the partitioner
             then uses ``activation_bytes``).
+        fixed_ms: The part of ``fwd_ms + bwd_ms`` that does not grow with the micro-batch size
+            (reading the weights, launching the kernels), paid once per micro-batch; fitted from a
+            second measurement at another micro-batch size, 0 when unknown.
     """
 
     name: str
@@ -65,11 +68,40 @@ class UnitCost:
     param_bytes: int
     activation_bytes: int
     saved_bytes: int = 0
+    fixed_ms: float = 0.0
 
     @property
     def step_ms(self) -> float:
         """Forward plus backward time."""
         return self.fwd_ms + self.bwd_ms
+
+
+@dataclass
+class Overheads:
+    """Costs of a training step on one device kind that no single unit accounts for.
+
+    All times in milliseconds; every field defaults to 0 (not modelled).
+
+    Attributes:
+        microbatch_ms: Fixed cost of every micro-batch on every stage (the schedule's bookkeeping
+            of one forward and one backward action).
+        step_ms: Fixed cost of one step of the schedule, whatever the number of micro-batches.
+        loss_ms: The step's loss (the user's ``training_step`` after ``self(...)``, and its
+            backward) on one micro-batch of the profile's size, paid on the last stage.
+        loss_fixed_ms: The part of ``loss_ms`` that does not grow with the micro-batch size.
+        optimizer_ms_per_mb: Optimizer update time per MB of parameters (an SGD-with-momentum
+            update measured on this kind), paid once per step by every stage for its parameters.
+        p2p_latency_ms: Fixed cost of one point-to-point message between two ranks.
+        p2p_gbps: Measured point-to-point bandwidth in GB/s (0: the cluster's ``link_gbps``).
+    """
+
+    microbatch_ms: float = 0.0
+    step_ms: float = 0.0
+    loss_ms: float = 0.0
+    loss_fixed_ms: float = 0.0
+    optimizer_ms_per_mb: float = 0.0
+    p2p_latency_ms: float = 0.0
+    p2p_gbps: float = 0.0
 
 
 @dataclass
@@ -81,17 +113,21 @@ class ProfileEntry:
         precision: Precision they were measured in.
         units: One :class:`UnitCost` per unit, in unit order.
         source: How the numbers were obtained (``"measured"`` or a description of an estimate).
+        overheads: What a step costs on this kind besides the units (see :class:`Overheads`).
     """
 
     device_kind: str
     precision: str
     units: list[UnitCost]
     source: str = "measured"
+    overheads: Overheads | None = None
 
     def __post_init__(self) -> None:
         self.device_kind = normalize_kind(self.device_kind, "profile device_kind")
         self.precision = normalize_precision(self.precision, "profile entry")
         self.units = [u if isinstance(u, UnitCost) else UnitCost(**u) for u in self.units]
+        if isinstance(self.overheads, dict):
+            self.overheads = Overheads(**self.overheads)
 
 
 @dataclass
@@ -316,6 +352,16 @@ def _as_args(x: Any) -> tuple:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
 def _shapes(args: tuple) -> list[list[int] | None]:
     return [list(a.shape) if isinstance(a, torch.Tensor) else None for a in args]
 
@@ -440,6 +486,7 @@ def profile_units(
     prepare: Callable[[nn.Module], nn.Module] | None = None,
     context: Callable[[], AbstractContextManager] | None = None,
     source: str = "measured",
+    device: torch.device | str | None = None,
 ) -> CostProfile:
     """Measure every unit's forward+backward time and memory on one real micro-batch.
 
@@ -469,6 +516,9 @@ def profile_units(
             default (``torch.autocast`` for the mixed modes).
         source: How the entry is labelled (say so when the numbers are not real speed, e.g. an
             fp8 emulation).
+        device: Where to measure: each unit is moved there for its own measurement and back
+            afterwards (so only one unit at a time occupies the device), and the input is moved
+            there. Default: where the units' parameters are.
 
     Returns:
         A profile with one entry, ``(device_kind, precision)``.
@@ -492,9 +542,12 @@ def profile_units(
         )
     args = _as_args(example_input)
     first_param = next((p for _, m in units for p in m.parameters()), None)
-    device = first_param.device if first_param is not None else next(
-        (t.device for t in _tensors(args)), torch.device("cpu")
-    )
+    home = first_param.device if first_param is not None else None
+    if device is not None:
+        device = torch.device(device)
+        args = _to_device(args, device)
+    else:
+        device = home or next((t.device for t in _tensors(args)), torch.device("cpu"))
     true_dtype = _TRUE_DTYPES.get(precision)
     if true_dtype is not None:
         args = tuple(a.to(true_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
@@ -503,6 +556,9 @@ def profile_units(
     # Dropout draws random numbers: measure on a forked RNG so training sees the same stream.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for name, module in units:
+            unit_home = next((t.device for t in (*module.parameters(), *module.buffers())), device)
+            if unit_home != device:
+                module.to(device)
             buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
             runner = copy.deepcopy(module).to(true_dtype) if true_dtype is not None else module
             if prepare is not None:
@@ -513,6 +569,8 @@ def profile_units(
                 with torch.no_grad():
                     for k, b in module.named_buffers():
                         b.copy_(buffers[k])
+                if unit_home != device:
+                    module.to(unit_home)
             cost.name = name
             costs.append(cost)
             args = _boundary(out, true_dtype)
@@ -524,6 +582,34 @@ def profile_units(
         entries=[ProfileEntry(device_kind, precision, costs, source=source)],
         meta={"torch": torch.__version__, "repeats": repeats, "warmup": warmup},
     )
+
+
+def fit_fixed_costs(big: CostProfile, small: CostProfile) -> CostProfile:
+    """``big`` with every unit's ``fixed_ms`` fitted from the same units measured at a smaller micro-batch.
+
+    Each unit's forward+backward is taken as ``fixed + per_sample * b``: the line through the two
+    measurements, with ``fixed`` clipped to ``[0, step_ms]`` (timing noise can tip the line).
+
+    Raises:
+        ProfileMismatchError: the profiles are of different units or micro-batch sizes are not
+            ``small < big``.
+    """
+    b_big, b_small = big.microbatch_size, small.microbatch_size
+    if big.unit_names != small.unit_names or not b_big or not b_small or b_small >= b_big:
+        raise ProfileMismatchError(
+            f"`fit_fixed_costs` needs the same units at two micro-batch sizes small < big; got units "
+            f"{small.unit_names} at {b_small!r} and {big.unit_names} at {b_big!r}."
+        )
+    out = copy.deepcopy(big)
+    for entry in out.entries:
+        other = small.get(entry.device_kind, entry.precision)
+        if other is None:
+            continue
+        for u, v in zip(entry.units, other.units):
+            per_sample = (u.step_ms - v.step_ms) / (b_big - b_small)
+            u.fixed_ms = min(u.step_ms, max(0.0, u.step_ms - per_sample * b_big))
+    out.meta["fixed_ms_from_microbatch_sizes"] = [b_small, b_big]
+    return out
 
 
 def load_or_profile(

@@ -29,7 +29,7 @@ def run(cfg: dict, devices: int) -> None:
     if "init_scale" in cfg:  # the plugin given to the Trainer is the one the strategy uses
         plugins.append(HPPPrecision(init_scale=cfg["init_scale"], **precision))
     strategy = HPPStrategy(
-        plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["n_micro"], pp_degree=cfg.get("pp"), timeout=cfg.get("timeout", 60),
+        plan=plan, schedule=cfg.get("schedule"), n_microbatches=cfg.get("n_micro"), pp_degree=cfg.get("pp"), timeout=cfg.get("timeout", 60),
         precision_plugin=HPPPrecision(**precision) if precision and not plugins else None,
         **cfg.get("strategy", {}),
     )
