@@ -29,14 +29,18 @@ def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(tmp_pat
     names = [f"layers.{i}" for i in range(11)]  # MLP(depth=6)
     _synthetic_profile(tmp_path / "profile.json", names)
     runs = [
-        # measured on this machine's ranks: whatever the cut, training equals single-process training
-        {"name": "measured", "strategy": {}, "depth": 4, "steps": 10},
-        # a profile of two device kinds, rank 0 'fast' and rank 1 'slow' (2x): the fast rank gets ~2/3
+        # measured on this machine's ranks, a pipeline fixed by the user: whatever the cut, training equals
+        # single-process training
+        {"name": "measured", "strategy": {}, "depth": 4, "steps": 10, "pp": 2, "schedule": "1f1b", "n_micro": 4},
+        # nothing fixed, a tiny compute-bound model on two equal ranks: plain data parallelism (pp=1, dp=2),
+        # each replica taking half of the loader's batch, so the global batch and the training stay the same
+        {"name": "free", "strategy": {}, "depth": 4, "steps": 6},
+        # a profile of two device kinds, rank 0 'fast' and rank 1 'slow' (2x): a pipeline, the fast rank gets ~2/3
         {"name": "kinds", "depth": 6, "strategy": {"placement": {"device_map": "0:fast,1:slow", "profile": str(tmp_path / "profile.json")}}},
     ]
     for r in runs:
         r.setdefault("steps", 4)
-        r.update(schedule="1f1b", n_micro=4, batch=16, out=str(tmp_path / r["name"]))
+        r.update(batch=16, out=str(tmp_path / r["name"]))
     run_script("tests.workers.run_hpp", {"devices": 2, "runs": runs})
     reference, _ = train_reference(steps=10, batch=16)
     got = merged_state(tmp_path / "measured", [0, 1])
@@ -44,6 +48,18 @@ def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(tmp_pat
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
     meta = load_rank(tmp_path / "measured", 0)["plan_meta"]
     assert "predicted" in meta and len(meta["predicted"]["stage_ms"]) == 2
+    assert (meta["predicted"]["schedule"], meta["predicted"]["n_microbatches"]) == ("1f1b", 4)  # the user's constraints
+
+    free = [load_rank(tmp_path / "free", r) for r in (0, 1)]
+    predicted = free[0]["plan_meta"]["predicted"]
+    assert (predicted["pp_degree"], predicted["dp_degree"], predicted["microbatch_size"] * predicted["n_microbatches"]) == (1, 2, 8)
+    assert free[0]["grid"] == [[0, 1]] and free[0]["stage_ids"] == free[1]["stage_ids"] == [0]
+    reference, _ = train_reference(steps=6, batch=16)
+    for k, v in reference.state_dict().items():
+        for f in free:  # both replicas hold the whole model, equal to one process on the global batch
+            torch.testing.assert_close(f["state"][k], v, rtol=1e-5, atol=1e-6)
+    # the profile measured what a step costs besides the units
+    assert predicted["fixed_step_ms"] > 0 and predicted["optimizer_ms"][0] > 0
     # after 10 steps the strategy logged predicted against measured stage times (telemetry is on)
     metrics = load_rank(tmp_path / "measured", 0)["metrics"]
     for k in (0, 1):
@@ -51,6 +67,7 @@ def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(tmp_pat
         assert metrics[f"placement/stage_{k}/measured_ms"] > 0
 
     plan = load_rank(tmp_path / "kinds", 0)["plan"]
+    assert plan["meta"]["predicted"]["pp_degree"] == 2  # the slow rank makes plain data parallelism the slower plan
     sizes = [len(s["modules"]) for s in plan["stages"]]
     assert [s["device"] for s in plan["stages"]] == ["fast", "slow"]
     assert sizes[0] in (7, 8) and sum(sizes) == 11, sizes

@@ -156,8 +156,8 @@ def _data_parallel(
         return None
     slowest = max(ests, key=lambda e: (e.stage_ms, e.allreduce_ms + e.optimizer_ms))
     est = dataclasses.replace(slowest)
-    est.allreduce_ms = max(e.allreduce_ms for e in ests)
-    est.optimizer_ms = max(e.optimizer_ms for e in ests)
+    update = max(ests, key=lambda e: e.allreduce_ms + e.optimizer_ms)  # the slowest kind's update
+    est.allreduce_ms, est.optimizer_ms = update.allreduce_ms, update.optimizer_ms
     est.memory_bytes = max(e.memory_bytes for e in ests)
     est.memory_limit = min(e.memory_limit for e in ests)
     if len(kinds) > 1:
@@ -201,7 +201,7 @@ def search_plan(
 
     Returns:
         The best plan; ``result.ranks`` is its rank grid ``ranks[stage][replica]``. Ties go to fewer
-        stages, then fewer micro-batches.
+        stages, then fewer micro-batches, then 1F1B (fewer micro-batches in flight).
 
     Raises:
         PartitionError: no candidate satisfies the constraints or fits in memory (the message says
@@ -264,7 +264,7 @@ def search_plan(
             if not orders:
                 excluded.append(f"pp={p}: the ranks' kinds cannot form {dp} replicas with one kind per stage")
                 continue
-        for sched in schedules if p > 1 else schedules[:1]:
+        for sched in schedules:
             ms = microbatch_options(per_replica, n_microbatches, p, sched, max_microbatches)
             if not ms:
                 excluded.append(
@@ -301,7 +301,7 @@ def search_plan(
                 for res in cands:
                     res.microbatch_size = per_replica // m
                     res.label = "auto"
-                    key = (res.step_ms, p, m)
+                    key = (res.step_ms, p, m, sched != "1f1b")
                     if best is None or key < best[0]:
                         best = (key, res)
     if best is None:
