@@ -1,4 +1,4 @@
-"""A mixed cluster emulated on 2 CPU cores: plan="auto" vs a uniform cut vs a hand-balanced cut vs DDP.
+"""A mixed cluster emulated on 2 CPU cores: plan="auto" vs uniform and hand-balanced cuts vs DDP.
 
 Rank 0 is pinned to core 0 and runs at full speed (kind ``fast``). Rank 1 is pinned to core 1 and
 held to half of it by a cgroup-v1 CPU quota (kind ``slow``): a child group of
@@ -8,30 +8,34 @@ worker, before torch is imported, so every thread it starts (torch, gloo) inheri
 cgroup cannot be created (not root, cgroup v2 only, read-only mount), rank 1 shares core 1 with a
 busy-loop process instead, which the kernel's fair scheduler also halves it with; the output says
 which one ran. The group (or the busy loop) is removed afterwards, also when something fails.
+With ``--equal`` nothing is throttled: two equal cores, one kind (``cpu``).
 
 The kinds reach HPPStrategy through the override, ``PlacementOptions(device_map="0:fast,1:slow")`` (or, with
 ``--kind-source env``, ``HPP_DEVICE_KIND`` set per rank). One invocation runs, on the same model
-(a 12-layer 1024-wide MLP plus a 10-class head), the same data and the same global batch, in
+(``--model mlp``: a 12-layer 1024-wide MLP plus a 10-class head; ``--model lm``: the small
+transformer of ``benchmarks/throughput``), the same data and the same global batch, in
 ``--rounds`` interleaved rounds:
 
-* ``auto``     — ``HPPStrategy(plan="auto")``: each kind profiles the units itself (the slow rank
-  on its throttled core), the exact partitioner picks the cut; 1F1B, 12 micro-batches;
-* ``auto_mean`` — the same partitioner fed through ``PlacementOptions(profile=)`` with a profile the benchmark
-  measured on both ranks beforehand, timing each unit as the mean over a 0.4 s window instead of
-  the median of 5 short repetitions (see :func:`mean_profile` for why that matters under a quota);
-* ``uniform``  — a 6:6 cut (the head joins the last stage), same schedule;
-* ``hand 8:4`` — the hand-balanced 8:4 cut, same schedule;
+* ``auto``     — ``HPPStrategy(plan="auto")`` with nothing else fixed: each kind profiles the units and
+  the step's overheads itself (the slow rank on its throttled core) and the search picks pp x dp
+  (pp=1, plain data parallelism, included), the micro-batches, the schedule and the cut;
+* ``uniform@M`` — the equal cut (the head joins the last stage), 1F1B with M micro-batches, for every
+  M of ``--hand-m``;
+* ``hand@M``   — the hand-balanced cut (2/3 of the blocks on the fast rank), same schedules;
 * ``ddp``      — Lightning's DDPStrategy over the same two ranks (half the batch each).
 
-Samples/s is the global batch over the median step time after warm-up (the slowest rank's).
-Pipeline runs record telemetry (``HPPStrategy(telemetry=...)``) on every other timed step;
-throughput comes from the other steps, the auto plan's measured per-stage forward+backward time
-from the recorded ones, next to the partitioner's prediction (``plan.meta["predicted"]``).
+Samples/s is the global batch over the median step time after warm-up (the slowest rank's), pooled
+over rounds. Pipeline runs record telemetry (``HPPStrategy(telemetry=...)``) on every other timed
+step; throughput comes from the other steps, the auto plan's measured per-stage time and bubble from
+the recorded ones, next to the partitioner's prediction (``plan.meta["predicted"]``) and the bubble of
+the schedule replayed with the measured stage times (telemetry's ``bubble_expected``). The ratios
+the placement work is judged by are printed at the end.
 
 Usage::
 
-    python benchmarks/placement/cgroup_bench.py            # ~2 minutes on 2 cores
-    python benchmarks/placement/cgroup_bench.py --rounds 3 --steps 20 --out runs/cgroup_bench
+    python benchmarks/placement/cgroup_bench.py --rounds 3                  # the cgroup pair, MLP
+    python benchmarks/placement/cgroup_bench.py --rounds 3 --equal          # two equal cores, MLP
+    python benchmarks/placement/cgroup_bench.py --rounds 3 --equal --model lm
 """
 
 from __future__ import annotations
@@ -51,11 +55,9 @@ ROOT = HERE.parents[1]
 CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
 KINDS = ("fast", "slow")
-CONFIGS = ("auto", "auto_mean", "uniform", "hand", "ddp")
-LABELS = {"auto": 'plan="auto"', "auto_mean": 'plan="auto", PlacementOptions(profile=<mean-timed profile>)', "uniform": "uniform cut 6:6",
-          "hand": "hand-balanced 8:4", "ddp": "DDP"}
-MEAN_WINDOW_S = 0.4
-"""Each unit's forward+backward is repeated for at least this long (4 CFS periods) in the mean-timed profile."""
+EQUAL_KINDS = ("cpu", "cpu")
+BASES = ("auto", "uniform", "hand", "ddp")
+LABELS = {"auto": 'plan="auto"', "uniform": "uniform cut", "hand": "hand-balanced cut", "ddp": "DDP"}
 
 
 def _throughput_helpers() -> Any:
@@ -158,6 +160,24 @@ def calibrate(seconds: float = 1.5) -> float:
 
 
 # ============================================================================================ worker
+def expand(bases: list[str], hand_m: list[int]) -> list[str]:
+    """The configurations of one round: ``uniform`` and ``hand`` once per micro-batch count."""
+    return [f"{b}@{m}" if b in ("uniform", "hand") else b for b in bases for m in (hand_m if b in ("uniform", "hand") else [0])]
+
+
+def label(name: str) -> str:
+    base, _, m = name.partition("@")
+    return LABELS[base] + (f", 1F1B m={m}" if m else "")
+
+
+def _size(job: dict[str, Any]) -> Any:
+    from models import Size
+
+    if job["model"] == "mlp":
+        return Size(width=job["width"], blocks=job["layers"], batch=job["batch"])
+    return Size(width=128, blocks=job["layers"], batch=job["batch"], seq=64, vocab=256)
+
+
 def worker(job: dict[str, Any]) -> None:
     rank = int(os.environ["RANK"])
     placed = pin_and_throttle(rank, job["procs_file"])
@@ -168,17 +188,14 @@ def worker(job: dict[str, Any]) -> None:
     gflops = calibrate()
     os.chdir(job["out"])  # stage_plan.json and fingerprints.json land next to the results
     tp = _throughput_helpers()
-    from models import Size
 
     dist.init_process_group("gloo")
     import lightning  # noqa: F401
 
-    size = Size(width=job["width"], blocks=job["layers"], batch=job["batch"])
-    if "auto_mean" in job["configs"]:
-        job = {**job, "profile_path": mean_profile(job, size, rank)}
+    size = _size(job)
     results = []
     for rnd in range(job["rounds"]):
-        for name in job["configs"]:
+        for name in expand(job["configs"], job["hand_m"]):
             t0 = time.perf_counter()
             res = run_ddp(tp, job, size) if name == "ddp" else run_pipeline(tp, job, size, name)
             res.update(config=name, round=rnd, rank=rank, wall_s=time.perf_counter() - t0)
@@ -186,48 +203,6 @@ def worker(job: dict[str, Any]) -> None:
             dist.barrier()
     Path(job["out"], f"rank{rank}.json").write_text(json.dumps({"placed": placed, "gflops": gflops, "results": results}))
     dist.destroy_process_group()
-
-
-def mean_profile(job: dict[str, Any], size: Any, rank: int) -> str:
-    """A cost profile of every unit on this rank's kind, timed as the mean over a window (collective).
-
-    ``plan="auto"`` measures with :func:`lightning_hpp.planning.profile.profile_units`, which keeps the median
-    of 5 short repetitions. Under a CFS quota a process runs at full speed for 50 ms and then waits
-    50 ms, so most short repetitions never meet a wait and the median misses the throttling. Here
-    each unit's forward and backward are repeated back to back for at least ``MEAN_WINDOW_S`` and
-    the total is divided by the count. Memory figures come from ``profile_units`` unchanged.
-    Every rank measures its own kind at the same time; rank 0 writes the merged profile.
-    """
-    import torch
-    import torch.distributed as dist
-    from models import build, dataset
-
-    from lightning_hpp.model.units import find_units
-    from lightning_hpp.planning.profile import CostProfile, profile_units
-
-    units = find_units(build("mlp", size))
-    x = dataset("mlp", size, 1).tensors[0][: size.batch // job["m"]]
-    prof = profile_units(units, x, KINDS[rank])
-    args = x
-    for cost, (_, unit) in zip(prof.entries[0].units, units):
-        inp = args.detach().requires_grad_(True)
-        params = [p for p in unit.parameters() if p.requires_grad]
-        n, fwd, bwd = 0, 0.0, 0.0
-        while fwd + bwd < MEAN_WINDOW_S:
-            t0 = time.perf_counter()
-            out = unit(inp)
-            t1 = time.perf_counter()
-            torch.autograd.grad(out, [inp, *params], torch.ones_like(out))
-            fwd, bwd, n = fwd + t1 - t0, bwd + time.perf_counter() - t1, n + 1
-        cost.fwd_ms, cost.bwd_ms = 1e3 * fwd / n, 1e3 * bwd / n
-        args = out.detach()
-    parts: list[Any] = [None, None]
-    dist.all_gather_object(parts, prof.to_dict())
-    path = str(Path(job["out"]) / "profile_mean.json")
-    if rank == 0:
-        CostProfile.from_dict(parts[0]).merge(CostProfile.from_dict(parts[1])).save(path)
-    dist.barrier()
-    return path
 
 
 def _timer(warmup: int) -> Any:
@@ -260,32 +235,41 @@ def _timer(warmup: int) -> Any:
     return Timer()
 
 
-def cuts(name: str, layers: int) -> list[list[str]]:
-    """The unit lists of the fixed cuts: ``uniform`` (half the blocks each) or ``hand`` (2/3 : 1/3)."""
-    first = layers // 2 if name == "uniform" else round(layers * 2 / 3)
-    return [[f"blocks.{i}" for i in range(first)], [f"blocks.{i}" for i in range(first, layers)] + ["head"]]
+def cuts(kind: str, units: list[str]) -> list[list[str]]:
+    """Two stages: ``uniform`` (half the blocks each) or ``hand`` (2/3 : 1/3); units before the blocks
+    join the first stage, the head the last."""
+    blocks = [u for u in units if u.startswith("blocks.")]
+    first = len(blocks) // 2 if kind == "uniform" else round(len(blocks) * 2 / 3)
+    cut = units.index(blocks[first])
+    return [units[:cut], units[cut:]]
 
 
 def run_pipeline(tp: Any, job: dict[str, Any], size: Any, name: str) -> dict[str, Any]:
     from models import build
 
     from lightning_hpp import HPPStrategy, StagePlan, StageSpec
+    from lightning_hpp.model.units import find_units
     from lightning_hpp.options import PlacementOptions, TelemetryOptions
 
-    plan = "auto" if name.startswith("auto") else StagePlan([StageSpec(modules=u) for u in cuts(name, job["layers"])])
-    placement = {} if job["kind_source"] == "env" else {"device_map": ",".join(f"{r}:{k}" for r, k in enumerate(KINDS))}
-    if name == "auto_mean":
-        placement["profile"] = job["profile_path"]
+    base, _, m = name.partition("@")
+    model = build(job["model"], size)
+    kinds = EQUAL_KINDS if job["equal"] else KINDS
+    placement = {} if job["kind_source"] == "env" else {"device_map": ",".join(f"{r}:{k}" for r, k in enumerate(kinds))}
     timer = _timer(job["warmup"])
-    strategy = HPPStrategy(plan=plan, schedule="1f1b", n_microbatches=job["m"], telemetry=TelemetryOptions(every_n_steps=10**9),
-                           placement=PlacementOptions(**placement), timeout=300, **tp._hpp_options())
+    fixed: dict[str, Any] = {}
+    if base == "auto":
+        plan: Any = "auto"
+    else:
+        plan = StagePlan([StageSpec(modules=u) for u in cuts(base, [n for n, _ in find_units(model)])])
+        fixed = {"schedule": "1f1b", "n_microbatches": int(m)}
+    strategy = HPPStrategy(plan=plan, telemetry=TelemetryOptions(every_n_steps=10**9), placement=PlacementOptions(**placement),
+                           timeout=300, **fixed, **tp._hpp_options())
     trainer = tp._trainer(job, strategy, [timer])
-    trainer.fit(build("mlp", size), tp._loader(job, size, size.batch))
+    trainer.fit(model, tp._loader(job, size, size.batch))
     telemetry = timer.telemetry
     out = {**tp._timing(timer.times, job["warmup"], True), **tp._history(telemetry.history if telemetry else [])}
-    out["cuts"] = [len(s.modules) for s in strategy.plan.stages]
     out["units"] = [list(s.modules) for s in strategy.plan.stages]
-    out["devices"] = [s.device for s in strategy.plan.stages]
+    out["chosen"] = {"pp": strategy.mesh.pp, "dp": strategy.mesh.dp, "m": strategy.n_microbatches, "schedule": strategy.schedule}
     out["predicted"] = strategy.plan.meta.get("predicted")
     return out
 
@@ -296,7 +280,7 @@ def run_ddp(tp: Any, job: dict[str, Any], size: Any) -> dict[str, Any]:
 
     timer = _timer(job["warmup"])
     trainer = tp._trainer(job, DDPStrategy(process_group_backend="gloo"), [timer])
-    trainer.fit(build("mlp", size), tp._loader(job, size, size.batch // job["devices"]))
+    trainer.fit(build(job["model"], size), tp._loader(job, size, size.batch // job["devices"]))
     return tp._timing(timer.times, job["warmup"], False)
 
 
@@ -305,30 +289,31 @@ def launch(job: dict[str, Any], procs_file: str | None) -> list[dict[str, Any]]:
     tp = _throughput_helpers()
     os.environ.pop("HPP_DEVICE_KIND", None)  # the kinds come from device_map or, per rank, from here
     job = {**job, "procs_file": procs_file}
-    rank_env = (lambda r: {"HPP_DEVICE_KIND": KINDS[r]}) if job["kind_source"] == "env" else None
+    kinds = EQUAL_KINDS if job["equal"] else KINDS
+    rank_env = (lambda r: {"HPP_DEVICE_KIND": kinds[r]}) if job["kind_source"] == "env" else None
     return tp.launch_ranks(__file__, job, 2, rank_env=rank_env)
 
 
 # ============================================================================================ report
-def summarize(per_rank: list[dict[str, Any]], batch: int, m: int) -> dict[str, Any]:
-    """Rows per configuration (rounds pooled) and the auto plan's predicted vs measured stage times."""
+def summarize(per_rank: list[dict[str, Any]], batch: int, names: list[str]) -> dict[str, Any]:
+    """Rows per configuration (rounds pooled: medians) and the auto plan's predicted vs measured numbers."""
     rows: dict[str, dict[str, Any]] = {}
-    for name in CONFIGS:
+    for name in names:
         runs = [[r for r in rank["results"] if r["config"] == name] for rank in per_rank]
         if not runs[0]:
             continue
         step = max(statistics.median([t for run in rank_runs for t in run["plain"]]) for rank_runs in runs)
-        row: dict[str, Any] = {"label": LABELS[name], "step_ms": 1e3 * step, "samples_s": batch / step,
-                               "rounds": len(runs[0])}
+        row: dict[str, Any] = {"label": label(name), "step_ms": 1e3 * step, "samples_s": batch / step, "rounds": len(runs[0])}
         first = runs[0][0]
-        if "cuts" in first:
-            row["cuts"] = [[sum(u.startswith("blocks.") for u in stage) for stage in run["units"]] for run in runs[0]]
+        if "units" in first:
             row["units"] = first["units"]
+            row["chosen"] = [run["chosen"] for run in runs[0]]
             steps = [st for run in runs[0] for st in run.get("steps", [])]
             if steps:
                 row["bubble"] = statistics.median(st["bubble"] for st in steps)
+                row["bubble_expected"] = statistics.median(st["bubble_expected"] for st in steps)
                 row["bubble_theory"] = steps[0]["bubble_theory"]
-                steps = runs[0][-1].get("steps") or steps  # stage times: the last round, whose prediction is shown
+                m = first["chosen"]["m"]
                 stages = sorted({int(k) for st in steps for k in st["stages"]})
                 row["measured_stage_ms"] = [
                     statistics.median((st["stages"][str(k)]["fwd_ms"] + st["stages"][str(k)]["bwd_ms"]) / m for st in steps)
@@ -341,52 +326,86 @@ def summarize(per_rank: list[dict[str, Any]], batch: int, m: int) -> dict[str, A
     return rows
 
 
-def report(rows: dict[str, dict[str, Any]], env: dict[str, Any]) -> str:
+def _plan_text(row: dict[str, Any]) -> str:
+    if "chosen" not in row:
+        return ""
+    seen = []
+    for c, units in zip(row["chosen"], [row["units"]] * len(row["chosen"])):
+        cut = ":".join(str(sum(u.startswith("blocks.") for u in st)) for st in units)
+        text = f"pp={c['pp']}×dp={c['dp']}, {c['schedule']} m={c['m']}" + (f", blocks {cut}" if c["pp"] > 1 else "")
+        if text not in seen:
+            seen.append(text)
+    return " / ".join(seen)
+
+
+def ratios(rows: dict[str, dict[str, Any]], equal: bool, m: int) -> list[str]:
+    """The ratios the placement is judged by, with their targets."""
+    auto = rows.get("auto")
+    if auto is None:
+        return []
+    out = []
+    if "ddp" in rows:
+        r = auto["samples_s"] / rows["ddp"]["samples_s"]
+        out.append(f"auto ÷ DDP: {r:.2f}" + ("" if equal else f"  (target >= 1.15: {'met' if r >= 1.15 else 'NOT met'})"))
+    if f"uniform@{m}" in rows:
+        r = auto["samples_s"] / rows[f"uniform@{m}"]["samples_s"]
+        out.append(f"auto ÷ uniform cut (1F1B m={m}): {r:.2f}" + ("" if equal else f"  (target >= 1.30: {'met' if r >= 1.30 else 'NOT met'})"))
+    others = {k: v for k, v in rows.items() if k != "auto"}
+    if others:
+        best = max(others, key=lambda k: others[k]["samples_s"])
+        r = auto["samples_s"] / others[best]["samples_s"]
+        out.append(f"auto ÷ best of the others ({others[best]['label']}): {r:.2f}"
+                   + (f"  (target >= 0.97: {'met' if r >= 0.97 else 'NOT met'})" if equal else ""))
+    if "bubble" in auto and auto["chosen"][-1]["pp"] > 1:
+        d = 100 * abs(auto["bubble"] - auto["bubble_expected"])
+        out.append(f"auto measured bubble {auto['bubble']:.3f} vs the schedule replayed with measured costs "
+                   f"{auto['bubble_expected']:.3f}: {d:.1f} points  (target <= 3: {'met' if d <= 3 else 'NOT met'})")
+    return out
+
+
+def report(rows: dict[str, dict[str, Any]], kinds: tuple[str, str]) -> str:
     ddp = rows["ddp"]["samples_s"] if "ddp" in rows else None
-    uni = rows["uniform"]["samples_s"] if "uniform" in rows else None
-    lines = ["| configuration | cut (blocks per stage) | step ms (median) | samples/s | × DDP | × uniform cut |",
-             "|---|---|---:|---:|---:|---:|"]
-    for name, r in rows.items():
-        cut = ""
-        if "cuts" in r:
-            seen = sorted({":".join(map(str, cs)) for cs in r["cuts"]})
-            cut = " / ".join(seen) + (" (chosen)" if name == "auto" else "")
+    lines = ["| configuration | plan | step ms (median) | samples/s | × DDP |", "|---|---|---:|---:|---:|"]
+    for r in rows.values():
         vs_ddp = f"{r['samples_s'] / ddp:.2f}" if ddp else ""
-        vs_uni = f"{r['samples_s'] / uni:.2f}" if uni else ""
-        lines.append(f"| {r['label']} | {cut} | {r['step_ms']:.0f} | {r['samples_s']:.1f} | {vs_ddp} | {vs_uni} |")
-    for name in ("auto", "auto_mean"):
-        auto = rows.get(name)
-        if not (auto and auto.get("predicted") and auto.get("measured_stage_ms")):
-            continue
+        lines.append(f"| {r['label']} | {_plan_text(r)} | {r['step_ms']:.0f} | {r['samples_s']:.1f} | {vs_ddp} |")
+    auto = rows.get("auto")
+    if auto and auto.get("predicted") and auto.get("measured_stage_ms"):
         pred = auto["predicted"][-1]
-        lines += ["", f"{auto['label']}, last round: predicted (profile) vs measured (telemetry, median of recorded "
-                      f"steps), per micro-batch", "",
-                  "| stage | device kind | units | predicted compute ms | measured fwd+bwd ms | measured ÷ predicted | "
-                  "predicted comm ms | measured comm ms |",
-                  "|---:|---|---|---:|---:|---:|---:|---:|"]
+        title = f"{auto['label']}, last round: predicted (profile) vs measured (telemetry, median of recorded steps), per micro-batch"
+        head = ("| stage | device kind | units | predicted compute ms | measured fwd+bwd ms | measured ÷ predicted | "
+                "predicted comm ms | measured comm ms |")
+        lines += ["", title, "", head, "|---:|---|---|---:|---:|---:|---:|---:|"]
         measured = zip(pred["compute_ms"], pred["comm_ms"], auto["measured_stage_ms"], auto["measured_comm_ms"])
         for k, (p, c, meas, mc) in enumerate(measured):
             units = auto["units"][k]
             text = f"{units[0]} .. {units[-1]} ({len(units)})"
-            lines.append(f"| {k} | {KINDS[k]} | {text} | {p:.2f} | {meas:.2f} | {meas / p:.2f} | {c:.3f} | {mc:.3f} |")
-        lines += ["", f"predicted schedule step {pred['step_ms']:.0f} ms (bubble {pred['bubble_fraction']:.3f}); measured in-schedule step "
-                      f"{auto['measured_sched_ms']:.0f} ms (bubble {auto['bubble']:.3f}, theory {auto['bubble_theory']:.3f})"]
+            kind = kinds[k] if len(units) < sum(map(len, auto["units"])) else "+".join(sorted(set(kinds)))
+            lines.append(f"| {k} | {kind} | {text} | {p:.2f} | {meas:.2f} | {meas / p:.2f} | {c:.3f} | {mc:.3f} |")
+        sched_ms = (pred["n_microbatches"] + pred["pp_degree"] - 1) * max(pred["stage_ms"])
+        lines += ["", (f"predicted step {pred['step_ms']:.0f} ms, of it the schedule {sched_ms:.0f} ms (bubble "
+                       f"{pred['bubble_fraction']:.3f}); measured in-schedule step {auto['measured_sched_ms']:.0f} ms (bubble "
+                       f"{auto['bubble']:.3f}, replayed with measured costs {auto['bubble_expected']:.3f}, theory "
+                       f"{auto['bubble_theory']:.3f})")]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=192, help="global batch (DDP: half per rank)")
-    p.add_argument("--m", type=int, default=12, help="micro-batches (1F1B)")
+    p.add_argument("--model", choices=["mlp", "lm"], default="mlp")
+    p.add_argument("--layers", type=int, default=None, help="blocks (default: 12 for mlp, 6 for lm)")
+    p.add_argument("--width", type=int, default=1024, help="mlp width")
+    p.add_argument("--batch", type=int, default=None, help="global batch (DDP: half per rank; default 192 mlp, 48 lm)")
+    p.add_argument("--m", type=int, default=12, help="micro-batches of the reference uniform cut (the × uniform ratio)")
+    p.add_argument("--hand-m", type=int, nargs="+", default=None, help="micro-batch counts of the fixed cuts (default: 4 and --m)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=16, help="timed steps per configuration and round (half recorded)")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all configurations")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all configurations (medians pool them)")
     p.add_argument("--quota", type=float, default=0.5, help="share of core 1 the slow rank gets")
+    p.add_argument("--equal", action="store_true", help="two equal cores: no throttling, one device kind")
     p.add_argument("--kind-source", choices=["device_map", "env"], default="device_map")
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    p.add_argument("--out", default=str(ROOT / "runs" / "cgroup_bench"))
+    p.add_argument("--configs", nargs="+", default=list(BASES), choices=BASES)
+    p.add_argument("--out", default=None, help="default runs/cgroup_bench[_equal]_<model>")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -394,35 +413,42 @@ def main(argv: list[str] | None = None) -> None:
         return
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("This benchmark pins its two ranks to cores 0 and 1; it needs a machine with 2 or more cores.")
-    if args.batch % args.m or args.batch % 2:
-        raise SystemExit(f"--batch {args.batch} must be divisible by --m {args.m} and by 2 (DDP's two ranks).")
-    out = Path(args.out).resolve()
+    layers = args.layers or (12 if args.model == "mlp" else 6)
+    batch = args.batch or (192 if args.model == "mlp" else 48)
+    hand_m = args.hand_m or sorted({4, args.m})
+    if any(batch % m for m in hand_m) or batch % 2:
+        raise SystemExit(f"--batch {batch} must be divisible by every --hand-m {hand_m} and by 2 (DDP's two ranks).")
+    out = Path(args.out or ROOT / "runs" / f"cgroup_bench{'_equal' if args.equal else ''}_{args.model}").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    job = {"layers": args.layers, "width": args.width, "batch": args.batch, "m": args.m, "warmup": args.warmup,
+    job = {"layers": layers, "width": args.width, "batch": batch, "m": args.m, "hand_m": hand_m, "warmup": args.warmup,
            "steps": args.steps, "rounds": args.rounds, "kind_source": args.kind_source, "configs": args.configs,
-           "out": str(out), "model": "mlp", "accelerator": "cpu", "devices": 2, "threads": 1}
+           "equal": args.equal, "out": str(out), "model": args.model, "accelerator": "cpu", "devices": 2, "threads": 1}
     tp = _throughput_helpers()
     env = tp.environment(job)
     started = time.time()
-    with SlowCore(core=1, quota=args.quota) as slow:
-        print(f"slow rank: {slow.method}", flush=True)
-        per_rank = launch(job, slow.procs_file)
-    env.update(load_average_end=os.getloadavg(), wall_s=round(time.time() - started, 1), throttle=slow.method,
-               cgroup_cpu_stat=slow.stat,
+    kinds = EQUAL_KINDS if args.equal else KINDS
+    if args.equal:
+        print("two equal cores: no throttling", flush=True)
+        per_rank, method, stat = launch(job, None), "none (--equal)", {}
+    else:
+        with SlowCore(core=1, quota=args.quota) as slow:
+            print(f"slow rank: {slow.method}", flush=True)
+            per_rank = launch(job, slow.procs_file)
+        method, stat = slow.method, slow.stat
+    env.update(load_average_end=os.getloadavg(), wall_s=round(time.time() - started, 1), throttle=method, cgroup_cpu_stat=stat,
                placed=[r["placed"] for r in per_rank], calibration_gflops=[round(r["gflops"], 2) for r in per_rank],
                command=" ".join(["python", *sys.argv]))
-    rows = summarize(per_rank, args.batch, args.m)
-    text = report(rows, env)
+    rows = summarize(per_rank, batch, expand(args.configs, hand_m))
+    text = report(rows, kinds)
+    summary = ratios(rows, args.equal, args.m)
     g = env["calibration_gflops"]
-    print(f"\nranks: {env['placed']}\nmatmul GFLOP/s per rank (1 thread, both at once): {g} -> slow/fast {g[1] / g[0]:.2f}")
-    if slow.stat:
-        print(f"quota group cpu.stat: {slow.stat}")
+    print(f"\nranks: {env['placed']}\nmatmul GFLOP/s per rank (1 thread, both at once): {g} -> rank1/rank0 {g[1] / g[0]:.2f}")
+    if stat:
+        print(f"quota group cpu.stat: {stat}")
     print(text)
-    for name in ("auto", "auto_mean"):
-        if name in rows:
-            print(f"\n{rows[name]['label']} chose blocks per stage (per round): {rows[name]['cuts']}")
-    (out / "results.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
-    (out / "results.md").write_text(f"Environment: {json.dumps(env)}\n\n{text}\n")
+    print("\n" + "\n".join(summary))
+    (out / "results.json").write_text(json.dumps({"environment": env, "rows": rows, "ratios": summary}, indent=1))
+    (out / "results.md").write_text(f"Environment: {json.dumps(env)}\n\n{text}\n\n" + "\n".join(summary) + "\n")
     print(f"\nwrote {out / 'results.md'} and {out / 'results.json'} in {env['wall_s']:.0f} s")
 
 

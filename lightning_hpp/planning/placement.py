@@ -106,7 +106,7 @@ def auto_plan(
         split_batches: Whether the loader's batches can be made smaller (more replicas than loader batches).
 
     Returns:
-        The plan (with ``meta["predicted"]``), the rank grid ``grid[position][replica]``, a table
+        The plan (with ``meta["predicted"]`` and the profile it was made from in ``meta["profile"]``), the rank grid ``grid[position][replica]``, a table
         of the result for the log, and the search's result (schedule, micro-batches, degrees).
     """
     from lightning_hpp.planning.partition import DEFAULT_LINK_GBPS
@@ -137,7 +137,9 @@ def auto_plan(
         n_microbatches=n_microbatches, schedule=schedule,
         link_gbps=link_gbps if link_gbps is not None else DEFAULT_LINK_GBPS, split_batches=split_batches,
     )
-    return result.plan, [list(row) for row in result.ranks], result.format_table(), result
+    plan = result.plan
+    plan.meta["profile"] = profile.to_dict()  # what the plan was made from: re-plan offline with search_plan
+    return plan, [list(row) for row in result.ranks], result.format_table(), result
 
 
 def _measure(units: Sequence[tuple[str, nn.Module]], example_args: tuple, kind: str, device: torch.device, big: int,

@@ -426,7 +426,9 @@ def _measure_unit(
             return
         targets = params + grad_inputs
         if targets:
-            torch.autograd.grad(outs, targets, [torch.ones_like(o) for o in outs], allow_unused=True)
+            # into .grad, as a pipeline stage's backward accumulates over micro-batches (that traffic
+            # is part of each micro-batch's cost); the caller restores .grad afterwards
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs], inputs=targets)
 
     # Saved-tensor bytes: one untimed forward with hooks (hooks would distort the timing).
     seen: dict[int, int] = {}
@@ -493,8 +495,8 @@ def profile_units(
     The units are run where their parameters are (no device moves). Unit ``i`` gets unit ``i-1``'s
     output, detached and requiring grad, as a pipeline stage would receive it; the first unit gets
     ``example_input`` as its positional arguments (a tuple or list is unpacked). The backward is
-    ``torch.autograd.grad`` with all-ones output gradients, so ``.grad`` of the parameters is left
-    untouched, buffers (batch-norm statistics) are restored afterwards and the random number
+    ``torch.autograd.backward`` with all-ones output gradients, accumulating into ``.grad`` as a
+    pipeline stage does over micro-batches; the parameters' ``.grad`` are restored afterwards, buffers (batch-norm statistics) are restored afterwards and the random number
     generators are forked, so training after profiling is the same as without it. ``"16-true"`` and
     ``"bf16-true"`` are measured on a converted copy of each unit; the autocast modes under
     ``torch.autocast``. ``"fp8"`` needs the two hooks of the fp8 backend, for example
@@ -560,6 +562,7 @@ def profile_units(
             if unit_home != device:
                 module.to(device)
             buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
+            grads = [(p, p.grad) for p in module.parameters()]
             runner = copy.deepcopy(module).to(true_dtype) if true_dtype is not None else module
             if prepare is not None:
                 runner = prepare(copy.deepcopy(runner) if runner is module else runner)
@@ -569,6 +572,8 @@ def profile_units(
                 with torch.no_grad():
                     for k, b in module.named_buffers():
                         b.copy_(buffers[k])
+                for p, g in grads:
+                    p.grad = g
                 if unit_home != device:
                     module.to(unit_home)
             cost.name = name

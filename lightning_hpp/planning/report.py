@@ -3,7 +3,9 @@
 The partitioner predicts each stage's time per micro-batch (forward + backward + its sends);
 :class:`PipelineTelemetry` measures forward and backward per step. After ``report_after`` steps
 this callback logs both per stage (``placement/stage_{k}/predicted_ms``, ``.../measured_ms``) and
-prints a table on rank 0, so a poor profile or a drifting device shows up early.
+for the step (``placement/step_predicted_ms``, ``placement/step_measured_ms``, the schedule's part of
+the step as telemetry times it) and prints a table on rank 0, so a poor profile or a drifting device
+shows up early.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class PlacementReport(Callback):
             raise PlanError(f"`report_after` must be a positive integer, got {report_after!r}.")
         self.report_after = report_after
         self.rows: list[tuple[int, float, float]] = []
+        self.step: tuple[float, float] | None = None  # predicted, measured step ms
         self._done = False
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
@@ -45,11 +48,18 @@ class PlacementReport(Callback):
             measured = statistics.median(per_step) / m
             self.rows.append((k, float(pred), measured))
         self._done = True
+        meta = strategy.plan.meta["predicted"]
+        schedule_ms = (m + len(predicted) - 1) * max(predicted)  # the step without the update after it
+        self.step = (float(schedule_ms), statistics.median(h.step_ms for h in telemetry.history))
         for k, pred, meas in self.rows:
             pl_module.log(f"placement/stage_{k}/predicted_ms", pred, on_step=True, on_epoch=False, batch_size=1)
             pl_module.log(f"placement/stage_{k}/measured_ms", meas, on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log("placement/step_predicted_ms", self.step[0], on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log("placement/step_measured_ms", self.step[1], on_step=True, on_epoch=False, batch_size=1)
         if trainer.is_global_zero:
-            lines = ["plan='auto': stage time per micro-batch, predicted vs measured (fwd+bwd, median)",
-                     "stage  predicted_ms  measured_ms  ratio"]
+            title = (f"plan='auto' ({meta.get('schedule')}, m={m}, pp={meta.get('pp_degree')} x dp={meta.get('dp_degree')}): "
+                     f"stage time per micro-batch, predicted vs measured (fwd+bwd, median)")
+            lines = [title, "stage  predicted_ms  measured_ms  ratio"]
             lines += [f"{k:<5}  {p:>12.3f}  {q:>11.3f}  {q / p if p else float('nan'):>5.2f}" for k, p, q in self.rows]
+            lines.append(f"step (schedule only): predicted {self.step[0]:.3f} ms, measured {self.step[1]:.3f} ms")
             print("\n".join(lines), flush=True)
