@@ -8,7 +8,7 @@ be zeroed before Lightning's ``backward`` call. :class:`GradHandover` keeps them
   and back afterwards, keeping what the schedule produced as the step's *fresh* gradients;
 * :meth:`GradHandover.hand_over` (from the strategy's ``backward``) optionally takes each stage's
   local norm (before the all-reduce: what ``BiasMonitor`` compares across replicas), averages the
-  fresh gradients over the data-parallel group in one flat all-reduce, and adds them to ``.grad``
+  fresh gradients over the data-parallel group (large ones in place, small ones flattened), and adds them to ``.grad``
   (so gradient accumulation over several batches works as under DDP).
 
 The parameter → stage map is built once, not per step.
@@ -114,15 +114,38 @@ class GradHandover:
         }
 
 
+_IN_PLACE_NUMEL = 1 << 16
+"""Gradients at least this large are all-reduced where they are; smaller ones travel flattened together."""
+
+
 def _flat_all_reduce(grads: list[Tensor | None], group: Any, divide_by: int = 1) -> None:
-    """Sum ``grads`` over ``group`` in place (then divide), one flat all-reduce per dtype."""
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    """Sum ``grads`` over ``group`` in place (then divide).
+
+    Large contiguous gradients are all-reduced in place, small ones in one flat tensor per dtype;
+    every all-reduce is started before the first is waited for. Copying large gradients into a flat
+    buffer and back costs two passes over the gradients' memory, about as much as the all-reduce itself
+    on a CPU.
+    """
+    large: list[Tensor] = []
+    small: dict[torch.dtype, list[Tensor]] = {}
     for g in grads:
-        if g is not None:
-            by_dtype.setdefault(g.dtype, []).append(g)
-    for present in by_dtype.values():  # stages may differ in dtype
+        if g is None:
+            continue
+        if g.numel() >= _IN_PLACE_NUMEL and g.is_contiguous():
+            large.append(g)
+        else:
+            small.setdefault(g.dtype, []).append(g)  # stages may differ in dtype
+    works = [dist.all_reduce(g, group=group, async_op=True) for g in large]
+    flats = []
+    for present in small.values():
         flat = torch._utils._flatten_dense_tensors(present)
-        dist.all_reduce(flat, group=group)
+        works.append(dist.all_reduce(flat, group=group, async_op=True))
+        flats.append((flat, present))
+    for work in works:
+        work.wait()
+    if divide_by != 1 and large:
+        torch._foreach_div_(large, divide_by)
+    for flat, present in flats:
         if divide_by != 1:
             flat.div_(divide_by)
         for g, synced in zip(present, torch._utils._unflatten_dense_tensors(flat, present)):
