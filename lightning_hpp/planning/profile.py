@@ -585,7 +585,7 @@ def profile_units(
         param_counts=model_signature_counts(units),
         input_shapes=_shapes(_as_args(example_input)),
         entries=[ProfileEntry(device_kind, precision, costs, source=source)],
-        meta={"torch": torch.__version__, "repeats": repeats, "warmup": warmup},
+        meta={"torch": str(torch.__version__), "repeats": repeats, "warmup": warmup},
     )
 
 
