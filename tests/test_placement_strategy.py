@@ -65,6 +65,9 @@ def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(tmp_pat
     for k in (0, 1):
         assert metrics[f"placement/stage_{k}/predicted_ms"] == pytest.approx(meta["predicted"]["stage_ms"][k])
         assert metrics[f"placement/stage_{k}/measured_ms"] > 0
+    # and for the schedule's part of the step: (m + p - 1) x the slowest predicted stage
+    assert metrics["placement/step_predicted_ms"] == pytest.approx(5 * max(meta["predicted"]["stage_ms"]))
+    assert metrics["placement/step_measured_ms"] > 0
 
     plan = load_rank(tmp_path / "kinds", 0)["plan"]
     assert plan["meta"]["predicted"]["pp_degree"] == 2  # the slow rank makes plain data parallelism the slower plan
