@@ -163,18 +163,19 @@ def _step_of(url: str) -> int | None:
 
 
 def _plan_search(roots: Sequence[str], prefer: str | None, retry: RetryPolicy | None) -> _Plan:
+    for root in roots:
+        if is_s3(root):
+            require_s3_credentials(root)
     found = scan(roots, prefer=prefer, retry=retry)
     best = found.committed[0].step if found.committed else -1
     plan = _Plan(candidates=[c.url for c in found.committed], damaged=found.unreadable, where=f"{list(roots)}")
     for url in found.unfinished:
         if has_file(url, _DCP_INDEX, retry=retry):  # the save reached its end: metadata.json was lost later
-            plan.damaged.append(
-                (
-                    url,
-                    f"it has no {METADATA_FILE}, although its shard index is complete (the file was "
-                    f"removed, or the save died just before its commit).",
-                )
+            reason = (
+                f"it has no {METADATA_FILE}, although its shard index is complete (the file was removed, or the "
+                f"save died just before its commit)."
             )
+            plan.damaged.append((url, reason))
             continue
         step = _step_of(url)
         if step is None or step > best:
@@ -353,7 +354,7 @@ def begin_fit(
         return chosen, continue_run(chosen, checkpoint_dir=checkpoint_dir, new_run=new_run)
     run_id = new_run_id()
     if checkpoint_dir is not None:
-        check_run(checkpoint_dir, run_id, resumed=False, new_run=new_run)
+        check_run(checkpoint_dir, run_id, resumed_from=None, new_run=new_run)
     return None, run_id
 
 
@@ -361,7 +362,7 @@ def continue_run(chosen: Chosen, *, checkpoint_dir: str | None, new_run: bool) -
     """The run id of a run resumed from ``chosen`` (its own), once ``checkpoint_dir`` is checked (collective)."""
     run_id = chosen.info.run_id
     if checkpoint_dir is not None:
-        check_run(checkpoint_dir, run_id, resumed=True, new_run=new_run)
+        check_run(checkpoint_dir, run_id, resumed_from=chosen.url, new_run=new_run)
     return run_id
 
 
@@ -391,35 +392,43 @@ def check_checkpoint_dir(url: str) -> None:
     on_rank0(check)
 
 
-def check_run(url: str, run_id: str | None, *, resumed: bool, new_run: bool) -> None:
+def check_run(url: str, run_id: str | None, *, resumed_from: str | None, new_run: bool) -> None:
     """Refuse to write into ``url`` when it holds checkpoints of another run (rank 0 decides).
+
+    A run resumed from a checkpoint inside ``url`` continues there; a fresh run, or one resumed from
+    elsewhere, must find no other run's checkpoints in it.
 
     Args:
         url: ``CheckpointOptions.dir``.
         run_id: This run's id (a resumed run keeps the id of the checkpoint it resumed from).
-        resumed: Whether this run resumed from a checkpoint.
+        resumed_from: The checkpoint this run resumed from, if any.
         new_run: ``CheckpointOptions.new_run``: the user asked to start a new run there.
 
     Raises:
         CheckpointError: another run's checkpoints are there and ``new_run`` is off.
     """
-    if new_run:
+    if new_run or (resumed_from is not None and _inside(resumed_from, url)):
         return
 
     def check() -> None:
-        others = [c for c in scan([url]).committed if not resumed or c.run_id != run_id]
+        others = [c for c in scan([url]).committed if resumed_from is None or c.run_id != run_id]
         if others:
             ids = sorted({str(c.run_id) for c in others})
             raise CheckpointError(
                 f"`CheckpointOptions(dir={url!r})` holds {len(others)} checkpoint(s) of another run (run id "
                 f"{', '.join(ids)}; newest {others[0].url!r}), and this run "
-                f"{'resumed from elsewhere' if resumed else 'starts fresh'}: its checkpoints would land beside "
-                f"them and a later resume='auto' could pick the other run's. Resume from them "
+                f"{'resumed from ' + repr(resumed_from) if resumed_from else 'starts fresh'}: its checkpoints would "
+                f"land beside them and a later resume='auto' could pick the other run's. Resume from them "
                 f"(`CheckpointOptions(resume='auto')`), use an empty `dir`, or pass "
                 f"`CheckpointOptions(new_run=True)` to start a new run there on purpose."
             )
 
     on_rank0(check)
+
+
+def _inside(ckpt_url: str, root: str) -> bool:
+    parent = str(ckpt_url).rstrip("/").rsplit("/", 1)[0]
+    return same_location(parent, root)
 
 
 # ----------------------------------------------------------------------------- the rest

@@ -115,6 +115,17 @@ def wrong_size_in_metadata_json(ckpt: Path) -> None:
     meta.write_text(json.dumps(doc, indent=2, sort_keys=True))
 
 
+def flip_json_entry_byte_resigned(ckpt: Path) -> None:
+    """A JSON entry damaged and ``metadata.json`` rewritten to match: only loading can tell."""
+    flip_json_entry_byte(ckpt)
+    meta = ckpt / "metadata.json"
+    doc = json.loads(meta.read_text())
+    for shard in doc["shards"]:
+        data = (ckpt / shard["path"]).read_bytes()
+        shard["size"], shard["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    meta.write_text(json.dumps(doc, indent=2, sort_keys=True))
+
+
 DAMAGES: dict[str, Callable[[Path], None]] = {
     "byte flipped in a tensor shard": flip_tensor_byte,
     "byte of a JSON entry made invalid UTF-8": flip_json_entry_byte,
@@ -131,6 +142,7 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "metadata.json emptied": empty_metadata_json,
     "a sha256 in metadata.json changed": flip_checksum_in_metadata_json,
     "a size in metadata.json changed": wrong_size_in_metadata_json,
+    "JSON entry damaged, metadata.json re-signed to match": flip_json_entry_byte_resigned,
 }
 
 

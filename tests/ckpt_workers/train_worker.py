@@ -55,7 +55,7 @@ def main(cfg: dict) -> None:
         every_n_steps=cfg.get("every") if cfg.get("dir") else None,
         keep_last=cfg.get("keep_last"),
         resume=cfg.get("resume"),
-        new_run=cfg.get("new_run", False),
+        **({"new_run": cfg["new_run"]} if "new_run" in cfg else {}),
     )
     strategy = HPPStrategy(
         plan=StagePlan([StageSpec(modules=m) for m in STAGES]),
