@@ -265,6 +265,17 @@ def test_reads_and_lookups_retry_like_writes_when_botocore_does_not(
             assert chosen.url == second and chosen.loaded["global_step"] == 2
     assert fault_proxy.faults == 1 + 2 + 2 * 4 * 2
     assert "Transient storage error" in caplog.text and BOTOCORE_RETRY not in caplog.text
+    # damage on S3: the next resume falls back and moves the damaged objects under run/corrupt/
+    s3 = s3_env.client()
+    key = "run/step-2/.metadata"
+    garbage = bytes(len(s3.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()))
+    s3.put_object(Bucket=s3_env.bucket, Key=key, Body=garbage)
+    with pytest.warns(CheckpointWarning, match=r"step-2.*'.metadata' fails its sha256.*Moved it to .*run/corrupt/step-2"):
+        chosen = select_and_load(request, lambda url: load_sharded(url, dict(template), retry=policy), retry=policy)
+    assert chosen.url == first
+    objects = s3_env.objects()
+    assert objects["run/corrupt/step-2/.metadata"] == garbage
+    assert "run/corrupt/step-2/metadata.json" in objects and not any(k.startswith("run/step-2/") for k in objects)
 
 
 def test_s3_without_credentials_is_refused_early_with_the_variables_to_set(monkeypatch: pytest.MonkeyPatch) -> None:

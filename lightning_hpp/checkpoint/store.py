@@ -769,8 +769,13 @@ def quarantine(ckpt_url: str, *, retry: RetryPolicy | None = None) -> str:
     if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
         os.makedirs(target_dir, exist_ok=True)
         os.rename(path, target)  # one atomic step
-    else:
-        _lookup(retry, lambda: fs.mv(path.rstrip("/"), target, recursive=True), f"moving {url!r} to {target!r}")
+    else:  # object stores: copy every object, then un-commit the original and delete it
+        base = path.rstrip("/")
+        files = _lookup(retry, lambda: fs.find(base), f"listing {url!r}")
+        for src in files:
+            dst = f"{target}/{src[len(base) + 1 :]}"
+            _lookup(retry, lambda s=src, d=dst: fs.copy(s, d), f"copying {src!r} to {dst!r}")
+        delete_checkpoint(url, retry=retry)
     fs.invalidate_cache(root_path)
     return join_url(root, CORRUPT_DIR, _name(target))
 
@@ -887,10 +892,10 @@ class Retention:
         _warn(f"Retention kept a damaged checkpoint: {reason} Moved it to {moved!r} instead of deleting it.")
 
 
-def delete_checkpoint(ckpt_url: str) -> None:
+def delete_checkpoint(ckpt_url: str, *, retry: RetryPolicy | None = None) -> None:
     """Delete a checkpoint directory: ``metadata.json`` first, so a crash leaves it uncommitted."""
-    remove_metadata(ckpt_url)
-    fs, path = filesystem(ckpt_url)
+    remove_metadata(ckpt_url, retry=retry)
+    fs, path = filesystem(ckpt_url, retry)
     try:
         fs.rm(path, recursive=True)
     except FileNotFoundError:
