@@ -63,6 +63,10 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint directory that is incomplete or does not match its ``metadata.json``."""
 
 
+class IncompleteCheckpointError(CorruptCheckpointError):
+    """A checkpoint directory without ``metadata.json``: a save that did not finish (or lost it)."""
+
+
 class CheckpointSaveError(RuntimeError):
     """A save that failed after its retries; every earlier checkpoint is left as it was."""
 

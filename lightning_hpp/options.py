@@ -57,6 +57,9 @@ class CheckpointOptions:
     """A save that still fails after its retries raises, or warns and training goes on."""
     resume: str | None = None
     """``"auto"`` (newest valid checkpoint in ``dir``, else start fresh), a checkpoint path/URL, or ``None``."""
+    new_run: bool = False
+    """Start a new run in a ``dir`` that holds another run's checkpoints (refused otherwise); ``resume="auto"``
+    then prefers the checkpoints of the run that saved last."""
 
     def __post_init__(self) -> None:
         name = "CheckpointOptions"
@@ -67,6 +70,7 @@ class CheckpointOptions:
         _positive_int(name, "every_n_steps", self.every_n_steps)
         _positive_int(name, "keep_last", self.keep_last)
         _bool(name, "async_save", self.async_save)
+        _bool(name, "new_run", self.new_run)
         _choice(name, "on_error", self.on_error, ("raise", "warn"))
         if self.resume is not None and not isinstance(self.resume, str):
             raise PlanError(f"`{name}(resume={self.resume!r})`: must be None, 'auto' or a checkpoint path/URL.")
@@ -76,6 +80,8 @@ class CheckpointOptions:
                     raise PlanError(f"`{name}({field}=...)` applies to the checkpoints in `dir`, but `dir` is not set; set `dir=`.")
             if self.resume == "auto":
                 raise PlanError(f"`{name}(resume='auto')` looks for checkpoints in `dir`, but `dir` is not set; set `dir=`.")
+            if self.new_run:
+                raise PlanError(f"`{name}(new_run=True)` applies to the checkpoints in `dir`, but `dir` is not set; set `dir=`.")
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ from lightning_hpp.pipeline.data import (
     first_loader,
     peek_batch,
     rebatch,
+    resume_mid_epoch,
     seed_workers_per_replica,
     shard_over_replicas,
 )
@@ -192,6 +193,10 @@ class HPPStrategy(ParallelStrategy):
         self._resumed_from: str | None = None
         self._pending_rng: dict | None = None
         self._resume_batches = 0
+        self._resume_epoch = 0
+        self._fit_request: Any = None
+        self._preloaded: _resume.Chosen | None = None
+        self._run_id: str | None = None
 
     # ------------------------------------------------------------------ read-only state
     @property
@@ -302,7 +307,9 @@ class HPPStrategy(ParallelStrategy):
 
     def _resolve_fit_ckpt(self, trainer: Any, ckpt_path: Any) -> Any:
         dirs = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
-        return _resume.resolve_ckpt_path(ckpt_path, resume=self._checkpoint.resume, checkpoint_dir=self._checkpoint.dir, callback_dirs=dirs)
+        self._fit_request = _resume.resolve_ckpt_path(ckpt_path, resume=self._checkpoint.resume, checkpoint_dir=self._checkpoint.dir,
+                                                      callback_dirs=dirs)
+        return self._fit_request  # a PendingResume is decided by all ranks together at the end of setup
 
     @override
     def setup_environment(self) -> None:
@@ -360,6 +367,9 @@ class HPPStrategy(ParallelStrategy):
         if self.is_global_zero and log_dir is not None:
             meta = dict(schedule=self._schedule, n_microbatches=self._n_microbatches, pp_degree=self._mesh.pp, dp_degree=self._mesh.dp)
             self._plan.save(f"{str(log_dir).rstrip('/')}/{PLAN_FILENAME}", **meta)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._preloaded, self._run_id = _resume.begin_fit(self._fit_request, checkpoint_dir=self._checkpoint.dir,
+                                                              new_run=self._checkpoint.new_run, load=self._load_sharded)
 
     def _check_inputs(self, trainer: Any) -> None:
         """Combinations of inputs that would otherwise be silently ignored."""
@@ -594,6 +604,9 @@ class HPPStrategy(ParallelStrategy):
                 seed_workers_per_replica(dataloader, self._seed(), self._mesh.replica)
             shard_over_replicas(dataloader, self._mesh.dp, self._mesh.replica)
             rebatch(dataloader, self._split)
+        if self._resume_batches and self.lightning_module.trainer.training:  # before its iterator (and workers) exist
+            resume_mid_epoch(dataloader, self._resume_batches, self._resume_epoch)
+            self._resume_batches = 0
         return dataloader
 
     # ------------------------------------------------------------------ collectives
@@ -631,7 +644,7 @@ class HPPStrategy(ParallelStrategy):
         assert self._mesh is not None and self._plan is not None
         metrics = {k: float(v) for k, v in self.lightning_module.trainer.callback_metrics.items()
                    if isinstance(v, Tensor) and v.numel() == 1}
-        extra = {"plan": self._plan.to_dict(), "metrics": metrics, "hyper_parameters": checkpoint.get("hyper_parameters"),
+        extra = {"plan": self._plan.to_dict(), "metrics": metrics, "hyper_parameters": checkpoint.get("hyper_parameters"), "run_id": self._run_id,
                  "fingerprint": self._active_guard.checkpoint_metadata() if self._active_guard is not None else None}
         opts = self._checkpoint
         save_lightning_checkpoint(checkpoint, str(filepath), self.lightning_module, self.optimizers, global_rank=self.global_rank,
@@ -655,13 +668,21 @@ class HPPStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load this rank's part of a sharded checkpoint, whatever layout saved it (collective)."""
-        url = _resume.committed_checkpoint(str(checkpoint_path))
-        checkpoint = load_lightning_checkpoint(url, self.lightning_module, self.optimizers, global_rank=self.global_rank,
-                                               position=self._mesh.position if self._mesh else 0)
+        chosen, self._preloaded = self._preloaded, None
+        if chosen is None or not isinstance(checkpoint_path, _resume.PendingResume):  # an explicit path: verified here
+            chosen = _resume.select_and_load(str(checkpoint_path), self._load_sharded)
+            if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+                self._run_id = _resume.continue_run(chosen, checkpoint_dir=self._checkpoint.dir, new_run=self._checkpoint.new_run)
+        checkpoint = chosen.loaded
         self._pending_rng = checkpoint.pop("hpp_rng", None)
-        self._resumed_from = url
+        self._resumed_from = chosen.url
         self._resume_batches = _resume.consumed_batches(checkpoint)
+        self._resume_epoch = int(checkpoint.get("epoch", 0) or 0)
         return checkpoint
+
+    def _load_sharded(self, url: str) -> dict[str, Any]:
+        return load_lightning_checkpoint(url, self.lightning_module, self.optimizers, global_rank=self.global_rank,
+                                         position=self._mesh.position if self._mesh else 0)
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
@@ -674,10 +695,6 @@ class HPPStrategy(ParallelStrategy):
         if self._pending_rng is not None:
             set_rng_state(self._pending_rng)
             self._pending_rng = None
-        if self._resume_batches:
-            combined = self.lightning_module.trainer.fit_loop._combined_loader
-            _resume.skip_consumed_batches(combined.flattened if combined is not None else [], self._resume_batches)
-            self._resume_batches = 0
 
     @override
     def teardown(self) -> None:
@@ -703,3 +720,4 @@ def _timeout(value: Any) -> timedelta:
 
 if "hpp" not in StrategyRegistry:
     HPPStrategy.register_strategies(StrategyRegistry)
+

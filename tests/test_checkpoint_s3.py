@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,8 @@ from lightning_hpp.checkpoint import (
     save_sharded,
     verify,
 )
-from lightning_hpp.checkpoint.store import filesystem
+from lightning_hpp.checkpoint.resume import PendingResume, check_checkpoint_dir, select_and_load
+from lightning_hpp.checkpoint.store import filesystem, read_metadata, scan
 from lightning_hpp.errors import CheckpointError, CheckpointSaveError, S3ConfigError
 from tests.ckpt_workers.common import big_state
 from tests.s3_server import FaultProxy, S3Env, fault_proxy, s3_env  # noqa: F401
@@ -232,3 +234,60 @@ def test_s3_options_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     assert RetryPolicy(attempts=5).for_url("s3://b/run").attempts == 1  # no whole-operation retry on S3
     dirty = {"url": "s3://AKIAX:pw@bucket/x", "secret": "very-secret-value", "msg": "k=very-secret-value"}
     assert redact(dirty, env=env) == {"url": "s3://***@bucket/x", "secret": "***", "msg": "k=***"}
+
+
+def test_reads_and_lookups_retry_like_writes_when_botocore_does_not(
+    s3_env: S3Env, fault_proxy: FaultProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    # one try per S3 request (botocore and s3fs retries off): every retry below is lightning_hpp's own
+    policy = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05, s3_per_request=False)
+    root = s3_env.root
+    first, second = checkpoint_url(root, 1), checkpoint_url(root, 2)
+    save_sharded(_state(1), first, step=1, retry=policy)
+    fault_proxy.fail_next(1, "503", methods=("GET",))
+    with pytest.raises(OSError):  # the control: one 503 fails a lookup without that retry
+        read_metadata(first, retry=replace(policy, attempts=1))
+    template = {"model": {"enc.weight": torch.zeros(128, 64), "enc.bias": torch.zeros(64)}, "global_step": None}
+    with caplog.at_level(logging.DEBUG):
+        fault_proxy.fail_next(2, "503", methods=("PUT",))
+        save_sharded(_state(2), second, step=2, retry=policy)  # writes
+        for kind in ("503", "reset"):
+            fault_proxy.fail_next(2, kind)
+            assert [c.step for c in scan([root], retry=policy).committed] == [2, 1]  # LIST + GET metadata.json
+            fault_proxy.fail_next(2, kind)
+            assert verify(second, retry=policy).step == 2  # GET metadata.json, LIST sizes, GET for sha256
+            fault_proxy.fail_next(2, kind)
+            loaded = load_sharded(second, dict(template), retry=policy)  # metadata, index, shards
+            assert torch.equal(loaded["model"]["enc.weight"], _state(2)["model"]["enc.weight"])
+            fault_proxy.fail_next(2, kind)
+            request = PendingResume(root, roots=[root], what="resume='auto'")
+            chosen = select_and_load(request, lambda url: load_sharded(url, dict(template), retry=policy), retry=policy)
+            assert chosen.url == second and chosen.loaded["global_step"] == 2
+    assert fault_proxy.faults == 1 + 2 + 2 * 4 * 2
+    assert "Transient storage error" in caplog.text and BOTOCORE_RETRY not in caplog.text
+    # damage on S3: the next resume falls back and moves the damaged objects under run/corrupt/
+    s3 = s3_env.client()
+    key = "run/step-2/.metadata"
+    garbage = bytes(len(s3.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()))
+    s3.put_object(Bucket=s3_env.bucket, Key=key, Body=garbage)
+    with pytest.warns(CheckpointWarning, match=r"step-2.*'.metadata' fails its sha256.*Moved it to .*run/corrupt/step-2"):
+        chosen = select_and_load(request, lambda url: load_sharded(url, dict(template), retry=policy), retry=policy)
+    assert chosen.url == first
+    objects = s3_env.objects()
+    assert objects["run/corrupt/step-2/.metadata"] == garbage
+    assert "run/corrupt/step-2/metadata.json" in objects and not any(k.startswith("run/step-2/") for k in objects)
+
+
+def test_s3_without_credentials_is_refused_early_with_the_variables_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    expected = r"'s3://ckpt-bucket/run' is on S3, but no S3 credentials were found\. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+    with pytest.raises(S3ConfigError, match=expected):
+        check_checkpoint_dir("s3://ckpt-bucket/run")  # what the strategy runs at setup, before any save
+    with pytest.raises(S3ConfigError, match=expected):
+        select_and_load(PendingResume("s3://ckpt-bucket/run", roots=["s3://ckpt-bucket/run"], what="resume='auto'"), len)
+    with pytest.raises(S3ConfigError, match="no S3 credentials"):
+        select_and_load("s3://ckpt-bucket/run/step-1", len)

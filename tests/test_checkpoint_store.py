@@ -26,8 +26,17 @@ from lightning_hpp.checkpoint import (
     save_sharded,
     verify,
 )
-from lightning_hpp.checkpoint.store import CheckpointInfo
-from lightning_hpp.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
+from lightning_hpp.checkpoint.resume import PendingResume, check_checkpoint_dir, check_run, select_and_load
+from lightning_hpp.checkpoint.store import CORRUPT_DIR, CheckpointInfo, scan, step_dirs
+from lightning_hpp.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError, PlanError
+from lightning_hpp.options import CheckpointOptions
+from tests.ckpt_workers.damage import (
+    delete_metadata_json,
+    digest,
+    flip_tensor_byte,
+    truncate_metadata_json,
+    truncate_shard,
+)
 
 
 def _state(step: int) -> dict:
@@ -292,3 +301,80 @@ def test_save_rejects_bad_arguments(tmp_path: Path, kwargs: dict, match: str) ->
     with pytest.raises(CheckpointError, match=match):
         save_sharded(_state(1), str(tmp_path / "x"), **kwargs)
     assert not os.path.exists(tmp_path / "x")
+
+
+# ----------------------------------------------------------------------------- damage, run ids, explicit paths
+
+
+def _load_step(url: str) -> dict:
+    return load_sharded(url, {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}, "step": None})
+
+
+def test_retention_moves_checkpoints_it_cannot_verify_aside_instead_of_deleting_them(tmp_path: Path) -> None:
+    urls = {step: _save(tmp_path, step) for step in (1, 2, 3, 4)}
+    flip_tensor_byte(Path(urls[1]))  # same size: only the checksum can tell
+    truncate_metadata_json(Path(urls[2]))  # not committed any more, yet not an unfinished save
+    damaged = {1: digest(Path(urls[1])), 2: digest(Path(urls[2]))}
+    with pytest.warns(CheckpointWarning, match=r"Retention kept a damaged checkpoint") as caught:
+        deleted = Retention(keep_last=1).apply(str(tmp_path))
+    assert deleted == [urls[3]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CORRUPT_DIR, "step-4"]
+    for step, files in damaged.items():
+        assert digest(tmp_path / CORRUPT_DIR / f"step-{step}") == files
+    text = " ".join(str(w.message) for w in caught)
+    assert "step-1" in text and "sha256" in text and "step-2" in text and "not valid JSON" in text
+
+
+def test_resume_prefers_the_run_that_saved_last_and_fresh_runs_refuse_other_runs_dirs(tmp_path: Path) -> None:
+    for step in (4, 8, 12):
+        save_sharded(_state(step), checkpoint_url(str(tmp_path), step), step=step, extra_metadata={"run_id": "old"})
+    # a new run started there on purpose: ModelCheckpoint names its step-4 "step-4-v1" since step-4 exists
+    newer = str(tmp_path / "step-4-v1")
+    save_sharded(_state(4), newer, step=4, extra_metadata={"run_id": "new"})
+    found = scan([str(tmp_path)])
+    assert [c.url for c in found.committed][:2] == [newer, checkpoint_url(str(tmp_path), 12)]
+    assert (4, newer) in step_dirs(str(tmp_path))  # retention sees it too
+    chosen = select_and_load(PendingResume(str(tmp_path), roots=[str(tmp_path)], what="resume='auto'"), _load_step)
+    assert chosen.url == newer and chosen.info.run_id == "new"
+    with pytest.raises(CheckpointError, match=r"holds 4 checkpoint\(s\) of another run .*new_run=True"):
+        check_run(str(tmp_path), "fresh", resumed_from=None, new_run=False)
+    check_run(str(tmp_path), "fresh", resumed_from=None, new_run=True)
+    check_run(str(tmp_path), "new", resumed_from=newer, new_run=False)  # resumed from them: continues there
+    elsewhere = _save(tmp_path / "elsewhere", 3)
+    with pytest.raises(CheckpointError, match=r"holds 4 checkpoint\(s\) of another run .*resumed from"):
+        check_run(str(tmp_path), None, resumed_from=elsewhere, new_run=False)
+    with pytest.raises(PlanError, match="new_run"):
+        CheckpointOptions(dir=str(tmp_path), new_run="yes")
+    with pytest.raises(PlanError, match=r"new_run=True.*`dir` is not set"):
+        CheckpointOptions(new_run=True)
+
+
+def test_explicit_ckpt_path_errors_name_the_real_cause(tmp_path: Path) -> None:
+    urls = {step: _save(tmp_path / "run", step) for step in (1, 2)}
+    truncate_shard(Path(urls[2]))
+    with pytest.raises(CorruptCheckpointError, match=r"is damaged: .*'__0_0.distcp' has \d+ bytes, metadata.json says"):
+        select_and_load(urls[2], _load_step)
+    assert (tmp_path / "run" / "step-2").is_dir()  # an explicit checkpoint is left where it is
+    # its parent directory: the newest valid checkpoint in it, past the damaged one
+    with pytest.warns(CheckpointWarning, match=r"Skipping checkpoint .*step-2.*truncated.*Falling back to .*step-1"):
+        chosen = select_and_load(str(tmp_path / "run"), _load_step)
+    assert chosen.url == urls[1] and torch.equal(chosen.loaded["model"]["w"], _state(1)["model"]["w"])
+    a_file = tmp_path / "model.ckpt"
+    a_file.write_bytes(b"not a directory")
+    with pytest.raises(CheckpointError, match=r"ckpt_path .*model.ckpt' is a file; .*directories"):
+        select_and_load(str(a_file), _load_step)
+    with pytest.raises(CheckpointError, match=r"does not exist"):
+        select_and_load(str(tmp_path / "nowhere"), _load_step)
+    with pytest.raises(CheckpointError, match=r"`CheckpointOptions\(dir=.*model.ckpt'\)` is a file"):
+        check_checkpoint_dir(str(a_file))
+    check_checkpoint_dir(str(tmp_path / "not-yet"))  # created on the first save
+
+
+def test_metadata_json_missing_is_named_when_skipped(tmp_path: Path) -> None:
+    urls = {step: _save(tmp_path, step) for step in (1, 2, 3)}
+    delete_metadata_json(Path(urls[3]))  # a save killed before its commit ...
+    os.remove(Path(urls[3]) / ".metadata")  # ... before its index, too
+    with pytest.warns(CheckpointWarning, match=r"Skipping .*step-3': it has no metadata.json, so its save did not finish"):
+        chosen = select_and_load(PendingResume(str(tmp_path), roots=[str(tmp_path)], what="resume='auto'"), _load_step)
+    assert chosen.url == urls[2]
+    assert (tmp_path / "step-3").is_dir()  # an unfinished save is not damage: the next save of step 3 reuses it

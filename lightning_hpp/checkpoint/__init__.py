@@ -5,8 +5,11 @@
   saved under one stage layout loads under another.
 * :func:`list_checkpoints`, :func:`latest_valid`, :func:`verify`: a checkpoint counts once its
   ``metadata.json`` is written (last); incomplete or corrupt ones are skipped with a warning.
+* :mod:`~lightning_hpp.checkpoint.resume`: where a fit starts, decided once for every rank; damage
+  found by any rank while verifying (sha256, shared between the ranks) or loading falls back to the
+  next valid checkpoint and moves the damaged one to ``<root>/corrupt/``.
 * :class:`Retention`: keep the last k and the best k, never the one resumed from or the newest
-  valid one.
+  valid one; a checkpoint it cannot verify is moved to ``corrupt/``, never deleted.
 * :func:`export_to_lightning_ckpt`: one plain Lightning ``.ckpt`` for inference.
 """
 

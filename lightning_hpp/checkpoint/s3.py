@@ -82,9 +82,7 @@ def s3_storage_options(
     if retry_mode not in RETRY_MODES:
         raise S3ConfigError(f"S3 retry mode is {retry_mode!r}; use one of {list(RETRY_MODES)}.")
     # total_max_attempts counts the first try (botocore's own `max_attempts` key counts retries)
-    options: dict[str, Any] = {
-        "config_kwargs": {"retries": {"total_max_attempts": max_attempts, "mode": retry_mode}}
-    }
+    options: dict[str, Any] = {"config_kwargs": {"retries": {"total_max_attempts": max_attempts, "mode": retry_mode}}}
     client_kwargs: dict[str, Any] = {}
     for name in ENDPOINT_ENV_VARS:
         value = env.get(name)
@@ -103,6 +101,33 @@ def s3_storage_options(
     if client_kwargs:
         options["client_kwargs"] = client_kwargs
     return options
+
+
+CREDENTIAL_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+
+
+def require_s3_credentials(url: str) -> None:
+    """Refuse ``url`` (on S3) early when botocore finds no credentials at all.
+
+    Without this, the first request fails deep inside s3fs with ``NoCredentialsError``.
+
+    Raises:
+        S3ConfigError: no credentials in the environment, the shared files or an instance role.
+    """
+    import botocore.exceptions
+    import botocore.session
+
+    try:
+        credentials = botocore.session.Session().get_credentials()
+    except botocore.exceptions.BotoCoreError as exc:  # a profile that does not exist, a broken config file
+        raise S3ConfigError(f"{redact(url)!r} is on S3, but its credentials cannot be read: {exc}.") from None
+    if credentials is None:
+        raise S3ConfigError(
+            f"{redact(url)!r} is on S3, but no S3 credentials were found. Set AWS_ACCESS_KEY_ID and "
+            f"AWS_SECRET_ACCESS_KEY (plus AWS_SESSION_TOKEN for temporary credentials), or AWS_PROFILE naming "
+            f"a profile of ~/.aws/credentials, or run where an instance role provides them; for a non-AWS "
+            f"server also set {ENDPOINT_ENV_VARS[1]}."
+        )
 
 
 def _is_secret_name(name: str) -> bool:
@@ -134,9 +159,7 @@ def secret_values(env: Mapping[str, str] | None = None) -> list[str]:
     found = {
         value
         for name, value in env.items()
-        if value
-        and len(value) >= _MIN_SECRET_LEN
-        and (name in SECRET_ENV_VARS or _is_secret_name(name))
+        if value and len(value) >= _MIN_SECRET_LEN and (name in SECRET_ENV_VARS or _is_secret_name(name))
     }
     return sorted(found, key=len, reverse=True)
 

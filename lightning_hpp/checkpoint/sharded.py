@@ -384,8 +384,9 @@ class _IndexUnpickler(pickle.Unpickler):
 
 def _read_index(url: str, retry: RetryPolicy | None = None) -> Metadata:
     fs, path = filesystem(url, retry)
+    target = f"{path.rstrip('/')}/{_DCP_INDEX}"
     try:
-        raw = fs.cat_file(f"{path.rstrip('/')}/{_DCP_INDEX}")
+        raw = (retry or RetryPolicy()).call(lambda: fs.cat_file(target), what=f"reading the shard index of {url!r}")
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{url!r} has no {_DCP_INDEX} (the shard index).") from None
     try:
@@ -455,13 +456,19 @@ def _world(group: Any) -> int:
 
 def _agree(error: BaseException | None, group: Any, what: str, exc_type: type = CheckpointError) -> None:
     """Raise on every rank if any rank failed ``what`` (so no rank waits in a collective)."""
-    report = None if error is None else f"{type(error).__name__}: {redact(str(error))}"
+    report = None
+    if error is not None:
+        report = (f"{type(error).__name__}: {redact(str(error))}", isinstance(error, CorruptCheckpointError))
     reports = all_gather_object(report, group)
     if error is not None:
         raise error
-    for rank, message in enumerate(reports):
-        if message is not None:
-            raise exc_type(f"rank {rank} failed {what}: {message}")
+    for rank, entry in enumerate(reports):
+        if entry is not None:
+            message, corrupt = entry
+            # damage stays damage on every rank, so that callers can fall back to another checkpoint
+            raise (CorruptCheckpointError if corrupt and exc_type is CheckpointError else exc_type)(
+                f"rank {rank} failed {what}: {message}"
+            )
 
 
 _ASYNC_GROUPS: dict[tuple[int, ...], Any] = {}
@@ -965,8 +972,8 @@ def load_sharded(
     metadata: Metadata | None = None
     bound: dict[str, Any] = {}
     try:
-        whole.call(lambda: read_metadata(url, retry=retry), what=f"reading {METADATA_FILE} of {url!r}")
-        metadata = whole.call(lambda: _read_index(url, retry), what=f"reading the shard index of {url!r}")
+        read_metadata(url, retry=retry)  # lookups retry by themselves
+        metadata = _read_index(url, retry)
         binder = _Binder(_index(metadata, url), url)
         bound = binder.bind(state)
     except Exception as exc:

@@ -34,6 +34,16 @@ Retries of transient storage errors (connection resets, 5xx, throttling, timeout
   is collective, so every rank re-runs it together.
 
 :meth:`RetryPolicy.for_url` gives the whole-operation policy for a URL (one try on ``s3://``).
+
+Lookups and small reads (listing a root, ``metadata.json``, the shard index, file sizes, the
+checksum streams) are retried whole by :meth:`RetryPolicy.call` on every store, S3 included: they
+are cheap to repeat, and a resume that dies on one 503 while listing checkpoints is a crash loop
+under an elastic launcher. ``RetryPolicy(s3_per_request=False)`` turns botocore's and s3fs's
+per-request retries off, so that on S3 too every read, lookup and write is retried by the
+whole-operation layer alone (for S3-compatible servers whose retry answers botocore misreads).
+
+Damaged checkpoints are never deleted: :func:`quarantine` moves them to ``<root>/corrupt/``, where
+they are out of the way of discovery, retention and the next save of the same step.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ import re
 import time
 import warnings
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Literal, TypeVar
@@ -56,7 +67,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from lightning_hpp.checkpoint.s3 import DEFAULT_MAX_ATTEMPTS, RETRY_MODES, redact, s3_storage_options
-from lightning_hpp.errors import CheckpointError, CorruptCheckpointError
+from lightning_hpp.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +78,10 @@ FORMAT_VERSION = 1
 
 METADATA_FILE = "metadata.json"
 STEP_PREFIX = "step-"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"^step-(\d+)(?:-v\d+)?$")  # ModelCheckpoint adds -v<k> when the name exists
+CORRUPT_DIR = "corrupt"
+"""Sub-directory of a checkpoint root that damaged checkpoints are moved to (never deleted)."""
+_HASH_THREADS = 4
 _HASH_BLOCK = 8 * 2**20
 
 _TRANSIENT_ERRNOS = {
@@ -133,17 +147,24 @@ def _warn(message: str) -> None:
 _S3_PROTOCOLS = ("s3", "s3a")
 
 
-def per_request_retries(url: str) -> bool:
-    """Whether botocore retries each request to ``url`` (``s3://``), so no whole-operation retry is added."""
+def is_s3(url: str) -> bool:
+    """Whether ``url`` is on S3 (``s3://``, ``s3a://``)."""
     return fsspec.utils.get_protocol(str(url)) in _S3_PROTOCOLS
+
+
+def per_request_retries(url: str, retry: RetryPolicy | None = None) -> bool:
+    """Whether botocore retries each request to ``url`` (``s3://`` unless ``retry.s3_per_request``
+    is off), so no whole-operation retry is added to big reads and writes."""
+    return is_s3(url) and (retry is None or retry.s3_per_request)
 
 
 def storage_options(url: str, retry: RetryPolicy | None = None) -> dict[str, Any]:
     """fsspec options for ``url``: for S3 the endpoint and region from the environment and
     botocore's retry configuration from ``retry`` (default ``RetryPolicy()``); else none."""
-    if per_request_retries(url):
+    if is_s3(url):
         policy = retry or RetryPolicy()
-        return s3_storage_options(max_attempts=policy.attempts, retry_mode=policy.s3_mode)
+        attempts = policy.attempts if policy.s3_per_request else 1
+        return s3_storage_options(max_attempts=attempts, retry_mode=policy.s3_mode)
     return {}
 
 
@@ -151,10 +172,11 @@ def filesystem(url: str, retry: RetryPolicy | None = None) -> tuple[fsspec.Abstr
     """The fsspec filesystem and the protocol-less path of ``url``, with ``retry``'s per-request
     retries configured for S3 (see the module docstring)."""
     fs, path = url_to_fs(str(url), **storage_options(url, retry))
-    if per_request_retries(url):
+    if is_s3(url):
         # s3fs's wrapper around each call: re-tries response bodies cut off mid-read. Not a
         # constructor argument of s3fs; the instance is cached per options, so per attempt count.
-        fs.retries = (retry or RetryPolicy()).attempts
+        policy = retry or RetryPolicy()
+        fs.retries = policy.attempts if policy.s3_per_request else 1
     return fs, path
 
 
@@ -231,6 +253,8 @@ class RetryPolicy:
         jitter: Relative random spread of each wait (0.1 = +/-10%) (not S3).
         s3_mode: botocore's retry mode for S3: ``"standard"``, or ``"adaptive"`` (standard plus
             client-side rate limiting while the server throttles).
+        s3_per_request: Let botocore (and s3fs) retry each S3 request. ``False``: one try per
+            request, and every operation on S3 is retried whole as on other stores.
     """
 
     attempts: int = DEFAULT_MAX_ATTEMPTS
@@ -239,6 +263,7 @@ class RetryPolicy:
     multiplier: float = 2.0
     jitter: float = 0.1
     s3_mode: Literal["standard", "adaptive"] = "standard"
+    s3_per_request: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
@@ -251,15 +276,17 @@ class RetryPolicy:
                 raise CheckpointError(f"`RetryPolicy.{name}` is {value!r}; use a number >= 0.")
         if not isinstance(self.multiplier, (int, float)) or self.multiplier < 1:
             raise CheckpointError(f"`RetryPolicy.multiplier` is {self.multiplier!r}; use a number >= 1.")
+        if not isinstance(self.s3_per_request, bool):
+            raise CheckpointError(f"`RetryPolicy.s3_per_request` is {self.s3_per_request!r}; use True or False.")
 
     def for_url(self, url: str) -> RetryPolicy:
         """The whole-operation policy for ``url``: one try where botocore retries each request
         (``s3://``; retrying the operation too would only multiply its tries), else ``self``."""
-        return replace(self, attempts=1) if per_request_retries(url) else self
+        return replace(self, attempts=1) if per_request_retries(url, self) else self
 
     def describe(self, url: str, tries: int) -> str:
         """``"after N tries"`` for an error message about an operation on ``url``."""
-        if per_request_retries(url):
+        if per_request_retries(url, self):
             return f"after up to {self.attempts} tries of each request (botocore, {self.s3_mode} mode)"
         return f"after {tries} {'try' if tries == 1 else 'tries'}"
 
@@ -323,6 +350,15 @@ class CheckpointInfo:
     def metrics(self) -> dict[str, float]:
         return dict(self.metadata.get("metrics") or {})
 
+    @property
+    def run_id(self) -> str | None:
+        """The id of the training run that wrote it (``None`` for checkpoints written before run ids)."""
+        return self.metadata.get("run_id")
+
+    @property
+    def created(self) -> float:
+        return float(self.metadata.get("created", 0.0) or 0.0)
+
 
 def build_metadata(
     *,
@@ -337,9 +373,9 @@ def build_metadata(
         step: Steps completed.
         shards: One ``{"path", "size", "sha256"}`` per file of the checkpoint.
         world_size: Number of ranks that wrote it.
-        extra_metadata: ``plan`` (dict), ``fingerprint`` (dict or None) and ``metrics``
-            (name -> float, used by :class:`Retention`) are stored at the top level; any other
-            key is stored under ``extra``. Values must be JSON-serializable.
+        extra_metadata: ``plan`` (dict), ``fingerprint`` (dict or None), ``run_id`` (str, the
+            training run) and ``metrics`` (name -> float, used by :class:`Retention`) are stored at
+            the top level; any other key is stored under ``extra``. Values must be JSON-serializable.
 
     Returns:
         The JSON-ready dict.
@@ -368,6 +404,7 @@ def build_metadata(
         "world_size": int(world_size),
         "plan": plan,
         "fingerprint": extra.pop("fingerprint", None),
+        "run_id": extra.pop("run_id", None),
         "metrics": metrics,
         "extra": extra,
         "shards": sorted(({**s} for s in shards), key=lambda s: s["path"]),
@@ -420,25 +457,37 @@ def remove_metadata(ckpt_url: str, *, retry: RetryPolicy | None = None) -> bool:
     return True
 
 
+def _lookup(retry: RetryPolicy | None, fn: Callable[[], T], what: str) -> T:
+    """A lookup or small read, retried whole on transient errors on every store (module docstring)."""
+    return (retry or RetryPolicy()).call(fn, what=what)
+
+
 def read_metadata(ckpt_url: str, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
     """Parse and check ``metadata.json`` of the checkpoint at ``ckpt_url``.
 
-    ``retry`` sets the per-request retries on S3 (:func:`filesystem`).
+    ``retry``: transient errors are retried (see the module docstring).
 
     Raises:
-        CorruptCheckpointError: missing (an unfinished save), unreadable, or not of this format.
+        IncompleteCheckpointError: missing (an unfinished save).
+        CorruptCheckpointError: unreadable, or not of this format.
     """
     fs, path = filesystem(ckpt_url, retry)
-    fs.invalidate_cache(path)
+
+    def cat() -> bytes:
+        fs.invalidate_cache(path)
+        return fs.cat_file(f"{path.rstrip('/')}/{METADATA_FILE}")
+
     try:
-        raw = fs.cat_file(f"{path.rstrip('/')}/{METADATA_FILE}")
+        raw = _lookup(retry, cat, f"reading {METADATA_FILE} of {ckpt_url!r}")
     except FileNotFoundError:
-        raise CorruptCheckpointError(
+        raise IncompleteCheckpointError(
             f"{ckpt_url!r} has no {METADATA_FILE}: the save that wrote it did not finish."
         ) from None
+    except IsADirectoryError:
+        raise CorruptCheckpointError(f"{ckpt_url!r}: its {METADATA_FILE} is a directory, not a file.") from None
     try:
         meta = json.loads(raw)
-    except ValueError as exc:
+    except ValueError as exc:  # UnicodeDecodeError included
         raise CorruptCheckpointError(f"{METADATA_FILE} of {ckpt_url!r} is not valid JSON ({exc}).") from None
     if not isinstance(meta, dict):
         raise CorruptCheckpointError(f"{METADATA_FILE} of {ckpt_url!r} is not a JSON object.")
@@ -452,7 +501,12 @@ def read_metadata(ckpt_url: str, *, retry: RetryPolicy | None = None) -> dict[st
     if not isinstance(meta.get("step"), int) or not isinstance(shards, list) or not shards:
         raise CorruptCheckpointError(f"{METADATA_FILE} of {ckpt_url!r} lacks 'step' or 'shards'.")
     for s in shards:
-        if not (isinstance(s, dict) and {"path", "size", "sha256"} <= s.keys()):
+        if not (
+            isinstance(s, dict)
+            and isinstance(s.get("path"), str)
+            and isinstance(s.get("size"), int)
+            and isinstance(s.get("sha256"), str)
+        ):
             raise CorruptCheckpointError(f"{METADATA_FILE} of {ckpt_url!r} has a malformed shard entry {s!r}.")
     return meta
 
@@ -466,113 +520,197 @@ def sha256_of(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return digest.hexdigest()
 
 
-def verify(ckpt_url: str, *, checksums: bool = True, retry: RetryPolicy | None = None) -> CheckpointInfo:
+_SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def checked_by(path: str, rank: int, world: int) -> bool:
+    """Whether rank ``rank`` of ``world`` checks the checkpoint file ``path`` when ranks share the work.
+
+    torch.distributed.checkpoint's data files (``__<w>_<i>.distcp``, written by rank ``w``) go to
+    rank ``w % world``, so under the layout that saved it each rank checks the files it wrote;
+    every other file (the shard index) is read by every rank, so every rank checks it.
+    """
+    match = _SHARD_FILE.match(path.rsplit("/", 1)[-1])
+    return match is None or int(match.group(1)) % world == rank
+
+
+def verify(
+    ckpt_url: str,
+    *,
+    checksums: bool = True,
+    retry: RetryPolicy | None = None,
+    share: tuple[int, int] | None = None,
+) -> CheckpointInfo:
     """Check that the checkpoint at ``ckpt_url`` is committed and whole.
 
     Args:
         ckpt_url: A checkpoint directory (``<root>/step-<N>``).
-        checksums: Also recompute every file's sha256 (reads the whole checkpoint). Without it
-            only presence and sizes are checked.
-        retry: Per-request retries on S3 (:func:`filesystem`); default ``RetryPolicy()``.
+        checksums: Also recompute the sha256 of the files (streamed, several files at once).
+            Without it only presence and sizes are checked.
+        retry: Retries of transient storage errors; default ``RetryPolicy()``.
+        share: ``(rank, world)``: check only the files :func:`checked_by` gives this rank (the
+            ranks of a job split the work); ``None``: every file.
 
     Returns:
         The checkpoint's :class:`CheckpointInfo`.
 
     Raises:
-        CorruptCheckpointError: no ``metadata.json``, a shard missing, truncated or with a
+        CorruptCheckpointError: no ``metadata.json``, a file missing, truncated or with a
             checksum that does not match.
     """
     meta = read_metadata(ckpt_url, retry=retry)
     fs, path = filesystem(ckpt_url, retry)
-    for shard in meta["shards"]:
-        shard_path = f"{path.rstrip('/')}/{shard['path']}"
-        try:
-            size = fs.info(shard_path)["size"]
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{ckpt_url!r}: shard {shard['path']!r} is missing.") from None
+    base = path.rstrip("/")
+    shards = [s for s in meta["shards"] if share is None or checked_by(s["path"], *share)]
+
+    def sizes() -> dict[str, int]:
+        fs.invalidate_cache(base)
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in fs.ls(base, detail=True)}
+
+    present = _lookup(retry, sizes, f"listing the files of {ckpt_url!r}")
+    for shard in shards:
+        size = present.get(shard["path"])
+        if size is None:
+            raise CorruptCheckpointError(f"{ckpt_url!r}: shard {shard['path']!r} is missing.")
         if size != shard["size"]:
             raise CorruptCheckpointError(
                 f"{ckpt_url!r}: shard {shard['path']!r} has {size} bytes, {METADATA_FILE} says "
                 f"{shard['size']} (truncated or overwritten)."
             )
-        if checksums and sha256_of(fs, shard_path) != shard["sha256"]:
-            raise CorruptCheckpointError(f"{ckpt_url!r}: shard {shard['path']!r} fails its sha256 checksum.")
+    if checksums and shards:
+
+        def digest(shard: dict[str, Any]) -> str:
+            target = f"{base}/{shard['path']}"
+            return _lookup(retry, lambda: sha256_of(fs, target), f"reading {target!r} for its checksum")
+
+        with ThreadPoolExecutor(max_workers=min(_HASH_THREADS, len(shards)), thread_name_prefix="ckpt-sha256") as pool:
+            digests = list(pool.map(digest, shards))
+        bad = [s["path"] for s, d in zip(shards, digests) if d != s["sha256"]]
+        if bad:
+            raise CorruptCheckpointError(
+                f"{ckpt_url!r}: {'shard' if len(bad) == 1 else 'shards'} {', '.join(map(repr, bad))} "
+                f"{'fails its' if len(bad) == 1 else 'fail their'} sha256 checksum (the bytes changed after the save)."
+            )
     return CheckpointInfo(url=str(ckpt_url), step=int(meta["step"]), metadata=meta)
+
+
+def has_file(ckpt_url: str, name: str, *, retry: RetryPolicy | None = None) -> bool:
+    """Whether the checkpoint directory ``ckpt_url`` holds a file called ``name``."""
+    fs, path = filesystem(ckpt_url, retry)
+    target = f"{path.rstrip('/')}/{name}"
+
+    def exists() -> bool:
+        fs.invalidate_cache(path)
+        return fs.exists(target)
+
+    return _lookup(retry, exists, f"looking for {target!r}")
 
 
 # ----------------------------------------------------------------------------- discovery
 
 
-def step_dirs(root: str) -> list[tuple[int, str]]:
-    """All ``step-<N>`` directories under ``root`` (committed or not), by increasing N.
+def _name(url: str) -> str:
+    return str(url).rstrip("/").rsplit("/", 1)[-1]
 
-    Raises:
-        CheckpointError: ``root`` is in an object-store bucket that does not exist (a typo there
-            must not look like "no checkpoints yet").
-    """
-    fs, path = filesystem(root)
-    fs.invalidate_cache(path)
+
+def _ls_dirs(root: str, retry: RetryPolicy | None) -> list[str] | None:
+    """Names of the sub-directories of ``root``; ``None`` when ``root`` does not exist."""
+    fs, path = filesystem(root, retry)
+
+    def ls() -> list[dict[str, Any]]:
+        fs.invalidate_cache(path)
+        return fs.ls(path, detail=True)
+
     try:
-        entries = fs.ls(path, detail=True)
+        entries = _lookup(retry, ls, f"listing {root!r}")
     except FileNotFoundError:
         if not isinstance(fs, fsspec.implementations.local.LocalFileSystem):
             bucket = path.strip("/").split("/", 1)[0]
-            if not fs.exists(bucket):
+            if not _lookup(retry, lambda: fs.exists(bucket), f"looking for bucket {bucket!r}"):
                 raise CheckpointError(
                     f"checkpoint root {root!r}: bucket {bucket!r} does not exist or is not visible "
                     f"with the credentials in the environment. Create it, or fix the URL (and "
                     f"AWS_ENDPOINT_URL for a non-AWS server)."
                 ) from None
+        return None
+    except NotADirectoryError:
+        raise CheckpointError(
+            f"checkpoint root {root!r} is a file, not a directory. Point it at a directory "
+            f"(it is created on the first save)."
+        ) from None
+    return [_name(e["name"]) for e in entries if e.get("type") == "directory"]
+
+
+def step_dirs(root: str, *, retry: RetryPolicy | None = None) -> list[tuple[int, str]]:
+    """All ``step-<N>`` directories under ``root`` (committed or not), by increasing N.
+
+    Raises:
+        CheckpointError: ``root`` is a file, or is in an object-store bucket that does not exist
+            (a typo there must not look like "no checkpoints yet").
+    """
+    names = _ls_dirs(root, retry)
+    if names is None:
         log.info("checkpoint root %r does not exist yet: no checkpoints", redact(str(root)))
         return []
     found = []
-    for entry in entries:
-        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+    for name in names:
         match = _STEP_DIR.match(name)
-        if match and entry.get("type") == "directory":
+        if match:
             found.append((int(match.group(1)), join_url(root, name)))
     return sorted(found)
 
 
-def newest_valid_anywhere(roots: Iterable[str], *, prefer: str | None = None, checksums: bool = False) -> CheckpointInfo | None:
-    """The newest valid checkpoint in any directory under ``roots``, whatever its name.
+@dataclass
+class Scan:
+    """What the checkpoint directories under some roots hold (see :func:`scan`).
 
-    Unlike :func:`latest_valid` this also finds checkpoints that Lightning's ``ModelCheckpoint``
-    names (``epoch=0-step=8.ckpt``, ``last.ckpt``). Candidates are ordered by the step recorded
-    in their ``metadata.json``, then by its creation time; unfinished or corrupt ones are skipped
-    with a warning.
+    Attributes:
+        committed: Checkpoints whose ``metadata.json`` parses, best candidate first: the run that
+            saved last first, then by step and creation time, newest first. Files are not checked.
+        unfinished: Directories without ``metadata.json`` (a save that did not finish).
+        unreadable: ``(url, reason)`` of directories whose ``metadata.json`` is damaged.
+    """
+
+    committed: list[CheckpointInfo] = field(default_factory=list)
+    unfinished: list[str] = field(default_factory=list)
+    unreadable: list[tuple[str, str]] = field(default_factory=list)
+
+
+def scan(roots: Iterable[str], *, prefer: str | None = None, retry: RetryPolicy | None = None) -> Scan:
+    """Every checkpoint directory under ``roots``, whatever its name, sorted into a :class:`Scan`.
+
+    This also finds checkpoints that Lightning's ``ModelCheckpoint`` names (``epoch=0-step=8.ckpt``,
+    ``last.ckpt``). ``<root>/corrupt/`` (quarantined checkpoints) is never looked into.
 
     Args:
         roots: Directories (any fsspec URL) that hold checkpoint directories.
-        prefer: A name prefix (``"last"``): if any valid checkpoint's name starts with it, only
-            those are considered.
-        checksums: Recompute sha256 of the chosen checkpoint's files.
+        prefer: A name prefix (``"last"``): if any committed checkpoint's name starts with it, only
+            those are candidates.
+        retry: Retries of transient storage errors.
     """
-    candidates: list[tuple[int, float, str]] = []
+    out = Scan()
     for root in roots:
-        fs, path = filesystem(root)
-        fs.invalidate_cache(path)
-        try:
-            entries = fs.ls(path, detail=True)
-        except FileNotFoundError:
-            continue
-        for entry in entries:
-            if entry.get("type") != "directory":
+        names = _ls_dirs(root, retry)
+        for name in names or []:
+            if name == CORRUPT_DIR:
                 continue
-            url = join_url(root, entry["name"].rstrip("/").rsplit("/", 1)[-1])
+            url = join_url(root, name)
             try:
-                meta = read_metadata(url)
-            except CorruptCheckpointError:
+                meta = read_metadata(url, retry=retry)
+            except IncompleteCheckpointError:
+                out.unfinished.append(url)
                 continue
-            candidates.append((int(meta["step"]), float(meta.get("created", 0.0) or 0.0), url))
-    if prefer and any(u.rstrip("/").rsplit("/", 1)[-1].startswith(prefer) for _, _, u in candidates):
-        candidates = [c for c in candidates if c[2].rstrip("/").rsplit("/", 1)[-1].startswith(prefer)]
-    for _, _, url in sorted(candidates, reverse=True):
-        try:
-            return verify(url, checksums=checksums)
-        except CorruptCheckpointError as exc:
-            _warn(f"Skipping checkpoint: {exc} Falling back to an older checkpoint.")
-    return None
+            except CorruptCheckpointError as exc:
+                out.unreadable.append((url, str(exc)))
+                continue
+            out.committed.append(CheckpointInfo(url=url, step=int(meta["step"]), metadata=meta))
+    if prefer and any(_name(c.url).startswith(prefer) for c in out.committed):
+        out.committed = [c for c in out.committed if _name(c.url).startswith(prefer)]
+    last_save: dict[Any, float] = {}
+    for c in out.committed:
+        last_save[c.run_id] = max(last_save.get(c.run_id, 0.0), c.created)
+    out.committed.sort(key=lambda c: (last_save[c.run_id], c.step, c.created), reverse=True)
+    return out
 
 
 def list_checkpoints(root: str) -> list[CheckpointInfo]:
@@ -613,6 +751,35 @@ def latest_valid(root: str, *, checksums: bool = True) -> CheckpointInfo | None:
     return None
 
 
+def quarantine(ckpt_url: str, *, retry: RetryPolicy | None = None) -> str:
+    """Move a damaged checkpoint to ``<root>/corrupt/<name>`` (``<name>.2``... if taken); returns its new URL.
+
+    The evidence is kept, out of the way of discovery, retention and the next save of that step.
+    """
+    url = str(ckpt_url).rstrip("/")
+    name = _name(url)
+    root = url[: -len(name)].rstrip("/") or "/"
+    fs, path = filesystem(url, retry)
+    _, root_path = filesystem(root, retry)
+    target_dir = f"{root_path.rstrip('/')}/{CORRUPT_DIR}"
+    target, k = f"{target_dir}/{name}", 1
+    while _lookup(retry, lambda t=target: fs.exists(t), f"looking for {target!r}"):
+        k += 1
+        target = f"{target_dir}/{name}.{k}"
+    if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
+        os.makedirs(target_dir, exist_ok=True)
+        os.rename(path, target)  # one atomic step
+    else:  # object stores: copy every object, then un-commit the original and delete it
+        base = path.rstrip("/")
+        files = _lookup(retry, lambda: fs.find(base), f"listing {url!r}")
+        for src in files:
+            dst = f"{target}/{src[len(base) + 1 :]}"
+            _lookup(retry, lambda s=src, d=dst: fs.copy(s, d), f"copying {src!r} to {dst!r}")
+        delete_checkpoint(url, retry=retry)
+    fs.invalidate_cache(root_path)
+    return join_url(root, CORRUPT_DIR, _name(target))
+
+
 # ----------------------------------------------------------------------------- retention
 
 
@@ -621,8 +788,10 @@ class Retention:
     """Which checkpoints to keep: the last ``keep_last`` and the best ``keep_best`` by a metric.
 
     A checkpoint survives if any rule keeps it. :meth:`apply` never deletes a checkpoint named in
-    ``protect`` (the one a run resumed from) nor the newest valid one. ``None`` for both rules
-    keeps everything.
+    ``protect`` (the one a run resumed from) nor the newest valid one, and never one it cannot
+    verify: each checkpoint it would delete is first checked (sizes and sha256, one read of it)
+    and a damaged one is moved to ``<root>/corrupt/`` instead. ``None`` for both rules keeps
+    everything.
 
     Attributes:
         keep_last: Number of most recent committed checkpoints to keep.
@@ -680,7 +849,7 @@ class Retention:
         return kept, dropped
 
     def apply(self, root: str, protect: Iterable[str] = (), *, checksums: bool = False) -> list[str]:
-        """Delete the checkpoints under ``root`` that no rule keeps.
+        """Delete the checkpoints under ``root`` that no rule keeps; move damaged ones aside.
 
         Args:
             root: Directory holding ``step-<N>`` checkpoints.
@@ -688,30 +857,45 @@ class Retention:
             checksums: Use full checksums to find the newest valid checkpoint (else sizes).
 
         Returns:
-            URLs deleted, oldest first.
+            URLs deleted, oldest first (not those moved to ``<root>/corrupt/``).
         """
         protect = [str(p) for p in protect]
         newest = latest_valid(root, checksums=checksums)
-        _, dropped = self.select(
-            list_checkpoints(root), protect=protect, newest_valid=newest.url if newest else None
-        )
-        doomed = [c.url for c in dropped]
+        committed = list_checkpoints(root)
+        _, dropped = self.select(committed, protect=protect, newest_valid=newest.url if newest else None)
+        deleted = []
+        for info in dropped:
+            try:
+                verify(info.url, checksums=True)
+            except CorruptCheckpointError as exc:
+                self._set_aside(info.url, str(exc))
+                continue
+            delete_checkpoint(info.url)
+            deleted.append(info.url)
         if self.clean_incomplete and newest is not None:
-            committed = {c.url for c in list_checkpoints(root)}
-            doomed += [
-                url
-                for step, url in step_dirs(root)
-                if step < newest.step and url not in committed and not any(_same_location(url, p) for p in protect)
-            ]
-        for url in doomed:
-            delete_checkpoint(url)
-        return doomed
+            names = {c.url for c in committed}
+            for step, url in step_dirs(root):
+                if step >= newest.step or url in names or any(_same_location(url, p) for p in protect):
+                    continue
+                try:
+                    read_metadata(url)
+                except IncompleteCheckpointError:
+                    delete_checkpoint(url)
+                    deleted.append(url)
+                except CorruptCheckpointError as exc:
+                    self._set_aside(url, str(exc))
+        return deleted
+
+    @staticmethod
+    def _set_aside(url: str, reason: str) -> None:
+        moved = quarantine(url)
+        _warn(f"Retention kept a damaged checkpoint: {reason} Moved it to {moved!r} instead of deleting it.")
 
 
-def delete_checkpoint(ckpt_url: str) -> None:
+def delete_checkpoint(ckpt_url: str, *, retry: RetryPolicy | None = None) -> None:
     """Delete a checkpoint directory: ``metadata.json`` first, so a crash leaves it uncommitted."""
-    remove_metadata(ckpt_url)
-    fs, path = filesystem(ckpt_url)
+    remove_metadata(ckpt_url, retry=retry)
+    fs, path = filesystem(ckpt_url, retry)
     try:
         fs.rm(path, recursive=True)
     except FileNotFoundError:

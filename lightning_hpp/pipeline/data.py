@@ -8,7 +8,8 @@
 * :func:`rebatch` makes a loader's batches smaller in place, when ``plan="auto"`` spreads one
   step's batch over more replicas than the plan it replaced;
 * :func:`peek_batch` takes one real batch from a loader without moving any RNG, for the setup
-  checks that need a real micro-batch.
+  checks that need a real micro-batch;
+* :func:`resume_mid_epoch` makes a train loader start where a mid-epoch checkpoint left its epoch.
 """
 
 from __future__ import annotations
@@ -97,3 +98,48 @@ def peek_batch(loader: Any) -> Any:
             return None
         finally:
             del it
+
+
+class SkipFirst:
+    """A sampler that skips its first ``n`` indices once (a mid-epoch resume), then is itself."""
+
+    def __init__(self, sampler: Any, n: int) -> None:
+        self.sampler = sampler
+        self.n = n
+
+    def __iter__(self):
+        it = iter(self.sampler)
+        n, self.n = self.n, 0
+        for _ in range(n):
+            next(it, None)
+        return it
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "sampler" or name.startswith("__"):  # not set yet (copy.copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.sampler, name)
+
+
+def resume_mid_epoch(dataloader: Any, batches: int, epoch: int) -> bool:
+    """Make ``dataloader`` start its next iteration ``batches`` batches into epoch ``epoch`` (in place).
+
+    It must run before the loader's iterator exists: an iterator with workers (``num_workers > 0``)
+    draws its first sampler indices when it is created (to prefetch), and Lightning creates the
+    train iterator before ``on_train_start``. So the sampler is set to the resumed epoch (a
+    ``DistributedSampler`` shuffles by epoch) and told to skip the consumed batches here, when the
+    loader is handed to the strategy.
+
+    Returns:
+        Whether the loader has a batch sampler to do this with.
+    """
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    if batch_sampler is None or not hasattr(batch_sampler, "sampler") or not getattr(batch_sampler, "batch_size", None):
+        return False
+    sampler = batch_sampler.sampler
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    batch_sampler.sampler = SkipFirst(sampler, batches * batch_sampler.batch_size)
+    return True
