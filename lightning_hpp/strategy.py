@@ -355,6 +355,14 @@ class HPPStrategy(ParallelStrategy):
         if self._checkpoint.dir is not None and trainer.state.fn == TrainerFn.FITTING and not trainer.checkpoint_callbacks:
             raise PlanError(f"`HPPStrategy(checkpoint=CheckpointOptions(dir={self._checkpoint.dir!r}))` saves checkpoints, but "
                             f"`Trainer(enable_checkpointing=False)` turns checkpointing off. Drop one of the two.")
+        if trainer.state.fn == TrainerFn.FITTING and not self.lightning_module.automatic_optimization:
+            raise PlanError(
+                f"`{type(self.lightning_module).__name__}.automatic_optimization = False` cannot run under HPPStrategy: "
+                f"the pipeline schedule runs every micro-batch's forward and backward itself, so `manual_backward` and "
+                f"`optimizer.step()` inside `training_step` would act on nothing. Keep automatic optimization (return "
+                f"the loss from `training_step`) and put custom clipping in `configure_gradient_clipping` (called per "
+                f"stage), accumulation in `Trainer(accumulate_grad_batches=...)`, schedules in `configure_optimizers`."
+            )
         flag = trainer._accelerator_connector._precision_flag
         if isinstance(self.precision_plugin, HPPPrecision) and self.precision_plugin.default not in (None, flag) and flag != "32-true":
             raise PlanError(f"`Trainer(precision={flag!r})` and `HPPPrecision(default={self.precision_plugin.default!r})` disagree on "
