@@ -68,7 +68,8 @@ class SustainedShift:
         warmup: Leading values ignored (neither baseline nor judged).
         mad_factor: The recent median must also exceed the baseline median by this many robust
             standard deviations of the baseline.
-        min_baseline: Baseline values needed before judging (default: half the window, at least 3).
+        min_baseline: Baseline values needed before judging (default: 5, or the window if smaller); the
+            window then keeps growing to ``window`` values, which steadies the median of a noisy series.
     """
 
     def __init__(
@@ -83,7 +84,7 @@ class SustainedShift:
         self.jump = jump
         self.mad_factor = mad_factor
         self.warmup = warmup
-        self.min_baseline = min(window, max(3, window // 2)) if min_baseline is None else min_baseline
+        self.min_baseline = min(window, 5) if min_baseline is None else min_baseline
         self._seen = 0
         self._base: deque[float] = deque(maxlen=window)
         self._recent: deque[float] = deque(maxlen=sustain)

@@ -80,7 +80,9 @@ class BiasMonitor(Callback):
             measured steps exceeds this factor times its baseline, the rolling median of the
             ``baseline_steps`` steps before them, and that baseline by ``mad_factor`` robust standard
             deviations (the field report saw 0.042 → 0.189). ``None`` disables.
-        baseline_steps: Steps in the rolling loss-spread baseline.
+        baseline_steps: Steps in the rolling loss-spread baseline (judged from 5 on). With two
+            replicas the spread is one absolute difference, half-normal noise: a long baseline keeps
+            its median steady.
         warmup_steps: Measured steps at the start of the fit that the step alarms ignore.
         sustain_steps: Steps whose median must cross a threshold.
         mad_factor: How many robust standard deviations (1.4826 × MAD) of the baseline a loss-spread
@@ -107,7 +109,7 @@ class BiasMonitor(Callback):
         self,
         grad_norm_std_threshold: float | None = 0.15,
         loss_std_jump: float | None = 3.0,
-        baseline_steps: int = 10,
+        baseline_steps: int = 20,
         warmup_steps: int = 10,
         sustain_steps: int = 5,
         mad_factor: float = 5.0,
@@ -291,7 +293,7 @@ class BiasMonitor(Callback):
         if shift is not None:
             raised += self._alarm("bias/loss_std", epoch, warn, (
                 f"bias/loss_std = {std:.4g}: its median over the last {k} steps, {shift.recent:.4g}, is "
-                f"{shift.factor:.1f}x the baseline {shift.base:.4g} (rolling median of the {self.baseline_steps} "
+                f"{shift.factor:.1f}x the baseline {shift.base:.4g} (rolling median of up to {self.baseline_steps} "
                 f"steps before, MAD {shift.mad:.2g}), above the jump factor {self.loss_std_jump}: the ranks' losses "
                 f"diverged by step {step}. {_LIKELY_DATA}"))
         return raised
