@@ -43,6 +43,7 @@ from typing_extensions import override
 from lightning_hpp import _dist
 from lightning_hpp.bias.determinism import determinism_seed, enable_determinism, ensure_hash_seed
 from lightning_hpp.bias.guard import BiasGuard
+from lightning_hpp.bias.samplers import pin_wrapped_generator
 from lightning_hpp.checkpoint import resume as _resume
 from lightning_hpp.checkpoint.lightning_state import load_lightning_checkpoint, save_lightning_checkpoint
 from lightning_hpp.errors import CheckpointError, PlanError, ScheduleError
@@ -567,6 +568,7 @@ class HPPStrategy(ParallelStrategy):
             if self._deterministic or int(os.environ.get("PL_SEED_WORKERS", 0)):
                 seed_workers_per_replica(dataloader, self._seed(), self._mesh.replica)
             shard_over_replicas(dataloader, self._mesh.dp, self._mesh.replica)
+            pin_wrapped_generator(dataloader, self._seed())  # every stage draws the same sequence every epoch
         return dataloader
 
     # ------------------------------------------------------------------ collectives

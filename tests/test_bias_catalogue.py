@@ -44,12 +44,17 @@ def job(tmp_path_factory):
 
 def test_correct_setups_train_with_notes_and_no_warning_of_ours(job):
     _, log, results = job
-    for case, steps, codes in (("wrs", 12, [NO_SET_EPOCH, HASHSEED_UNSET]), ("dws", 2, [HASHSEED_UNSET])):
+    for case, steps, codes in (("wrs", 16, [NO_SET_EPOCH, HASHSEED_UNSET]), ("dws", 2, [HASHSEED_UNSET])):
         for res in results[case]:
             assert res["error"] is None and res["global_step"] == steps, (case, res["error"])
             assert res["hazards"] == [[c, REPRODUCIBILITY] for c in codes], case
             assert res["differences"] == [["hash_probe_mismatch", REPRODUCIBILITY]], case
             assert res["alarms"] == [] and res["measured_steps"] == steps, case
+    # Pipeline peers (ranks 0 and 2, 1 and 3) load the same batches in both epochs, replicas different ones,
+    # though stage 0's dropout consumes torch's global RNG and stage 1 does not.
+    for case in ("wrs", "dws"):
+        seen = [res["seen"] for res in results[case]]
+        assert seen[0] == seen[2] and seen[1] == seen[3] and seen[0] != seen[1], case
     # What the job printed (every rank's stdout and stderr): notes, never a warning of ours. A warning
     # names its source file; ours live in lightning_hpp/bias/ (and Lightning's own would name the metric).
     assert "lightning_hpp/bias/" not in log and "lightning_hpp" + "\\bias" not in log

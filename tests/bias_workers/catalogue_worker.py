@@ -4,7 +4,8 @@ Usage: ``python -m tests.bias_workers.catalogue_worker '{"out": DIR}'``, launche
 unset (Lightning relaunches the module for ranks 1-3, which inherit that). Every rank writes
 ``DIR/<case>_rank{r}.json``. Cases, in this order:
 
-* ``wrs`` — a plain ``WeightedRandomSampler`` (Lightning wraps it) and a ``BiasMonitor``: correct;
+* ``wrs`` — a plain ``WeightedRandomSampler`` (Lightning wraps it) and a ``BiasMonitor``, two epochs:
+  correct, also from the second epoch on, though only stage 0 has dropout;
 * ``dws`` — ``DistributedWeightedSampler``: correct;
 * ``skew`` — the field report's "fix", a ``WeightedRandomSampler`` seeded ``seed + rank``: skew;
 * ``deterministic`` — ``wrs`` under ``BiasOptions(deterministic=True)``: its reproducibility findings
@@ -43,9 +44,27 @@ def weights() -> torch.Tensor:
     return w
 
 
+class DropoutMLP(MLP):
+    """Dropout on stage 0 only: the stages consume torch's global RNG differently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[1] = torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Dropout(0.2))
+
+
+class Seen(L.Callback):
+    """The first feature of every sample of every training batch this rank loads."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[float]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append([round(float(v), 6) for v in batch[0][:, 0]])
+
+
 def fit(case: str, out: Path, sampler_of_rank, steps: int, deterministic: bool = False) -> dict:
     L.seed_everything(0)
-    monitor = BiasMonitor()
+    monitor, seen = BiasMonitor(), Seen()
     # The correct setups run as a user's script does (any warning reaches stderr); the deterministic one
     # records its warnings (the launching process's own hash seed cannot be fixed any more: it says so).
     with warnings.catch_warnings(record=True) if deterministic else contextlib.nullcontext([]) as caught:
@@ -70,9 +89,9 @@ def fit(case: str, out: Path, sampler_of_rank, steps: int, deterministic: bool =
             num_sanity_val_steps=0,
             limit_val_batches=0,
             default_root_dir=str(out / case),
-            callbacks=[monitor],
+            callbacks=[monitor, seen],
         )
-        model = MLP()
+        model = DropoutMLP()
         error = None
         try:
             trainer.fit(model, DataLoader(make_dataset(N), batch_size=BATCH, sampler=sampler_of_rank()))
@@ -89,6 +108,7 @@ def fit(case: str, out: Path, sampler_of_rank, steps: int, deterministic: bool =
         "measured_steps": len([h for h in monitor.history if "bias/loss_std" in h]),
         "recorded_warnings": [str(w.message) for w in caught if issubclass(w.category, CodedBiasWarning)],
         "rank": trainer.global_rank,
+        "seen": seen.batches,
     }
 
 
@@ -105,7 +125,7 @@ def main(out: Path) -> None:
         return DistributedWeightedSampler(weights(), seed=0)
 
     for case, sampler, steps, det in (
-        ("wrs", plain, 12, False),
+        ("wrs", plain, 16, False),
         ("dws", dws, 2, False),
         ("skew", per_rank, 2, False),
         ("deterministic", plain, 2, True),
