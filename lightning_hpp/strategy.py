@@ -44,6 +44,7 @@ from typing_extensions import override
 from lightning_hpp import _dist
 from lightning_hpp.bias.determinism import determinism_seed, enable_determinism, ensure_hash_seed
 from lightning_hpp.bias.guard import BiasGuard
+from lightning_hpp.bias.samplers import pin_wrapped_generator
 from lightning_hpp.checkpoint import resume as _resume
 from lightning_hpp.checkpoint.lightning_state import load_lightning_checkpoint, save_lightning_checkpoint
 from lightning_hpp.errors import CheckpointError, PlanError, ScheduleError
@@ -379,6 +380,14 @@ class HPPStrategy(ParallelStrategy):
         if self._checkpoint.dir is not None and trainer.state.fn == TrainerFn.FITTING and not trainer.checkpoint_callbacks:
             raise PlanError(f"`HPPStrategy(checkpoint=CheckpointOptions(dir={self._checkpoint.dir!r}))` saves checkpoints, but "
                             f"`Trainer(enable_checkpointing=False)` turns checkpointing off. Drop one of the two.")
+        if trainer.state.fn == TrainerFn.FITTING and not self.lightning_module.automatic_optimization:
+            raise PlanError(
+                f"`{type(self.lightning_module).__name__}.automatic_optimization = False` cannot run under HPPStrategy: "
+                f"the pipeline schedule runs every micro-batch's forward and backward itself, so `manual_backward` and "
+                f"`optimizer.step()` inside `training_step` would act on nothing. Keep automatic optimization (return "
+                f"the loss from `training_step`) and put custom clipping in `configure_gradient_clipping` (called per "
+                f"stage), accumulation in `Trainer(accumulate_grad_batches=...)`, schedules in `configure_optimizers`."
+            )
         flag = trainer._accelerator_connector._precision_flag
         if isinstance(self.precision_plugin, HPPPrecision) and self.precision_plugin.default not in (None, flag) and flag != "32-true":
             raise PlanError(f"`Trainer(precision={flag!r})` and `HPPPrecision(default={self.precision_plugin.default!r})` disagree on "
@@ -603,6 +612,7 @@ class HPPStrategy(ParallelStrategy):
             if self._deterministic or int(os.environ.get("PL_SEED_WORKERS", 0)):
                 seed_workers_per_replica(dataloader, self._seed(), self._mesh.replica)
             shard_over_replicas(dataloader, self._mesh.dp, self._mesh.replica)
+            pin_wrapped_generator(dataloader, self._seed())  # every stage draws the same sequence every epoch
             rebatch(dataloader, self._split)
         if self._resume_batches and self.lightning_module.trainer.training:  # before its iterator (and workers) exist
             resume_mid_epoch(dataloader, self._resume_batches, self._resume_epoch)

@@ -20,8 +20,11 @@ from lightning_hpp.bias.audit import (
     HASHSEED_UNSET,
     IDENTICAL_SAMPLING,
     NO_SET_EPOCH,
+    REPRODUCIBILITY,
     SEED_DIFFERS,
     SEED_EQUAL,
+    SEVERITY,
+    SKEW,
     WORKER_STREAMS,
     WRAPPED_RANK_DEPENDENT,
     analyze_audit_records,
@@ -247,17 +250,40 @@ def test_audit_leaves_user_rng_and_sampler_state_untouched():
 
 
 # ------------------------------------------------------------------------------ policy and input
-def test_enforce_audit_policies():
+def test_enforce_audit_policies_follow_the_severity(caplog):
     hazards = audit_ranks(lambda r: DataLoader(DS, sampler=WeightedRandomSampler(W, N)), use_ds=False)
-    with pytest.raises(CodedBiasError, match=IDENTICAL_SAMPLING):
+    assert [(h.code, h.severity) for h in hazards] == [(IDENTICAL_SAMPLING, SKEW), (NO_SET_EPOCH, REPRODUCIBILITY)]
+    assert str(hazards[0]).startswith(f"[{IDENTICAL_SAMPLING}] (skew) ")
+    assert hazards[1].to_dict()["severity"] == "reproducibility" and hazards[1].to_dict()["ranks"] == [0, 1]
+    # skew raises / warns; the reproducibility finding is a note unless the run is deterministic
+    with pytest.raises(CodedBiasError, match=IDENTICAL_SAMPLING) as err:
         enforce_audit(hazards, "error")
-    with pytest.warns(CodedBiasWarning) as caught:
+    assert NO_SET_EPOCH not in str(err.value)
+    with caplog.at_level("INFO", logger="lightning_hpp.bias.audit"), pytest.warns(CodedBiasWarning) as caught:
         enforce_audit(hazards, "warn")
+    assert [str(w.message).split("]")[0] for w in caught] == [f"[{IDENTICAL_SAMPLING}"]
+    assert [r.getMessage().split("]")[0] for r in caplog.records] == [f"coded-bias audit note: [{NO_SET_EPOCH}"]
+    with pytest.raises(CodedBiasError, match=rf"{NO_SET_EPOCH}\] \(reproducibility\)"):
+        enforce_audit(hazards, "error", deterministic=True)
+    with pytest.warns(CodedBiasWarning) as caught:
+        enforce_audit(hazards, "warn", deterministic=True)
     assert [str(w.message).split("]")[0] for w in caught] == [f"[{h.code}" for h in hazards]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         enforce_audit(hazards, "off")
         enforce_audit([], "error")
+        enforce_audit(hazards[1:], "error")  # a note only: nothing raised, nothing warned
+
+
+def test_every_code_has_a_severity():
+    from lightning_hpp.bias import audit
+
+    codes = {audit.IDENTICAL_SAMPLING, audit.SEED_EQUAL, audit.WRAPPED_RANK_DEPENDENT, audit.SEED_DIFFERS,
+             audit.WORKER_STREAMS, audit.NO_SET_EPOCH, audit.HASHSEED_UNSET, audit.HASHSEED_DIFFERS,
+             audit.PIPELINE_PEERS_DATA, audit.PIPELINE_PEERS_WORKERS}
+    assert set(SEVERITY) == codes and set(SEVERITY.values()) == {SKEW, REPRODUCIBILITY}
+    assert {c for c in codes if SEVERITY[c] == REPRODUCIBILITY} == {audit.NO_SET_EPOCH, audit.HASHSEED_UNSET,
+                                                                   audit.HASHSEED_DIFFERS}
 
 
 def test_bad_input():

@@ -116,7 +116,7 @@ def test_cross_rank_difference_is_reported_by_field_and_rank(base_fp):
         fps[r]["cuda_version"] = "11.7.1" if r < 4 else "11.7.0"
         fps[r]["hostname"] = f"node{r // 4}"  # differs by design: never reported
     diffs = compare_fingerprints(fps)
-    assert [str(d) for d in diffs] == ["cuda_version_mismatch: 11.7.1 (ranks 0-3) vs 11.7.0 (ranks 4-7)"]
+    assert [str(d) for d in diffs] == ["cuda_version_mismatch: 11.7.1 (ranks 0-3) vs 11.7.0 (ranks 4-7) [skew]"]
     assert diffs[0].ranks == ((0, 1, 2, 3), (4, 5, 6, 7))
     assert compare_fingerprints(_world(base_fp, 8)) == []
 
@@ -134,13 +134,13 @@ def test_device_fields_may_differ_between_device_kinds_but_not_within_a_dp_group
     # Rank 3 was meant to be an H100 but got an A100: stage 1's data-parallel group disagrees.
     fps[3]["device_name"], fps[3]["compute_capability"] = "NVIDIA A100", "8.0"
     text = [str(d) for d in compare_fingerprints(fps, stages, kinds)]
-    assert "device_name_mismatch in device kind 'h100': NVIDIA H100 (rank 2) vs NVIDIA A100 (rank 3)" in text
-    assert "compute_capability_mismatch in device kind 'h100': 9.0 (rank 2) vs 8.0 (rank 3)" in text
+    assert "device_name_mismatch in device kind 'h100': NVIDIA H100 (rank 2) vs NVIDIA A100 (rank 3) [skew]" in text
+    assert "compute_capability_mismatch in device kind 'h100': 9.0 (rank 2) vs 8.0 (rank 3) [skew]" in text
     # The same kinds on one stage's ranks but different devices: reported within the stage's group.
     fps2 = _world(base_fp, 2)
     fps2[0]["device_name"], fps2[1]["device_name"] = "X", "Y"
     text2 = [str(d) for d in compare_fingerprints(fps2, [0, 0], ["a100", "h100"])]
-    assert text2 == ["device_name_mismatch in stage 0's data-parallel group: X (rank 0) vs Y (rank 1)"]
+    assert text2 == ["device_name_mismatch in stage 0's data-parallel group: X (rank 0) vs Y (rank 1) [skew]"]
     # Non-device fields are always reported, whatever the kinds.
     fps[2]["torch"] = "2.12.0"
     assert "torch_mismatch" in {d.code for d in compare_fingerprints(fps, stages, kinds)}
@@ -155,8 +155,8 @@ def test_compare_with_saved_reports_changed_environment(base_fp):
     text = [str(d) for d in compare_with_saved(saved, current)]
     was = _show(saved["env"]["CUBLAS_WORKSPACE_CONFIG"])
     assert text == [
-        f"env.CUBLAS_WORKSPACE_CONFIG_mismatch: {was} (saved) vs :4096:8 (current)",
-        f"torch_mismatch: {saved['torch']} (saved) vs 9.9.9 (current)",
+        f"env.CUBLAS_WORKSPACE_CONFIG_mismatch: {was} (saved) vs :4096:8 (current) [skew]",
+        f"torch_mismatch: {saved['torch']} (saved) vs 9.9.9 (current) [skew]",
     ]
     assert compare_with_saved(saved, copy.deepcopy(saved)) == []
 
@@ -175,18 +175,27 @@ def test_save_and_load_round_trip(base_fp, tmp_path):
         load_fingerprints(str(tmp_path / "bad.json"))
 
 
-def test_policies(base_fp):
+def test_policies_follow_the_severity(base_fp, caplog):
     fps = _world(base_fp, 2)
     fps[1]["torch"] = "0.0.1"
+    fps[1]["hash_probe"] = fps[0]["hash_probe"] + 1  # PYTHONHASHSEED unset: each process hashes its own way
     diffs = compare_fingerprints(fps)
-    with pytest.raises(FingerprintMismatchError, match=r"torch_mismatch: .* \(rank 0\) vs 0\.0\.1 \(rank 1\)"):
+    assert [(d.code, d.severity) for d in diffs] == [("hash_probe_mismatch", "reproducibility"), ("torch_mismatch", "skew")]
+    assert diffs[1].to_dict()["severity"] == "skew" and diffs[1].to_dict()["values"][1] == "0.0.1"
+    with pytest.raises(FingerprintMismatchError, match=r"torch_mismatch: .* \(rank 0\) vs 0\.0\.1 \(rank 1\) \[skew\]") as err:
         enforce(diffs, "error")
-    with pytest.warns(CodedBiasWarning, match="torch_mismatch"):
+    assert "hash_probe" not in str(err.value)
+    with caplog.at_level("INFO", logger="lightning_hpp.bias.fingerprint"), pytest.warns(CodedBiasWarning) as caught:
         enforce(diffs, "warn")
+    assert len(caught) == 1 and "torch_mismatch" in str(caught[0].message) and "hash_probe" not in str(caught[0].message)
+    assert [r.getMessage().split(":")[1].strip() for r in caplog.records] == ["hash_probe_mismatch"]
+    with pytest.raises(FingerprintMismatchError, match=r"hash_probe_mismatch: .*\[reproducibility\]"):
+        enforce(diffs, "error", deterministic=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         enforce(diffs, "off")
         enforce([], "error")
+        enforce(diffs[:1], "error")  # a note only
 
 
 def test_bad_input():
@@ -210,7 +219,8 @@ def test_gloo_ranks_with_different_pythonhashseed():
     # Two real processes over gloo, started with PYTHONHASHSEED=1 and PYTHONHASHSEED=2.
     r0, r1 = (r["fingerprint"] for r in coded_bias_gloo_run())
     assert r0["diffs"] == r1["diffs"]  # every rank reaches the same verdict
-    assert r0["diffs"][0] == "env.PYTHONHASHSEED_mismatch: 1 (rank 0) vs 2 (rank 1)"
+    assert r0["diffs"][0] == "env.PYTHONHASHSEED_mismatch: 1 (rank 0) vs 2 (rank 1) [reproducibility]"
+    assert r0["severities"] == ["reproducibility", "reproducibility"]
     assert r0["codes"] == ["env.PYTHONHASHSEED_mismatch", "hash_probe_mismatch"]
     # The gathered fingerprints are the ranks' own.
     assert [fp["hash_probe"] for fp in r0["fingerprints"]] == [r0["own_probe"], r1["own_probe"]]

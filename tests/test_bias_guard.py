@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader, WeightedRandomSampler
 from lightning_hpp.bias.audit import HASHSEED_DIFFERS, IDENTICAL_SAMPLING, NO_SET_EPOCH
 from lightning_hpp.bias.fingerprint import HASH_PROBE, CodedBiasWarning, collect_fingerprint, load_fingerprints
 from lightning_hpp.bias.guard import (
+    AUDIT_FILENAME,
     FINGERPRINT_FILENAME,
     PIPELINE_PEERS_DATA,
     PIPELINE_PEERS_WORKERS,
@@ -106,9 +108,9 @@ def test_pipeline_peer_hazards_compare_the_ranks_of_each_replica():
 
 
 # ------------------------------------------------------------------------------ one device, in process
-def test_single_device_fit_warns_keeps_training_and_stores_loadable_fingerprints(tmp_path, monkeypatch):
+def test_single_device_fit_notes_keeps_training_and_stores_loadable_fingerprints(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONHASHSEED", "0")
-    guard = BiasGuard()  # warn / warn
+    guard = BiasGuard(audit="error", deterministic=False)  # whatever torch's flag says in this process
     L.seed_everything(0)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
@@ -119,10 +121,11 @@ def test_single_device_fit_warns_keeps_training_and_stores_loadable_fingerprints
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(MLP(), loader)
-    texts = [str(w.message) for w in caught if issubclass(w.category, CodedBiasWarning)]
-    assert any(t.startswith(f"[{NO_SET_EPOCH}]") for t in texts)  # reported ...
-    assert trainer.global_step == 2 and guard.audited_at_step == 0  # ... before the first step, training went on
-    assert [h.code for h in guard.hazards] == [NO_SET_EPOCH]
+    # A plain WeightedRandomSampler follows no epoch: a reproducibility note, neither a warning nor an error ...
+    assert [w for w in caught if issubclass(w.category, CodedBiasWarning)] == []
+    assert trainer.global_step == 2 and guard.audited_at_step == 0  # ... found before the first step
+    assert [(h.code, h.severity) for h in guard.hazards] == [(NO_SET_EPOCH, "reproducibility")]
+    assert json.loads((tmp_path / AUDIT_FILENAME).read_text())["hazards"][0]["severity"] == "reproducibility"
     assert load_fingerprints(str(tmp_path / FINGERPRINT_FILENAME)) == guard.fingerprints
     assert len(guard.fingerprints) == 1 and guard.stage_of_rank == [0] and guard.device_kinds == ["cpu"]
     # Checkpoints must load with torch.load(weights_only=True): the state holds plain types only.
@@ -163,12 +166,28 @@ def test_guard_stops_a_two_rank_hpp_fit_before_the_first_step(guard_jobs):
         assert res["wrapped"]["error"]["type"] == "CodedBiasError"
         assert res["wrapped"]["hazards"] == [NO_SET_EPOCH, HASHSEED_DIFFERS]
         assert res["wrapped"]["audited_at_step"] == 0
-        # The field report's bug with use_distributed_sampler=False (pp=1 × dp=2): identical draws.
+        assert f"[{NO_SET_EPOCH}] (reproducibility)" in res["wrapped"]["error"]["message"]
+        # Not deterministic: the same findings are notes, the run trains.
+        notes = res["notes"]
+        assert notes["error"] is None and notes["global_step"] == 2 and not notes["params_unchanged"]
+        assert notes["hazards"] == [NO_SET_EPOCH, HASHSEED_DIFFERS]
+        assert [d.split(":")[0] for d in notes["differences"]] == ["hash_probe_mismatch", "hash_randomization_mismatch"]
+        # The field report's bug with use_distributed_sampler=False (pp=1 × dp=2): identical draws, skew.
         assert res["identical"]["hazards"][0] == IDENTICAL_SAMPLING and HASHSEED_DIFFERS in res["identical"]["hazards"]
-        assert "ranks 0-1 draws the identical sequence" in res["identical"]["error"]["message"]
+        message = res["identical"]["error"]["message"]
+        assert "ranks 0-1 draws the identical sequence" in message and f"[{IDENTICAL_SAMPLING}] (skew)" in message
+        assert HASHSEED_DIFFERS not in message  # a note: it is not what stops this run
     # The hash seed reached the launched rank only.
     probes = [res["fingerprint"]["fingerprints"][r]["hash_probe"] for r, res in zip((0, 1), ranks)]
     assert probes[1] == fresh_hash("0") != probes[0]
+    # Every finding and its severity, in the run directory.
+    record = json.loads(Path(ranks[0]["notes"]["audit_path"]).read_text())
+    assert [(h["code"], h["severity"]) for h in record["hazards"]] == [(NO_SET_EPOCH, "reproducibility"),
+                                                                       (HASHSEED_DIFFERS, "reproducibility")]
+    assert [(d["code"], d["severity"]) for d in record["fingerprint_differences"]] == [
+        ("hash_probe_mismatch", "reproducibility"), ("hash_randomization_mismatch", "reproducibility")]
+    assert record["deterministic"] is False
+    assert json.loads(Path(ranks[0]["identical"]["audit_path"]).read_text())["hazards"][0]["severity"] == "skew"
 
 
 @pytest.mark.slow

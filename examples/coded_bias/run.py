@@ -118,7 +118,7 @@ def fit(kind: str, seed: int, args: argparse.Namespace, train, val) -> dict[str,
         "seed": seed,
         "seconds": time.monotonic() - start,
         "steps": trainer.global_step,
-        "audit": [{"code": h.code, "text": str(h)} for h in guard.hazards],
+        "audit": [{"code": h.code, "severity": h.severity, "text": str(h)} for h in guard.hazards],
         "audited_at_step": guard.audited_at_step,
         "fingerprint_differences": [str(d) for d in guard.differences],
         "alarms": monitor.alarms,
@@ -146,7 +146,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         ("expected", epochs, "bias/overlap_expected"),
         ("coverage", epochs, "bias/coverage"),
     )}
-    out.update(hazards={a["code"] for a in run["audit"]}, alarms={a.split(" ", 1)[0] for a in run["alarms"]},
+    out.update(hazards={f"{a['code']} ({a['severity']})" for a in run["audit"]}, alarms={a.split(" ", 1)[0] for a in run["alarms"]},
                acc=last["acc"], rare_acc=last["rare_acc"])
     return out
 

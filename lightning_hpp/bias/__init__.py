@@ -5,7 +5,8 @@
 * :mod:`~lightning_hpp.bias.samplers` — :class:`DistributedWeightedSampler`, weighted sampling that
   is correct on every rank whether or not Lightning's ``use_distributed_sampler`` is on.
 * :mod:`~lightning_hpp.bias.audit` — a data-loading audit that draws indices on every rank and names
-  each hazard with its fix.
+  each hazard with its fix and its severity: ``"skew"`` (ranks see the wrong data) or
+  ``"reproducibility"`` (a note, acted on only in deterministic runs).
 * :mod:`~lightning_hpp.bias.monitor` — :class:`BiasMonitor`, a callback that logs the spread of
   losses and local gradient norms across data-parallel ranks and the ranks' sample overlap.
 """
@@ -15,6 +16,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_hpp.bias.audit import (
+    REPRODUCIBILITY,
+    SEVERITY,
+    SKEW,
     Hazard,
     analyze_audit_records,
     audit_dataloader,
@@ -55,6 +59,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "REPRODUCIBILITY",
+    "SEVERITY",
+    "SKEW",
     "BiasConfigError",
     "BiasGuard",
     "BiasMonitor",
@@ -71,8 +78,8 @@ __all__ = [
     "collect_fingerprint",
     "compare_fingerprints",
     "compare_with_saved",
-    "enforce",
     "enable_determinism",
+    "enforce",
     "enforce_audit",
     "ensure_hash_seed",
     "gather_fingerprints",

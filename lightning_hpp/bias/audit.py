@@ -31,6 +31,16 @@ Hazards (``Hazard.code``):
 ``pythonhashseed_unset``                  PYTHONHASHSEED is not set
 ``pythonhashseed_differs``                PYTHONHASHSEED (or the resulting str hash) differs between ranks
 ========================================  ============================================================
+
+Every code has a severity (:data:`SEVERITY`, shown in each message and in ``Hazard.to_dict()``):
+
+* :data:`SKEW` — ranks, or the pipeline peers of one replica, see the wrong data: the run trains on
+  something other than what the user asked for. The audit policy acts on these (``"error"`` raises).
+* :data:`REPRODUCIBILITY` — the run is correct but another launch (or a resumed one) would not
+  repeat it bit for bit: the hash seed, a sampler whose order no checkpoint can restore. These are
+  notes (logged, not warned), acted on by the policy only when the run asked for determinism
+  (``enforce_audit(..., deterministic=True)``; the guard follows ``torch``'s deterministic flag, which
+  ``Trainer(deterministic=True)`` and ``BiasOptions(deterministic=True)`` set).
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import contextlib
 import copy
 import functools
 import itertools
+import logging
 import os
 import random
 import warnings
@@ -63,6 +74,31 @@ WORKER_STREAMS = "duplicated_worker_streams"
 NO_SET_EPOCH = "sampler_without_set_epoch"
 HASHSEED_UNSET = "pythonhashseed_unset"
 HASHSEED_DIFFERS = "pythonhashseed_differs"
+PIPELINE_PEERS_DATA = "pipeline_peers_see_different_data"
+"""The ranks of one pipeline replica draw different indices (inputs and targets of different samples)."""
+PIPELINE_PEERS_WORKERS = "pipeline_peers_worker_streams_differ"
+"""The ranks of one pipeline replica seed their dataloader workers differently."""
+
+SKEW = "skew"
+"""Severity: ranks or pipeline peers see the wrong data."""
+REPRODUCIBILITY = "reproducibility"
+"""Severity: correct now, but not repeatable by another launch or a resume."""
+
+SEVERITY: dict[str, str] = {
+    IDENTICAL_SAMPLING: SKEW,
+    SEED_EQUAL: SKEW,
+    WRAPPED_RANK_DEPENDENT: SKEW,
+    SEED_DIFFERS: SKEW,
+    WORKER_STREAMS: SKEW,
+    PIPELINE_PEERS_DATA: SKEW,
+    PIPELINE_PEERS_WORKERS: SKEW,
+    NO_SET_EPOCH: REPRODUCIBILITY,
+    HASHSEED_UNSET: REPRODUCIBILITY,
+    HASHSEED_DIFFERS: REPRODUCIBILITY,
+}
+"""The severity of every hazard code."""
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -81,8 +117,22 @@ class Hazard:
     fix: str
     ranks: tuple[int, ...] = ()
 
+    @property
+    def severity(self) -> str:
+        """:data:`SKEW` or :data:`REPRODUCIBILITY`, from the code."""
+        return SEVERITY[self.code]
+
+    def blocks(self, deterministic: bool) -> bool:
+        """Whether the audit policy acts on this hazard (skew always; reproducibility under determinism)."""
+        return self.severity == SKEW or deterministic
+
+    def to_dict(self) -> dict[str, Any]:
+        """The hazard as plain JSON types (what the guard writes to ``bias_audit.json``)."""
+        return {"code": self.code, "severity": self.severity, "message": self.message, "fix": self.fix,
+                "ranks": list(self.ranks)}
+
     def __str__(self) -> str:
-        return f"[{self.code}] {self.message} Fix: {self.fix}"
+        return f"[{self.code}] ({self.severity}) {self.message} Fix: {self.fix}"
 
 
 # ----------------------------------------------------------------------------- public entry
@@ -130,20 +180,30 @@ def audit_dataloader(
     return analyze_audit_records(records, name=name, check_hash_seed=check_hash_seed)
 
 
-def enforce_audit(hazards: Sequence[Hazard], policy: str) -> None:
-    """Act on the audit's hazards according to a policy.
+def enforce_audit(hazards: Sequence[Hazard], policy: str, deterministic: bool = False) -> None:
+    """Act on the audit's hazards according to a policy and their severity.
+
+    Skew hazards (and, with ``deterministic``, reproducibility ones) follow the policy; the other
+    reproducibility hazards are notes, logged at INFO level whatever the policy (except ``"off"``).
 
     Args:
         hazards: From :func:`audit_dataloader`.
         policy: ``"warn"`` emits one :class:`CodedBiasWarning` per hazard, ``"error"`` raises with
             all hazards, ``"off"`` does nothing.
+        deterministic: The run asked for bitwise reproducibility: reproducibility hazards count too.
 
     Raises:
-        CodedBiasError: ``policy == "error"`` and there is at least one hazard.
+        CodedBiasError: ``policy == "error"`` and there is at least one hazard the policy acts on.
         BiasConfigError: ``policy`` is not one of ``"warn"``, ``"error"``, ``"off"``.
     """
     check_policy(policy, "audit policy")
     if policy == "off" or not hazards:
+        return
+    for h in hazards:
+        if not h.blocks(deterministic):
+            _log.info("coded-bias audit note: %s", h)
+    hazards = [h for h in hazards if h.blocks(deterministic)]
+    if not hazards:
         return
     if policy == "error":
         lines = "\n".join(f"  - {h}" for h in hazards)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import platform
 import socket
@@ -52,10 +53,17 @@ DEVICE_FIELDS = frozenset({"device_name", "compute_capability"})
 IGNORED_FIELDS = frozenset({"hostname"})
 """Fields recorded for the reader but never compared (they differ between nodes by design)."""
 
+REPRODUCIBILITY_FIELDS = frozenset({"hash_probe", "hash_randomization", "env.PYTHONHASHSEED"})
+"""Fields whose difference makes runs unrepeatable but does not skew one run (severity "reproducibility"):
+with PYTHONHASHSEED unset each process draws its own str-hash seed. Every other field is "skew": different
+builds, devices or settings compute different numbers on ranks that must agree."""
+
 HASH_PROBE = "lightning_hpp-probe"
 """The string whose ``hash()`` is recorded; it differs between processes unless PYTHONHASHSEED is set."""
 
 _TE_DISTRIBUTIONS = ("transformer_engine", "transformer-engine", "transformer_engine_torch")
+
+_log = logging.getLogger(__name__)
 
 
 class CodedBiasWarning(UserWarning):
@@ -286,10 +294,24 @@ class FingerprintDifference:
         """A stable identifier such as ``cuda_version_mismatch``."""
         return f"{self.field}_mismatch"
 
+    @property
+    def severity(self) -> str:
+        """``"reproducibility"`` for the hash-seed fields (:data:`REPRODUCIBILITY_FIELDS`), else ``"skew"``."""
+        return "reproducibility" if self.field in REPRODUCIBILITY_FIELDS else "skew"
+
+    def blocks(self, deterministic: bool) -> bool:
+        """Whether the fingerprint policy acts on this difference (skew always; reproducibility under determinism)."""
+        return self.severity == "skew" or deterministic
+
+    def to_dict(self) -> dict[str, Any]:
+        """The difference as plain JSON types (values as text)."""
+        return {"code": self.code, "severity": self.severity, "field": self.field, "scope": self.scope,
+                "values": [_show(v) for v in self.values], "holders": list(self.holders)}
+
     def __str__(self) -> str:
         where = f" in {self.scope}" if self.scope else ""
         parts = " vs ".join(f"{_show(v)} ({h})" for v, h in zip(self.values, self.holders))
-        return f"{self.code}{where}: {parts}"
+        return f"{self.code}{where}: {parts} [{self.severity}]"
 
 
 def _show(value: Any) -> str:
@@ -425,20 +447,35 @@ def compare_with_saved(saved: dict[str, Any], current: dict[str, Any]) -> list[F
     return diffs
 
 
-def enforce(differences: Sequence[FingerprintDifference], policy: str, what: str = "environment fingerprint") -> None:
-    """Act on differences according to a policy.
+def enforce(
+    differences: Sequence[FingerprintDifference],
+    policy: str,
+    what: str = "environment fingerprint",
+    deterministic: bool = False,
+) -> None:
+    """Act on differences according to a policy and their severity.
+
+    Skew differences (and, with ``deterministic``, reproducibility ones) follow the policy; the other
+    reproducibility differences are notes, logged at INFO level (except with ``"off"``).
 
     Args:
         differences: From :func:`compare_fingerprints` or :func:`compare_with_saved`.
         policy: ``"warn"`` emits one :class:`CodedBiasWarning`, ``"error"`` raises, ``"off"`` does nothing.
         what: What was compared, for the message.
+        deterministic: The run asked for bitwise reproducibility: reproducibility differences count too.
 
     Raises:
-        FingerprintMismatchError: ``policy == "error"`` and there is at least one difference.
+        FingerprintMismatchError: ``policy == "error"`` and there is at least one difference the policy acts on.
         BiasConfigError: ``policy`` is not one of :data:`POLICIES`.
     """
     check_policy(policy, "fingerprint policy")
     if policy == "off" or not differences:
+        return
+    for d in differences:
+        if not d.blocks(deterministic):
+            _log.info("%s note: %s", what, d)
+    differences = [d for d in differences if d.blocks(deterministic)]
+    if not differences:
         return
     lines = "\n".join(f"  {d}" for d in differences)
     message = (

@@ -15,6 +15,14 @@
 Every rank reaches the same verdict, so with policy ``"error"`` every rank raises and none is left
 waiting in a collective. With ``"warn"`` the warnings are emitted on global rank 0 only.
 
+Findings have a severity (:data:`~lightning_hpp.bias.audit.SKEW` or
+:data:`~lightning_hpp.bias.audit.REPRODUCIBILITY`). The policies act on skew; reproducibility findings
+(the hash seed unset, a sampler whose order a resume cannot restore) are notes logged on rank 0, and
+count like skew only when the run is deterministic (``BiasGuard(deterministic=True)``, or by default
+``torch``'s deterministic flag, which ``Trainer(deterministic=True)`` and
+``BiasOptions(deterministic=True)`` set). Every finding, with its severity, is written to
+``bias_audit.json`` in ``trainer.log_dir``.
+
 Data-parallel topology: a strategy that has ``dp_group`` / ``dp_size`` / ``dp_rank`` (the pipeline
 strategy) is audited per data-parallel group and the findings of all groups are merged; any other
 strategy (``DDPStrategy``, one device) is audited over the world. Under pipeline parallelism the
@@ -34,11 +42,20 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lightning_hpp._dist import all_gather_object
-from lightning_hpp.bias.audit import Hazard, analyze_audit_records, collect_audit_record, enforce_audit
+from lightning_hpp.bias.audit import (
+    PIPELINE_PEERS_DATA,
+    PIPELINE_PEERS_WORKERS,
+    Hazard,
+    analyze_audit_records,
+    collect_audit_record,
+    enforce_audit,
+)
 from lightning_hpp.bias.fingerprint import (
     DEVICE_FIELDS,
     FingerprintDifference,
@@ -54,11 +71,8 @@ from lightning_hpp.bias.fingerprint import (
 from lightning_hpp.errors import BiasConfigError
 
 FINGERPRINT_FILENAME = "fingerprints.json"
-
-PIPELINE_PEERS_DATA = "pipeline_peers_see_different_data"
-"""The ranks of one pipeline replica draw different indices (inputs and targets of different samples)."""
-PIPELINE_PEERS_WORKERS = "pipeline_peers_worker_streams_differ"
-"""The ranks of one pipeline replica seed their dataloader workers differently."""
+AUDIT_FILENAME = "bias_audit.json"
+"""Every finding of the guard with its severity, written next to the fingerprints."""
 
 
 class BiasGuard(Callback):
@@ -72,6 +86,8 @@ class BiasGuard(Callback):
             :class:`CodedBiasError` on every rank) or ``"off"``.
         max_indices: Indices each rank draws per dataloader for the audit.
         filename: Name of the fingerprint file written to ``trainer.log_dir``.
+        deterministic: Whether reproducibility findings count like skew (the policies act on them).
+            ``None``: when ``torch``'s deterministic-algorithms flag is on at fit start.
 
     Attributes:
         fingerprints: Every rank's fingerprint, in global-rank order, once the fit started (on every
@@ -84,6 +100,7 @@ class BiasGuard(Callback):
         hazards: The data-loading hazards found (the same list on every rank).
         audited_at_step: ``trainer.global_step`` when the audit ran (0: before the first step).
         fingerprint_path: Where the fingerprints were written.
+        audit_path: Where the findings were written (``bias_audit.json``).
 
     Raises:
         BiasConfigError: an invalid policy or ``max_indices``.
@@ -95,6 +112,7 @@ class BiasGuard(Callback):
         audit: str = "warn",
         max_indices: int = 256,
         filename: str = FINGERPRINT_FILENAME,
+        deterministic: bool | None = None,
     ) -> None:
         self.fingerprint_policy = check_policy(fingerprint, "`BiasGuard(fingerprint=...)`")
         self.audit_policy = check_policy(audit, "`BiasGuard(audit=...)`")
@@ -105,8 +123,11 @@ class BiasGuard(Callback):
                 f"`BiasGuard(filename={filename!r})`: use a plain file name such as {FINGERPRINT_FILENAME!r}; "
                 f"the file is written to `trainer.log_dir`."
             )
+        if deterministic not in (None, True, False):
+            raise BiasConfigError(f"`BiasGuard(deterministic={deterministic!r})`: use True, False or None (follow torch).")
         self.max_indices = max_indices
         self.filename = filename
+        self.deterministic = deterministic
         self._reset()
 
     def _reset(self) -> None:
@@ -118,6 +139,8 @@ class BiasGuard(Callback):
         self.hazards: list[Hazard] = []
         self.audited_at_step: int | None = None
         self.fingerprint_path: str | None = None
+        self.audit_path: str | None = None
+        self._log_dir: str | None = None
         self._pending_saved: list[dict[str, Any]] | None = None
         self._is_global_zero = True
 
@@ -172,6 +195,8 @@ class BiasGuard(Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: LightningModule) -> None:
         self._is_global_zero = trainer.is_global_zero
+        log_dir = trainer.log_dir or trainer.default_root_dir  # a collective: every rank asks
+        self._log_dir = None if log_dir is None else str(log_dir).rstrip("/")
         if self.fingerprint_policy == "off":
             self._pending_saved = None
             return
@@ -187,17 +212,18 @@ class BiasGuard(Callback):
         self.device_kinds = [g["device_kind"] for g in gathered]
         self.stage_of_rank = [g["stage"] for g in gathered]
         self.differences = compare_fingerprints(self.fingerprints, self.stage_of_rank, self.device_kinds)
-        log_dir = trainer.log_dir or trainer.default_root_dir  # a collective: every rank asks
-        if log_dir is not None:
-            self.fingerprint_path = f"{str(log_dir).rstrip('/')}/{self.filename}"
+        if self._log_dir is not None:
+            self.fingerprint_path = f"{self._log_dir}/{self.filename}"
             if trainer.is_global_zero:
                 import fsspec
 
-                fs, path = fsspec.core.url_to_fs(str(log_dir))
+                fs, path = fsspec.core.url_to_fs(self._log_dir)
                 fs.makedirs(path, exist_ok=True)
                 save_fingerprints(self.fingerprints, self.fingerprint_path)
-        self._act(lambda p: enforce(self.differences, p, "environment fingerprint across ranks"),
-                  self.fingerprint_policy)
+        self._write_findings()
+        what = "environment fingerprint across ranks"
+        self._act(self.differences, lambda found, p: enforce(found, p, what, deterministic=True),
+                  self.fingerprint_policy, what)
         if self._pending_saved is not None:
             saved, self._pending_saved = self._pending_saved, None
             self.check_resume(saved)
@@ -208,7 +234,9 @@ class BiasGuard(Callback):
             return
         self.hazards = self.run_audit(trainer)
         self.audited_at_step = trainer.global_step
-        self._act(lambda p: enforce_audit(self.hazards, p), self.audit_policy)
+        self._write_findings()
+        self._act(self.hazards, lambda found, p: enforce_audit(found, p, deterministic=True), self.audit_policy,
+                  "data-loading audit")
 
     # ------------------------------------------------------------------ audit
     def run_audit(self, trainer: Any) -> list[Hazard]:
@@ -277,15 +305,55 @@ class BiasGuard(Callback):
             return None
         diffs = compare_runs(per_rank, self.fingerprints)
         self.resume_differences = diffs
-        self._act(lambda p: enforce(diffs, p, "environment fingerprint of the resumed run (saved vs current)"),
-                  self.fingerprint_policy)
+        what = "environment fingerprint of the resumed run (saved vs current)"
+        self._act(diffs, lambda found, p: enforce(found, p, what, deterministic=True), self.fingerprint_policy, what)
         return diffs
 
     # ------------------------------------------------------------------ policy
-    def _act(self, enforce_fn: Any, policy: str) -> None:
-        # Every rank holds the same verdict: all raise together; only rank 0 warns.
-        if policy == "error" or (policy == "warn" and self._is_global_zero):
-            enforce_fn(policy)
+    @property
+    def strict(self) -> bool:
+        """Whether reproducibility findings count like skew: ``deterministic``, else torch's deterministic flag."""
+        if self.deterministic is not None:
+            return self.deterministic
+        return torch.are_deterministic_algorithms_enabled()
+
+    def _act(self, findings: Sequence[Any], enforce_fn: Any, policy: str, what: str) -> None:
+        """Notes on rank 0 for what the policy does not act on; the policy for the rest.
+
+        Every rank holds the same verdict: all raise together; only rank 0 warns.
+        """
+        if policy == "off":
+            return
+        strict = self.strict
+        if self._is_global_zero:
+            for f in findings:
+                if not f.blocks(strict):
+                    rank_zero_info(f"BiasGuard note ({what}): {f}")
+        acted = [f for f in findings if f.blocks(strict)]
+        if acted and (policy == "error" or self._is_global_zero):
+            enforce_fn(acted, policy)
+
+    def _write_findings(self) -> None:
+        """Rank 0 writes every finding so far, with its severity, to ``bias_audit.json``."""
+        if self._log_dir is None:
+            return
+        self.audit_path = f"{self._log_dir}/{AUDIT_FILENAME}"
+        if not self._is_global_zero:
+            return
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(self._log_dir)
+        fs.makedirs(path, exist_ok=True)
+        record = {
+            "format": 1,
+            "deterministic": self.strict,
+            "fingerprint_differences": [d.to_dict() for d in self.differences],
+            "resume_differences": None if self.resume_differences is None else
+            [d.to_dict() for d in self.resume_differences],
+            "hazards": [h.to_dict() for h in self.hazards],
+        }
+        with fsspec.open(self.audit_path, "w") as f:
+            json.dump(record, f, indent=1)
 
 
 # ---------------------------------------------------------------------- pipeline peers
@@ -450,6 +518,7 @@ def _merge(hazards: Sequence[Hazard]) -> list[Hazard]:
 
 
 __all__ = [
+    "AUDIT_FILENAME",
     "FINGERPRINT_FILENAME",
     "PIPELINE_PEERS_DATA",
     "PIPELINE_PEERS_WORKERS",

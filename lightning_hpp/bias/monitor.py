@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import statistics
 import warnings
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,6 +55,7 @@ from lightning.pytorch import Callback, LightningModule
 from torch.utils.data import DataLoader
 
 from lightning_hpp._dist import all_gather_object, group_device, initialized
+from lightning_hpp.bias.baseline import SustainedLevel, SustainedShift
 from lightning_hpp.bias.fingerprint import CodedBiasWarning
 from lightning_hpp.errors import BiasConfigError
 
@@ -69,13 +69,24 @@ _LIKELY_DATA = (
 class BiasMonitor(Callback):
     """Log and alarm on skew between data-parallel ranks.
 
+    The step alarms ignore the first ``warmup_steps`` measured steps and judge the median of the last
+    ``sustain_steps`` values, so a single noisy step never alarms (:mod:`lightning_hpp.bias.baseline`).
+
     Args:
-        grad_norm_std_threshold: Alarm when a stage's ``bias/grad_norm_std`` exceeds this (the
-            field report saw 0.32 with the bug and < 0.05 without). ``None`` disables.
-        loss_std_jump: Alarm when the median of ``bias/loss_std`` over the last ``baseline_steps``
-            measured steps exceeds this factor times its baseline, the median over the first
-            ``baseline_steps`` steps (the field report saw 0.042 → 0.189). ``None`` disables.
-        baseline_steps: Steps that define the loss-spread baseline and the recent window.
+        grad_norm_std_threshold: Alarm when a stage's ``bias/grad_norm_std`` stays above this (its
+            median over the last ``sustain_steps`` steps; the field report saw 0.32 with the bug and
+            < 0.05 without). ``None`` disables.
+        loss_std_jump: Alarm when the median of ``bias/loss_std`` over the last ``sustain_steps``
+            measured steps exceeds this factor times its baseline, the rolling median of the
+            ``baseline_steps`` steps before them, and that baseline by ``mad_factor`` robust standard
+            deviations (the field report saw 0.042 → 0.189). ``None`` disables.
+        baseline_steps: Steps in the rolling loss-spread baseline (judged from 5 on). With two
+            replicas the spread is one absolute difference, half-normal noise: a long baseline keeps
+            its median steady.
+        warmup_steps: Measured steps at the start of the fit that the step alarms ignore.
+        sustain_steps: Steps whose median must cross a threshold.
+        mad_factor: How many robust standard deviations (1.4826 × MAD) of the baseline a loss-spread
+            shift must exceed as well.
         overlap_excess_threshold: Alarm when ``bias/overlap_jaccard`` exceeds
             ``bias/overlap_expected`` by more than this. ``None`` disables.
         agreement_threshold: Alarm when ``bias/sequence_agreement`` exceeds this. ``None`` disables.
@@ -98,7 +109,10 @@ class BiasMonitor(Callback):
         self,
         grad_norm_std_threshold: float | None = 0.15,
         loss_std_jump: float | None = 3.0,
-        baseline_steps: int = 10,
+        baseline_steps: int = 20,
+        warmup_steps: int = 10,
+        sustain_steps: int = 5,
+        mad_factor: float = 5.0,
         overlap_excess_threshold: float | None = 0.15,
         agreement_threshold: float | None = 0.5,
         min_coverage: float | None = None,
@@ -109,16 +123,22 @@ class BiasMonitor(Callback):
                                   ("loss_std_jump", loss_std_jump, 1.0),
                                   ("overlap_excess_threshold", overlap_excess_threshold, 0.0),
                                   ("agreement_threshold", agreement_threshold, 0.0),
-                                  ("min_coverage", min_coverage, 0.0)):
+                                  ("min_coverage", min_coverage, 0.0),
+                                  ("mad_factor", mad_factor, 0.0)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < low):
                 raise BiasConfigError(f"`BiasMonitor({label}={value!r})`: use a number >= {low}, or None to disable.")
         for label, value in (("baseline_steps", baseline_steps), ("log_every_n_steps", log_every_n_steps),
-                             ("max_agreement_positions", max_agreement_positions)):
+                             ("max_agreement_positions", max_agreement_positions), ("sustain_steps", sustain_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise BiasConfigError(f"`BiasMonitor({label}={value!r})`: use a positive int.")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise BiasConfigError(f"`BiasMonitor(warmup_steps={warmup_steps!r})`: use an int >= 0.")
         self.grad_norm_std_threshold = grad_norm_std_threshold
         self.loss_std_jump = loss_std_jump
         self.baseline_steps = baseline_steps
+        self.warmup_steps = warmup_steps
+        self.sustain_steps = sustain_steps
+        self.mad_factor = mad_factor
         self.overlap_excess_threshold = overlap_excess_threshold
         self.agreement_threshold = agreement_threshold
         self.min_coverage = min_coverage
@@ -126,8 +146,8 @@ class BiasMonitor(Callback):
         self.max_agreement_positions = max_agreement_positions
         self.history: list[dict[str, Any]] = []
         self.alarms: list[str] = []
-        self._loss_base: list[float] = []
-        self._loss_recent: deque[float] = deque(maxlen=baseline_steps)
+        self._loss_shift = self._new_loss_rule()
+        self._norm_levels: dict[str, SustainedLevel] = {}
         self._alarmed: set[tuple[str, int]] = set()
         self._hook_state: _LocalNormState | None = None
         self._norm_source = "local"
@@ -159,8 +179,8 @@ class BiasMonitor(Callback):
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: Any, pl_module: LightningModule) -> None:
-        self._loss_base.clear()
-        self._loss_recent.clear()
+        self._loss_shift = self._new_loss_rule()
+        self._norm_levels.clear()
         self._alarmed.clear()
         if self._step_stats(trainer) is not None or hasattr(trainer.strategy, "step_stats"):
             self._norm_source = "step_stats"
@@ -231,7 +251,9 @@ class BiasMonitor(Callback):
             return
         self.history.append({"step": trainer.global_step, "epoch": trainer.current_epoch, **metrics})
         for name, value in metrics.items():
-            pl_module.log(name, value, on_step=False, on_epoch=True, sync_dist=False, batch_size=1)
+            # Equal on the ranks of a data-parallel group already; the mean over the world also covers a
+            # pipeline (one group per stage) and keeps Lightning from asking for sync_dist.
+            pl_module.log(name, value, on_step=False, on_epoch=True, sync_dist=True, batch_size=1)
         self.check_epoch_metrics(metrics, trainer.current_epoch, warn=trainer.is_global_zero)
 
     def teardown(self, trainer: Any, pl_module: LightningModule, stage: str) -> None:
@@ -252,31 +274,35 @@ class BiasMonitor(Callback):
         """
         raised: list[str] = []
         thr = self.grad_norm_std_threshold
+        k = self.sustain_steps
         for name, value in metrics.items():
-            if thr is not None and name.startswith("bias/grad_norm_std/") and value > thr:
+            if thr is None or not name.startswith("bias/grad_norm_std/"):
+                continue
+            level = self._norm_levels.setdefault(name, SustainedLevel(thr, k, self.warmup_steps))
+            median = level.update(value)
+            if median is not None:
                 stage = name.rsplit("_", 1)[-1]
                 raised += self._alarm(name, epoch, warn, (
-                    f"{name} = {value:.4g} exceeds {thr}: the data-parallel ranks of stage {stage} compute "
-                    f"gradients of very different size at step {step}. {_LIKELY_DATA}"))
+                    f"{name} = {value:.4g} exceeds {thr} (median {median:.4g} over the last {k} steps): the "
+                    f"data-parallel ranks of stage {stage} compute gradients of very different size at step {step}. "
+                    f"{_LIKELY_DATA}"))
         std = metrics.get("bias/loss_std")
         if std is None or self.loss_std_jump is None:
             return raised
-        n = self.baseline_steps
-        if len(self._loss_base) < n:
-            self._loss_base.append(std)
-            return raised
-        self._loss_recent.append(std)
-        if len(self._loss_recent) < n:
-            return raised
-        # A sustained shift, not one noisy step: the median of the last n steps against the first n.
-        base = statistics.median(self._loss_base)
-        recent = statistics.median(self._loss_recent)
-        if base > 0 and recent > self.loss_std_jump * base:
+        shift = self._loss_shift.update(std)
+        if shift is not None:
             raised += self._alarm("bias/loss_std", epoch, warn, (
-                f"bias/loss_std = {std:.4g}: its median over the last {n} steps, {recent:.4g}, is "
-                f"{recent / base:.1f}x the baseline {base:.4g} (median of the first {n} steps), above the jump "
-                f"factor {self.loss_std_jump}: the ranks' losses diverged by step {step}. {_LIKELY_DATA}"))
+                f"bias/loss_std = {std:.4g}: its median over the last {k} steps, {shift.recent:.4g}, is "
+                f"{shift.factor:.1f}x the baseline {shift.base:.4g} (rolling median of up to {self.baseline_steps} "
+                f"steps before, MAD {shift.mad:.2g}), above the jump factor {self.loss_std_jump}: the ranks' losses "
+                f"diverged by step {step}. {_LIKELY_DATA}"))
         return raised
+
+    def _new_loss_rule(self) -> SustainedShift | None:
+        if self.loss_std_jump is None:
+            return None
+        return SustainedShift(self.loss_std_jump, self.baseline_steps, self.sustain_steps, self.warmup_steps,
+                              self.mad_factor)
 
     def check_epoch_metrics(self, metrics: Mapping[str, float], epoch: int, warn: bool = True) -> list[str]:
         """Judge one epoch's sample metrics against the thresholds.

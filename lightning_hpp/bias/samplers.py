@@ -273,3 +273,36 @@ def _as_weights(weights: Any) -> torch.Tensor:
     if not float(w.sum()) > 0:
         raise SamplerError("`weights` are all zero; at least one index needs a positive weight.")
     return w.contiguous()
+
+
+def pin_wrapped_generator(dataloader: Any, seed: int) -> bool:
+    """Give the sampler inside Lightning's ``DistributedSamplerWrapper`` a generator of its own, seeded ``seed``.
+
+    The wrapper shards one sequence that must be identical on every rank. A sampler without a generator
+    (a plain ``WeightedRandomSampler``) draws that sequence from torch's global RNG at the start of each
+    epoch, and the ranks of a pipeline consume the global RNG differently (dropout lives on some stages
+    only): from the second epoch on, the stages of one replica would draw different samples. With its
+    own generator, seeded alike on every rank and used by nothing else, the sequence stays the same on
+    every rank in every epoch. A sampler that has a generator is left as it is.
+
+    Args:
+        dataloader: A dataloader after Lightning injected its distributed sampler.
+        seed: The seed, the same on every rank.
+
+    Returns:
+        Whether a generator was given.
+    """
+    try:
+        from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    except ImportError:  # Lightning absent: nothing wrapped the sampler
+        return False
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else getattr(dataloader, "sampler", None)
+    if not isinstance(sampler, DistributedSamplerWrapper):
+        return False
+    inner = getattr(sampler.dataset, "_sampler", None)
+    if inner is None or not hasattr(inner, "generator") or inner.generator is not None:
+        return False
+    inner.generator = torch.Generator().manual_seed(seed)
+    return True
+

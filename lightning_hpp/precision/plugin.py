@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,6 +40,14 @@ from lightning_hpp._dist import group_device, initialized
 from lightning_hpp.errors import PlanError
 from lightning_hpp.planning.plan import normalize_precision
 from lightning_hpp.precision import fp8
+from lightning_hpp.precision.clipping import (
+    StageOptimizer,
+    algorithm_name,
+    clip_stages,
+    overrides_clipping,
+    stage_grads,
+    stage_norm,
+)
 from lightning_hpp.precision.guards import BoundaryGuard
 from lightning_hpp.precision.modes import CLIP_MODES, MODES, NONFINITE_POLICIES
 from lightning_hpp.precision.scaler import DynamicLossScaler
@@ -228,44 +235,52 @@ class HPPPrecision(Precision):
         return bool(bad.item() > 0)
 
     def _clip_gradients(self, model: Any, optimizer: Any, clip_val: float | None = None, gradient_clip_algorithm: Any = None) -> None:
+        """Clip per stage (or globally), or hand each stage to the module's own ``configure_gradient_clipping``."""
         view, plan = self._view, self._plan
         if view is None or not getattr(model, "automatic_optimization", True):
             return
-        algorithm = str(gradient_clip_algorithm or "norm").lower().replace("gradclipalgorithmtype.", "")
         num = plan.num_stages
-        per_stage = {k: [p.grad for p in sm.parameters() if p.grad is not None] for k, sm in view.stages.items()}
+        per_stage = {k: stage_grads(sm.parameters()) for k, sm in view.stages.items()}
         norms = torch.zeros(num, dtype=torch.float64)
         for k, grads in per_stage.items():
-            if grads:
-                norms[k] = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double()))
+            norms[k] = stage_norm(grads)
         if view.pp_group is not None and dist.get_world_size(view.pp_group) > 1:
             # each stage's entry comes from one rank of the pipeline
             norms = norms.to(group_device(view.pp_group))
             dist.all_reduce(norms, group=view.pp_group)
             norms = norms.cpu()
-        if algorithm == "value":
-            for k, grads in per_stage.items():
-                limit = plan.stages[k].clip_norm or clip_val
-                if limit and grads:
-                    torch._foreach_clamp_min_(grads, -limit)
-                    torch._foreach_clamp_max_(grads, limit)
-        elif self.clip == "global":
-            total = math.sqrt(float((norms**2).sum()))
-            if clip_val and total > clip_val:
-                coef = clip_val / (total + 1e-6)
-                for grads in per_stage.values():
-                    if grads:
-                        torch._foreach_mul_(grads, coef)
-        else:
-            for k, grads in per_stage.items():
-                limit = plan.stages[k].clip_norm or clip_val
-                if limit and grads and float(norms[k]) > limit:
-                    torch._foreach_mul_(grads, limit / (float(norms[k]) + 1e-6))
         self.last_grad_norms = {k: float(v) for k, v in enumerate(norms)}
+        if overrides_clipping(model):
+            from lightning.pytorch.trainer import call
+
+            for k in sorted(view.stages):
+                stage_opt = StageOptimizer(optimizer, k, view.stages[k].parameters(), plan.stages[k].clip_norm)
+                call._call_lightning_module_hook(model.trainer, "configure_gradient_clipping", stage_opt,
+                                                 gradient_clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+        else:
+            limits = {k: plan.stages[k].clip_norm or clip_val for k in per_stage}
+            clip_stages(per_stage, norms, limits, algorithm_name(gradient_clip_algorithm), self.clip, clip_val)
         for k, v in self.last_grad_norms.items():
             model.log(f"grad_norm/stage_{k}", v, on_step=True, on_epoch=False)
         if num > 1:
             model.log("grad_norm/spread", float(norms.std()), on_step=True, on_epoch=False)
+
+    def clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
+        """What ``LightningModule.clip_gradients`` calls (from a ``configure_gradient_clipping`` override).
+
+        With a :class:`~lightning_hpp.precision.clipping.StageOptimizer` it clips that stage, else every
+        stage of this rank. A stage with ``clip_norm`` in the plan clips at it, the others at ``clip_val``;
+        ``clip="global"`` scales by the pipeline's norm taken before the hook ran (no collective here, so
+        a hook that clips only on some steps cannot leave a rank waiting).
+        """
+        view, plan = self._view, self._plan
+        if view is None:
+            return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+        stages = [optimizer.stage] if isinstance(optimizer, StageOptimizer) else sorted(view.stages)
+        per_stage = {k: stage_grads(view.stages[k].parameters()) for k in stages}
+        norms = {k: stage_norm(g) for k, g in per_stage.items()} if self.clip != "global" else self.last_grad_norms
+        limits = {k: plan.stages[k].clip_norm or clip_val for k in stages}
+        clip_stages(per_stage, norms, limits, algorithm_name(gradient_clip_algorithm), self.clip, clip_val)
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}

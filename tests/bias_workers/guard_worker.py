@@ -5,9 +5,10 @@ relaunches the module for rank 1.
 
 * ``bad`` is launched without PYTHONHASHSEED. The launching process calls ``ensure_hash_seed`` (as
   the strategy's determinism switch does), so rank 1 starts with PYTHONHASHSEED=0 and rank 0 keeps
-  its random hash seed. Fits: fingerprint policy "error"; audit policy "error" with a
-  ``WeightedRandomSampler`` that Lightning wraps (pp=2 × dp=1); audit policy "error" with the field
-  report's sampler and ``use_distributed_sampler=False`` (pp=1 × dp=2).
+  its random hash seed. Fits: fingerprint policy "error" in a deterministic run; audit policy "error"
+  in a deterministic run with a ``WeightedRandomSampler`` that Lightning wraps (pp=2 × dp=1); the same
+  with both policies "error" but not deterministic (notes only: it trains); audit policy "error" with
+  the field report's sampler and ``use_distributed_sampler=False`` (pp=1 × dp=2).
 * ``good`` is launched with PYTHONHASHSEED=0 for every rank and a ``DistributedWeightedSampler``:
   an HPP fit with both policies "error", then DDP fits that save a Lightning checkpoint and resume
   from it, unchanged and with a saved fingerprint altered.
@@ -95,6 +96,7 @@ def fit(strategy, out: Path, guard: BiasGuard, sampler, steps: int = 2, ckpt_pat
         "resume_differences": None if guard.resume_differences is None else [str(d) for d in guard.resume_differences],
         "fingerprints": guard.fingerprints,
         "fingerprint_path": guard.fingerprint_path,
+        "audit_path": guard.audit_path,
         "audited_at_step": guard.audited_at_step,
         "stage_of_rank": guard.stage_of_rank,
         "device_kinds": guard.device_kinds,
@@ -104,10 +106,14 @@ def fit(strategy, out: Path, guard: BiasGuard, sampler, steps: int = 2, ckpt_pat
 
 def bad(out: Path) -> dict:
     res = {}
-    guard = BiasGuard(fingerprint="error", audit="off")
+    # The hash seeds differ between the ranks: a reproducibility finding, which stops a deterministic run ...
+    guard = BiasGuard(fingerprint="error", audit="off", deterministic=True)
     res["fingerprint"] = fit(hpp(TWO), out / "fp", guard, DistributedWeightedSampler(weights(), seed=0))
-    guard = BiasGuard(fingerprint="off", audit="error")
+    guard = BiasGuard(fingerprint="off", audit="error", deterministic=True)
     res["wrapped"] = fit(hpp(TWO), out / "wrapped", guard, WeightedRandomSampler(weights(), N))
+    # ... and is a note in any other run, which trains.
+    guard = BiasGuard(fingerprint="error", audit="error")
+    res["notes"] = fit(hpp(TWO), out / "notes", guard, WeightedRandomSampler(weights(), N))
     guard = BiasGuard(fingerprint="off", audit="error")
     res["identical"] = fit(hpp(ONE), out / "identical", guard, WeightedRandomSampler(weights(), N),
                            use_distributed_sampler=False)

@@ -135,7 +135,7 @@ def main() -> None:
     fit("fix", out, DistributedWeightedSampler(weights(), seed=SEED), use_distributed_sampler=True)
     # The pipeline strategy's contract: dp attributes and per-step stats on the strategy.
     fit("contract", out, DistributedWeightedSampler(weights(), seed=SEED), use_distributed_sampler=True,
-        strategy=ContractStrategy(), epochs=1)
+        strategy=ContractStrategy(), epochs=4)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,111 @@
+"""Gradient clipping per stage: the stage's view of the optimizer, and the clipping rule itself.
+
+A LightningModule that overrides ``configure_gradient_clipping`` owns clipping, as under any other
+strategy. :class:`~lightning_hpp.HPPPrecision` calls the hook once per stage this rank holds, with a
+:class:`StageOptimizer`: the optimizer restricted to that stage's parameters. Inside the hook,
+``self.clip_gradients(optimizer, ...)`` clips that stage (with its ``clip_norm`` when the plan sets one,
+else the value passed), and torch's own ``clip_grad_norm_`` over ``optimizer.param_groups`` sees the
+same parameters. The gradients are those after the data-parallel all-reduce, so every replica takes
+the same decision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class StageOptimizer:
+    """The optimizer as one pipeline stage sees it in ``configure_gradient_clipping``.
+
+    ``param_groups`` are copies of the optimizer's groups holding only this stage's parameters (the
+    hyper-parameters are those of the optimizer; changing them here does not change the optimizer).
+    Every other attribute is the optimizer's.
+
+    Attributes:
+        optimizer: The optimizer Lightning steps.
+        stage: The stage index.
+        clip_norm: The stage's own ``clip_norm`` from the plan (``None`` when unset).
+    """
+
+    def __init__(self, optimizer: Any, stage: int, params: Iterable[Tensor], clip_norm: float | None) -> None:
+        ids = {id(p) for p in params}
+        self.optimizer = optimizer
+        self.stage = stage
+        self.clip_norm = clip_norm
+        self.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in ids]} for g in optimizer.param_groups]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["optimizer"], name)
+
+    def __repr__(self) -> str:
+        n = sum(len(g["params"]) for g in self.param_groups)
+        return f"StageOptimizer(stage={self.stage}, {n} parameters of {type(self.optimizer).__name__})"
+
+
+def stage_grads(params: Iterable[Tensor]) -> list[Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def stage_norm(grads: list[Tensor]) -> float:
+    """The 2-norm of a stage's gradients (float64 accumulation), 0 without gradients."""
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double()))
+
+
+def clip_stages(
+    per_stage: Mapping[int, list[Tensor]],
+    norms: Mapping[int, float] | Tensor,
+    limits: Mapping[int, float | None],
+    algorithm: str,
+    mode: str,
+    clip_val: float | None,
+) -> None:
+    """Clip the given stages' gradients in place.
+
+    Args:
+        per_stage: Gradients by stage.
+        norms: Every stage's norm (the whole pipeline's, for ``mode="global"``).
+        limits: Each stage's limit: its ``clip_norm``, else the requested value.
+        algorithm: ``"norm"`` or ``"value"``.
+        mode: ``"per-stage"`` (each stage against its own limit) or ``"global"`` (one norm over all
+            stages against ``clip_val``).
+        clip_val: The requested value (the Trainer's ``gradient_clip_val`` or the hook's).
+    """
+    if algorithm == "value":
+        for k, grads in per_stage.items():
+            limit = limits[k]
+            if limit and grads:
+                torch._foreach_clamp_min_(grads, -limit)
+                torch._foreach_clamp_max_(grads, limit)
+    elif mode == "global":
+        total = math.sqrt(sum(float(v) ** 2 for v in (norms.tolist() if isinstance(norms, Tensor) else norms.values())))
+        if clip_val and total > clip_val:
+            coef = clip_val / (total + 1e-6)
+            for grads in per_stage.values():
+                if grads:
+                    torch._foreach_mul_(grads, coef)
+    else:
+        for k, grads in per_stage.items():
+            limit = limits[k]
+            if limit and grads and float(norms[k]) > limit:
+                torch._foreach_mul_(grads, limit / (float(norms[k]) + 1e-6))
+
+
+def algorithm_name(algorithm: Any) -> str:
+    """``GradClipAlgorithmType.NORM`` / ``"norm"`` / ``None`` → ``"norm"``."""
+    value = getattr(algorithm, "value", algorithm)
+    return str(value or "norm").lower()
+
+
+def overrides_clipping(model: Any) -> bool:
+    """Whether the LightningModule defines its own ``configure_gradient_clipping``."""
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return isinstance(model, LightningModule) and is_overridden("configure_gradient_clipping", model, LightningModule)
