@@ -8,6 +8,7 @@ import pytest
 
 from lightning_hpp import HPPStrategy, PlanError
 from tests.launch import run_script
+from tests.workers.run_errors import PLANTED_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -73,15 +74,25 @@ def test_bad_setup_fails_before_training_without_hanging(tmp_path, case, devices
     assert time.monotonic() - start < 90
 
 
-def test_a_rank_that_raises_ends_the_job_with_its_exception(tmp_path):
-    # The last stage (rank 1) raises at step 3 while rank 0 waits on the pipeline: the job must end
-    # well within the collective timeout, and the original exception must be printed.
+@pytest.mark.parametrize("failing", [0, 1], ids=["rank0-hosts-the-store", "rank1-child"])
+def test_the_first_error_ends_every_rank(tmp_path, failing):
+    # One rank raises in training_step at step 2 while its peer waits on the pipeline. The peer must
+    # end with an error naming that rank and repeating its exception (not gloo's "Connection closed
+    # by peer"), long before the 300 s collective timeout.
+    import re
+
+    peer = 1 - failing
     start = time.monotonic()
-    proc = run_script("tests.workers.run_cases", {"case": "raise_midway", "devices": 2, "out": str(tmp_path), "timeout": 120}, check=False, timeout=150)
+    proc = run_script("tests.workers.run_errors", {"out": str(tmp_path), "raise_rank": failing, "raise_step": 2, "timeout": 300},
+                      check=False, timeout=280, env=PLANTED_ENV)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
-    assert "boom in training_step at step 3" in proc.stderr
-    assert elapsed < 60, f"job took {elapsed:.0f}s to end"
+    own = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank{failing}]: ")]
+    assert own[-1] == f"[rank{failing}]: RuntimeError: boom on rank {failing} at step 2", proc.stderr[-3000:]
+    last = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank{peer}]: ")][-1]
+    assert re.match(rf"\[rank{peer}\]: lightning_hpp.errors.RankFailedError: rank {failing} failed first: "
+                    rf"RuntimeError: boom on rank {failing} at step 2 \(rank {peer} stopped because", last), proc.stderr[-3000:]
+    assert elapsed < 240, f"the job took {elapsed:.0f}s to end"
 
 
 def test_registered_with_lightning_as_hpp():
