@@ -70,6 +70,7 @@ from lightning_hpp.pipeline.steps import capture_input, count_forward_calls, sec
 from lightning_hpp.planning.placement import auto_plan, gather_kinds, kind_grid
 from lightning_hpp.planning.plan import PLAN_FILENAME, StagePlan
 from lightning_hpp.precision.plugin import HPPPrecision, StageView
+from lightning_hpp.redaction import redact_loggers
 
 
 class HPPStrategy(ParallelStrategy):
@@ -292,6 +293,7 @@ class HPPStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        redact_loggers(self.lightning_module.trainer.loggers)  # before any hook can log hyperparameters
         if self._deterministic:
             enable_determinism(self._seed())
         if self._bias.fingerprint != "off" or self._bias.audit != "off":
