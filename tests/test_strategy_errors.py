@@ -61,6 +61,8 @@ def test_option_sections_refuse_unknown_keys_and_wrong_types():
         ("non_sequential", 2, "`forward` is not sequential at unit 'layers.4'"),
         ("int_boundary", 2, "boundary after unit 'layers.3' carries Tensor\\(shape=\\(4, 16\\), dtype=torch.int64\\)"),
         ("batch_not_divisible", 2, "Batch size 10 is not divisible by n_microbatches=4"),
+        ("pp_exceeds_world", 2, "`HPPStrategy\\(pp_degree=3\\)` needs at least 3 processes, one per pipeline position, but the job has 2"),
+        ("device_map_rank7", 2, "`PlacementOptions\\(device_map='0:cpu,7:cpu'\\)` names rank\\(s\\) \\[7\\], but the job has 2 processes"),
     ],
 )
 def test_bad_setup_fails_before_training_without_hanging(tmp_path, case, devices, message):
@@ -70,6 +72,8 @@ def test_bad_setup_fails_before_training_without_hanging(tmp_path, case, devices
     proc = run_script("tests.workers.run_cases", {"case": case, "devices": devices, "out": str(tmp_path)}, check=False, timeout=120)
     assert proc.returncode != 0
     assert re.search(message, proc.stderr), proc.stderr[-3000:]
+    if case in ("pp_exceeds_world", "device_map_rank7"):  # refused on every rank, each with its own error
+        assert all(re.search(rf"\[rank{r}\]: .*Error: {message}", proc.stderr) for r in range(devices)), proc.stderr[-3000:]
     assert "Epoch 0" not in proc.stdout
     assert time.monotonic() - start < 90
 

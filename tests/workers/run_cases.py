@@ -58,6 +58,10 @@ def main(cfg: dict) -> None:
         strategy_kw["frontend"] = "sequential"
     if case == "pp_not_divisor":
         strategy_kw["pp_degree"] = 2
+    if case == "pp_exceeds_world":
+        strategy_kw["pp_degree"] = 3
+    if case == "device_map_rank7":
+        strategy_kw["placement"] = {"device_map": "0:cpu,7:cpu"}
     if case == "batch_not_divisible":
         batch = 10
     callbacks = []
