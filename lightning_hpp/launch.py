@@ -82,6 +82,7 @@ class _Job:
         self.world_size = 1
         self.hosts_store = False
         self.first: dict | None = None  # the job's first error, once known
+        self.server: Any = None  # rank 0: the rendezvous store it hosts, kept alive past the process group
         self._left = False
         self._lock = threading.Lock()
 
@@ -92,6 +93,8 @@ class _Job:
             return dist.PrefixStore(prefix, dist.TCPStore(address, port, is_master=False, timeout=timeout))
 
         self.store, self.rank, self.world_size, self.hosts_store = client(), rank, world_size, hosts_store
+        self.server = dist.distributed_c10d._get_default_store() if hosts_store else None
+        self.first, self._left = None, False
         if not hosts_store:
             threading.Thread(
                 target=self._watch, args=(client(),), name="lightning_hpp-first-error", daemon=True
@@ -224,4 +227,4 @@ def shutdown() -> None:
         deadline = time.monotonic() + STORE_GRACE_S
         while _JOB.store.add(_LEFT, 0) < _JOB.world_size - 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-    _JOB.store = None
+    _JOB.store = _JOB.server = None

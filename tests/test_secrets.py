@@ -105,3 +105,16 @@ def test_a_secret_override_is_refused_before_hydra_echoes_it(tmp_path, monkeypat
     )
     assert not _leaks([p for p in tmp_path.rglob("*") if p.is_file()], out.out, out.err, str(exit_info.value))
     assert not (tmp_path / "run").exists()  # refused before Hydra composed or ran anything
+
+
+def test_the_entry_point_redacts_the_loggers_of_every_strategy(tmp_path):
+    from lightning_hpp.hydra.train import build
+    from tests.test_configs import compose_cfg
+
+    run = build(compose_cfg(tmp_path, "experiment=mlp_tiny", "strategy=ddp", "logger=many"))
+    assert {type(lg).__name__ for lg in run.loggers} == {"CSVLogger", "TensorBoardLogger"}
+    for logger in run.loggers:
+        logger.log_hyperparams({**PLANTED_HPARAMS, "lr": 0.1})
+        logger.save()
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len([p for p in files if p.name == "hparams.yaml"]) == 2 and not _leaks(files)

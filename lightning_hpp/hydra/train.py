@@ -327,11 +327,14 @@ def build(cfg: DictConfig) -> Run:
     """
     from lightning.pytorch.callbacks import LearningRateMonitor
 
+    from lightning_hpp.redaction import redact_loggers
+
     datamodule = hydra.utils.instantiate(cfg.data)
     model = hydra.utils.instantiate(cfg.model)
     plan, resolved = build_plan(cfg.get("plan"), model)
     strategy = build_strategy(cfg.strategy, plan, cfg.trainer)
     loggers = list(_instantiate_all(cfg.get("logger")).values())
+    redact_loggers(loggers)  # HPPStrategy does it too; the DDP and FSDP baselines need it here
     callbacks = []
     for name, callback in _instantiate_all(cfg.get("callbacks")).items():
         if isinstance(callback, LearningRateMonitor) and not loggers:
