@@ -103,3 +103,8 @@ class SweepError(ValueError):
 
 class TrainConfigError(ValueError):
     """A configuration the entry point cannot run; the message names the key, the value and the fix."""
+
+
+# ---- the job's processes
+class RankFailedError(RuntimeError):
+    """Another rank of the job failed first; the message names it and repeats its exception."""

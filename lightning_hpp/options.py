@@ -20,7 +20,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from lightning_hpp.errors import PlanError
+from lightning_hpp.errors import PlacementError, PlanError
+from lightning_hpp.planning.devices import ENV_VAR as DEVICE_KIND_ENV
+from lightning_hpp.planning.devices import parse_device_map
 
 POLICIES = ("warn", "error", "off")
 
@@ -140,8 +142,42 @@ class PlacementOptions:
                 f"`PlacementOptions(device_map={self.device_map!r})`: use a string such as '0:a100,1:h100', "
                 f"a dict {{rank: kind}} or a list of kinds."
             )
+        try:
+            parse_device_map(self.device_map)
+        except PlacementError as err:
+            raise PlacementError(f"`PlacementOptions(device_map={self.device_map!r})`: {err}") from None
         if self.profile is not None and not isinstance(self.profile, (str, os.PathLike)):
             raise PlanError(f"`PlacementOptions(profile={self.profile!r})`: must be the path of a cost-profile JSON.")
+
+    def check_world(self, world_size: int) -> None:
+        """Refuse a ``device_map`` (or ``$HPP_DEVICE_KIND`` map) whose ranks do not match a job of ``world_size``.
+
+        Raises:
+            PlacementError: a rank outside ``0..world_size-1``, or a rank of the job without a kind.
+        """
+        env = os.environ.get(DEVICE_KIND_ENV, "").strip()
+        if self.device_map is not None:
+            source, mapping = f"`PlacementOptions(device_map={self.device_map!r})`", parse_device_map(self.device_map)
+        elif ":" in env:
+            source, mapping = f"${DEVICE_KIND_ENV}={env!r}", parse_device_map(env)
+        else:
+            return
+        outside = sorted(r for r in mapping if r >= world_size)
+        if outside:
+            raise PlacementError(
+                f"{source} names rank(s) {outside}, but the job has {world_size} processes (ranks 0-{world_size - 1}). "
+                f"Give one kind per rank of this job, e.g. {_example_map(world_size)!r}."
+            )
+        missing = [r for r in range(world_size) if r not in mapping]
+        if missing:
+            raise PlacementError(
+                f"{source} gives no kind for rank(s) {missing} of the {world_size} processes. Give one kind per rank, "
+                f"e.g. {_example_map(world_size)!r}."
+            )
+
+
+def _example_map(world_size: int) -> str:
+    return ",".join(f"{r}:a100" for r in range(world_size))
 
 
 @dataclass(frozen=True)

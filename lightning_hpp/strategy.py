@@ -80,6 +80,7 @@ from lightning_hpp.pipeline.steps import capture_input, count_forward_calls, sec
 from lightning_hpp.planning.placement import auto_plan, gather_kinds, kind_grid, loss_probe
 from lightning_hpp.planning.plan import PLAN_FILENAME, StagePlan
 from lightning_hpp.precision.plugin import HPPPrecision, StageView
+from lightning_hpp.redaction import redact_loggers
 
 
 class HPPStrategy(ParallelStrategy):
@@ -149,7 +150,7 @@ class HPPStrategy(ParallelStrategy):
             raise PlanError(f"`HPPStrategy(precision_plugin=...)` must be an `HPPPrecision`, got {type(precision_plugin).__name__}.")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
-        if schedule is not None and schedule not in SCHEDULES:
+        if schedule is not None and (not isinstance(schedule, str) or schedule not in SCHEDULES):
             raise ScheduleError(f"`HPPStrategy(schedule={schedule!r})` is unknown. Valid schedules: {', '.join(SCHEDULES)}.")
         if n_microbatches is not None and (not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1):
             raise PlanError(f"`HPPStrategy(n_microbatches={n_microbatches!r})`: must be a positive integer.")
@@ -167,6 +168,9 @@ class HPPStrategy(ParallelStrategy):
             raise PlanError(f"`HPPStrategy(activation_checkpointing={activation_checkpointing!r})`: must be True or False.")
         self._activation_checkpointing = activation_checkpointing
         self._timeout = _timeout(timeout)
+        if process_group_backend is not None and process_group_backend not in _BACKENDS:
+            raise PlanError(f"`HPPStrategy(process_group_backend={process_group_backend!r})` is not a torch.distributed "
+                            f"backend; use one of {', '.join(map(repr, _BACKENDS))} or None (gloo on CPU, nccl on CUDA).")
         self._checkpoint = section(CheckpointOptions, checkpoint, "checkpoint")
         self._bias = section(BiasOptions, bias, "bias")
         self._telemetry = None if telemetry in (None, False) else section(TelemetryOptions, None if telemetry is True else telemetry, "telemetry")
@@ -314,6 +318,7 @@ class HPPStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        redact_loggers(self.lightning_module.trainer.loggers)  # before any hook can log hyperparameters
         if self._deterministic:
             enable_determinism(self._seed())
         if self._bias.fingerprint != "off" or self._bias.audit != "off":
@@ -420,6 +425,11 @@ class HPPStrategy(ParallelStrategy):
             trainer_precision = str(self.precision_plugin.precision)
             self.precision_plugin = HPPPrecision()
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if self._pp_arg is not None and self._pp_arg > self.world_size:
+            raise PlanError(f"`HPPStrategy(pp_degree={self._pp_arg})` needs at least {self._pp_arg} processes, one per pipeline "
+                            f"position, but the job has {self.world_size}. Lower `pp_degree`, or start more processes "
+                            f"(`Trainer(devices=..., num_nodes=...)`).")
+        self._placement.check_world(self.world_size)
         rank_kinds = gather_kinds(self.root_device, self.global_rank, self._placement.device_map)
         with fake_parameters(module, self.root_device) if has_meta_parameters(module) else contextlib.nullcontext():
             auto = self._plan_arg == "auto"
@@ -717,6 +727,9 @@ class HPPStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Heterogeneous pipeline parallelism (lightning_hpp)")
+
+
+_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
 
 def _timeout(value: Any) -> timedelta:

@@ -8,6 +8,7 @@ import pytest
 
 from lightning_hpp import HPPStrategy, PlanError
 from tests.launch import run_script
+from tests.workers.run_errors import PLANTED_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +61,8 @@ def test_option_sections_refuse_unknown_keys_and_wrong_types():
         ("non_sequential", 2, "`forward` is not sequential at unit 'layers.4'"),
         ("int_boundary", 2, "boundary after unit 'layers.3' carries Tensor\\(shape=\\(4, 16\\), dtype=torch.int64\\)"),
         ("batch_not_divisible", 2, "Batch size 10 is not divisible by n_microbatches=4"),
+        ("pp_exceeds_world", 2, "`HPPStrategy\\(pp_degree=3\\)` needs at least 3 processes, one per pipeline position, but the job has 2"),
+        ("device_map_rank7", 2, "`PlacementOptions\\(device_map='0:cpu,7:cpu'\\)` names rank\\(s\\) \\[7\\], but the job has 2 processes"),
     ],
 )
 def test_bad_setup_fails_before_training_without_hanging(tmp_path, case, devices, message):
@@ -69,19 +72,31 @@ def test_bad_setup_fails_before_training_without_hanging(tmp_path, case, devices
     proc = run_script("tests.workers.run_cases", {"case": case, "devices": devices, "out": str(tmp_path)}, check=False, timeout=120)
     assert proc.returncode != 0
     assert re.search(message, proc.stderr), proc.stderr[-3000:]
+    if case in ("pp_exceeds_world", "device_map_rank7"):  # refused on every rank, each with its own error
+        assert all(re.search(rf"\[rank{r}\]: .*Error: {message}", proc.stderr) for r in range(devices)), proc.stderr[-3000:]
     assert "Epoch 0" not in proc.stdout
     assert time.monotonic() - start < 90
 
 
-def test_a_rank_that_raises_ends_the_job_with_its_exception(tmp_path):
-    # The last stage (rank 1) raises at step 3 while rank 0 waits on the pipeline: the job must end
-    # well within the collective timeout, and the original exception must be printed.
+@pytest.mark.parametrize("failing", [0, 1], ids=["rank0-hosts-the-store", "rank1-child"])
+def test_the_first_error_ends_every_rank(tmp_path, failing):
+    # One rank raises in training_step at step 2 while its peer waits on the pipeline. The peer must
+    # end with an error naming that rank and repeating its exception (not gloo's "Connection closed
+    # by peer"), long before the 300 s collective timeout.
+    import re
+
+    peer = 1 - failing
     start = time.monotonic()
-    proc = run_script("tests.workers.run_cases", {"case": "raise_midway", "devices": 2, "out": str(tmp_path), "timeout": 120}, check=False, timeout=150)
+    proc = run_script("tests.workers.run_errors", {"out": str(tmp_path), "raise_rank": failing, "raise_step": 2, "timeout": 300},
+                      check=False, timeout=280, env=PLANTED_ENV)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
-    assert "boom in training_step at step 3" in proc.stderr
-    assert elapsed < 60, f"job took {elapsed:.0f}s to end"
+    own = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank{failing}]: ")]
+    assert own[-1] == f"[rank{failing}]: RuntimeError: boom on rank {failing} at step 2", proc.stderr[-3000:]
+    last = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank{peer}]: ")][-1]
+    assert re.match(rf"\[rank{peer}\]: lightning_hpp.errors.RankFailedError: rank {failing} failed first: "
+                    rf"RuntimeError: boom on rank {failing} at step 2 \(rank {peer} stopped because", last), proc.stderr[-3000:]
+    assert elapsed < 240, f"the job took {elapsed:.0f}s to end"
 
 
 def test_registered_with_lightning_as_hpp():

@@ -74,8 +74,11 @@ class DistributedWeightedSampler(DistributedSampler):
     ) -> None:
         # DistributedSampler.__init__ is not called: it requires an initialised process group at
         # construction, and this sampler resolves rank and replica count when it is used.
+        for name, flag in (("replacement", replacement), ("drop_last", drop_last)):
+            if not isinstance(flag, bool):
+                raise SamplerError(f"`{name}` is {flag!r}; it must be True or False (not a {type(flag).__name__}).")
         self.weights = _as_weights(weights)
-        self.replacement = bool(replacement)
+        self.replacement = replacement
         nonzero = int((self.weights > 0).sum())
         if num_samples is None:
             num_samples = len(self.weights) if self.replacement else nonzero
@@ -93,7 +96,7 @@ class DistributedWeightedSampler(DistributedSampler):
             raise SamplerError(f"`seed` is {seed!r}; it must be an int, the same on every rank.")
         self.total_size = num_samples
         self.seed = seed
-        self.drop_last = bool(drop_last)
+        self.drop_last = drop_last
         self.shuffle = True
         self.epoch = 0
         self._num_replicas = num_replicas

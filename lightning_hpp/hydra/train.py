@@ -327,11 +327,14 @@ def build(cfg: DictConfig) -> Run:
     """
     from lightning.pytorch.callbacks import LearningRateMonitor
 
+    from lightning_hpp.redaction import redact_loggers
+
     datamodule = hydra.utils.instantiate(cfg.data)
     model = hydra.utils.instantiate(cfg.model)
     plan, resolved = build_plan(cfg.get("plan"), model)
     strategy = build_strategy(cfg.strategy, plan, cfg.trainer)
     loggers = list(_instantiate_all(cfg.get("logger")).values())
+    redact_loggers(loggers)  # HPPStrategy does it too; the DDP and FSDP baselines need it here
     callbacks = []
     for name, callback in _instantiate_all(cfg.get("callbacks")).items():
         if isinstance(callback, LearningRateMonitor) and not loggers:
@@ -574,12 +577,32 @@ def task(cfg: DictConfig) -> float | None:
     return run(cfg)
 
 
+def refuse_secret_overrides(args: Sequence[str]) -> None:
+    """Exit with a :class:`TrainConfigError` line when a command-line argument holds a secret.
+
+    Runs before Hydra parses the command line: Hydra's own error report (``Error executing job
+    with overrides: [...]``) would print the secret.
+    """
+    from lightning_hpp.redaction import secret_overrides
+
+    found = secret_overrides(args)
+    if found:
+        shown = ", ".join(repr(arg) for _, arg in found)
+        error = TrainConfigError(
+            f"The command line holds a secret in `{found[0][0]}` ({shown} after redaction). Credentials are read "
+            f"from the environment only (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN...); remove "
+            f"the override and set the variable in the environment instead."
+        )
+        sys.exit(f"{type(error).__name__}: {error}")
+
+
 def main() -> None:
     """Console script ``lightning-hpp-train``: Hydra parses ``sys.argv`` (overrides, ``-m``, ``--cfg``...)."""
     # `_target_`s may live in the working directory (examples/, a user's project), as with `python -m`.
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
+    refuse_secret_overrides(sys.argv[1:])
     hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")(task)()
 
 

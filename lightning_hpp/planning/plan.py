@@ -45,7 +45,8 @@ def normalize_precision(value: Any, where: str) -> str | None:
     """Map a precision value (or Lightning's short forms) to one of :data:`PRECISIONS`."""
     if value is None:
         return None
-    value = _PRECISION_ALIASES.get(value, value)
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        value = _PRECISION_ALIASES.get(value, value)
     if value not in PRECISIONS:
         raise PlanError(
             f"{where}: precision {value!r} is not supported. Use one of {', '.join(PRECISIONS)}."
@@ -92,6 +93,8 @@ class StageSpec:
         self.precision = normalize_precision(self.precision, "`StageSpec`")
         if self.clip_norm is not None:
             try:
+                if isinstance(self.clip_norm, (str, bool)):
+                    raise TypeError
                 self.clip_norm = float(self.clip_norm)
             except (TypeError, ValueError):
                 raise PlanError(
@@ -330,36 +333,32 @@ class StagePlan:
         return {"stages": [s.to_dict() for s in self.stages], "meta": self.meta}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StagePlan:
-        if not isinstance(data, dict) or "stages" not in data:
-            raise PlanError(
-                f"A stage plan must be a mapping with a 'stages' list, got {type(data).__name__} "
-                f"with keys {sorted(data) if isinstance(data, dict) else '-'}."
-            )
-        known = [f.name for f in dataclasses.fields(StageSpec)]
-        unknown = [
-            (i, sorted(set(s) - set(known)))
-            for i, s in enumerate(data["stages"])
-            if isinstance(s, dict)
-        ]
-        unknown = [(i, u) for i, u in unknown if u]
-        if unknown:
-            i, keys = unknown[0]
-            raise PlanError(
-                f"Stage {i} of the plan has unknown keys {keys}; allowed: {', '.join(known)}."
-            )
-        return cls([StageSpec(**dict(s)) for s in data["stages"]], dict(data.get("meta") or {}))
+    def from_dict(cls, data: dict[str, Any], where: str = "The stage plan") -> StagePlan:
+        """A plan from its JSON form (``{"stages": [{"modules": [...], ...}, ...], "meta": {...}}``).
+
+        Args:
+            data: The parsed document.
+            where: What the document is, for messages (``"Stage plan file 'plan.json'"``).
+
+        Raises:
+            PlanError: a field of the wrong type or value; the message names the field and the form it needs.
+        """
+        _check_document(data, where)
+        try:
+            return cls([StageSpec(**dict(s)) for s in data["stages"]], dict(data.get("meta") or {}))
+        except PlanError as err:
+            raise PlanError(f"{where}: {err}") from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
     @classmethod
-    def from_json(cls, text: str) -> StagePlan:
+    def from_json(cls, text: str, where: str = "The stage plan") -> StagePlan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise PlanError(f"The stage plan is not valid JSON: {err}.") from None
-        return cls.from_dict(data)
+            raise PlanError(f"{where} is not valid JSON: {err}.") from None
+        return cls.from_dict(data, where)
 
     def save(self, path: str, **meta: Any) -> None:
         """Write the plan as JSON to ``path`` (any fsspec URL; parent directories are created),
@@ -383,7 +382,9 @@ class StagePlan:
                 text = f.read()
         except FileNotFoundError:
             raise PlanError(f"Stage plan file {str(path)!r} does not exist.") from None
-        return cls.from_json(text)
+        except IsADirectoryError:
+            raise PlanError(f"Stage plan file {str(path)!r} is a directory; give the path of its stage_plan.json.") from None
+        return cls.from_json(text, where=f"Stage plan file {str(path)!r}")
 
     def table(self) -> str:
         """A short human-readable table of the plan."""
@@ -398,6 +399,58 @@ class StagePlan:
             rows.append(row)
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+_STAGE_FORMS = {
+    "modules": "a list of unit names such as [\"encoder\", \"blocks.0-5\"]",
+    "device": "a device kind such as \"a100\", or null",
+    "precision": f"one of {', '.join(map(repr, PRECISIONS))}, or null",
+    "clip_norm": "a number > 0, or null",
+    "activation_checkpointing": "true or false, or null for the strategy's default (it must be True, False or None)",
+}
+
+
+def _field_ok(name: str, value: Any) -> bool:
+    if name == "modules":
+        return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) and v for v in value))
+    if value is None:
+        return True
+    if name == "device":
+        return isinstance(value, str) and bool(value)
+    if name == "precision":
+        try:
+            return normalize_precision(value, "") is not None
+        except PlanError:
+            return False
+    if name == "clip_norm":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return isinstance(value, bool)
+
+
+def _check_document(data: Any, where: str) -> None:
+    """Refuse a plan document field by field, naming the field and the form it needs."""
+    example = '{"stages": [{"modules": ["layers.0-3"]}, {"modules": ["layers.4-6"], "precision": "bf16-mixed"}]}'
+    if not isinstance(data, dict) or "stages" not in data:
+        keys = sorted(data) if isinstance(data, dict) else "-"
+        raise PlanError(f"{where}: a stage plan must be a mapping with a 'stages' list, got {type(data).__name__} "
+                        f"with keys {keys}. Write it as {example}.")
+    unknown = sorted(set(data) - {"stages", "meta"})
+    if unknown:
+        raise PlanError(f"{where} has unknown top-level keys {unknown}; a plan has 'stages' and optionally 'meta'.")
+    stages = data["stages"]
+    if not isinstance(stages, list) or not stages:
+        raise PlanError(f"{where}: `stages` is {stages!r}; expected a non-empty list of stage objects, as in {example}.")
+    for i, spec in enumerate(stages):
+        if not isinstance(spec, dict):
+            raise PlanError(f"{where}: `stages[{i}]` is {spec!r}; expected an object such as {{\"modules\": [\"layers.0-3\"]}}.")
+        unknown = sorted(set(spec) - set(_STAGE_FORMS))
+        if unknown:
+            raise PlanError(f"{where}: Stage {i} of the plan has unknown keys {unknown}; allowed: {', '.join(_STAGE_FORMS)}.")
+        for name, value in spec.items():
+            if not _field_ok(name, value):
+                raise PlanError(f"{where}: `stages[{i}].{name}` is {value!r}; expected {_STAGE_FORMS[name]}.")
+    if data.get("meta") is not None and not isinstance(data["meta"], dict):
+        raise PlanError(f"{where}: `meta` is {data['meta']!r}; expected an object (or leave it out).")
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,9 @@ class HPPPrecision(Precision):
             raise PlanError(f"`HPPPrecision(fp8_backend={fp8_backend!r})` is not supported; use 'te', 'emulate' or None.")
         if fp8_recipe not in ("delayed", "current"):
             raise PlanError(f"`HPPPrecision(fp8_recipe={fp8_recipe!r})` is not supported; use 'delayed' or 'current'.")
+        if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not init_scale > 0:
+            raise PlanError(f"`HPPPrecision(init_scale={init_scale!r})`: must be a positive number (the first fp16 loss "
+                            f"scale), e.g. `init_scale=65536.0`.")
         self.default = normalize_precision(default, "`HPPPrecision(default=...)`")
         self.clip = clip
         self.fp8_backend = fp8_backend

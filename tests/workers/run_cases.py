@@ -45,19 +45,12 @@ class _Bucketize(nn.Module):
         return (x > 0).long()
 
 
-class RaisesMidway(MLP):
-    def training_step(self, batch, batch_idx):
-        if self.global_step == 3:
-            raise RuntimeError("boom in training_step at step 3")
-        return super().training_step(batch, batch_idx)
-
-
 def main(cfg: dict) -> None:
     case = cfg["case"]
     L.seed_everything(0)
     devices = cfg.get("devices", 2)
     strategy_kw = dict(plan=TWO, n_microbatches=4, timeout=cfg.get("timeout", 60))
-    model = {"non_sequential": NonSequential, "int_boundary": IntBoundary, "raise_midway": RaisesMidway}.get(case, MLP)()
+    model = {"non_sequential": NonSequential, "int_boundary": IntBoundary}.get(case, MLP)()
     batch = 16
     if case == "too_many_stages":
         strategy_kw["plan"] = StagePlan([StageSpec(modules=["layers.0-1"]), StageSpec(modules=["layers.2-3"]), StageSpec(modules=["layers.4-6"])])
@@ -65,6 +58,10 @@ def main(cfg: dict) -> None:
         strategy_kw["frontend"] = "sequential"
     if case == "pp_not_divisor":
         strategy_kw["pp_degree"] = 2
+    if case == "pp_exceeds_world":
+        strategy_kw["pp_degree"] = 3
+    if case == "device_map_rank7":
+        strategy_kw["placement"] = {"device_map": "0:cpu,7:cpu"}
     if case == "batch_not_divisible":
         batch = 10
     callbacks = []
