@@ -112,21 +112,33 @@ def test_fp8_stage_on_cpu_is_refused_without_emulation():
 
 
 def test_nan_guard_names_the_stage_and_microbatch_and_sanitize_replaces():
+    def resolve(view):  # what the runner does once per step: every check gets every position's flag
+        for check in view.step_checks:
+            check.resolve([float(check.flag())])
+
     model = MLP()
     plan, sms, view = _stage_modules(model, ["32-true", "32-true"])
     HPPPrecision(nonfinite="raise").configure_stages(plan, view, "32-true", torch.device("cpu"), "cpu")
+    sms[0](torch.randn(4, 8))
+    resolve(view)  # finite: nothing to report
     with torch.no_grad():
         model.layers[2].bias.fill_(float("nan"))
+    sms[0](torch.randn(4, 8))  # flagged on the device, decided once per step
     with pytest.raises(FloatingPointError, match=r"leaving stage 0 \(micro-batch 3, step -1\)"):
-        sms[0](torch.randn(4, 8))
+        resolve(view)
+    for check in view.step_checks:
+        check.reset()
+    with pytest.raises(FloatingPointError, match=r"pipeline position\(s\) \[1\]"):
+        view.step_checks[0].resolve([0.0, 1.0])  # another position found it: this rank raises as well
     model2 = MLP()
     plan, sms, view = _stage_modules(model2, ["32-true", "32-true"])
     HPPPrecision(nonfinite="sanitize").configure_stages(plan, view, "32-true", torch.device("cpu"), "cpu")
     with torch.no_grad():
         model2.layers[2].bias.fill_(float("nan"))
-    with pytest.warns(RuntimeWarning, match="Replaced with finite values"):
-        out = sms[0](torch.randn(4, 8))
+    out = sms[0](torch.randn(4, 8))
     assert torch.isfinite(out).all()
+    with pytest.warns(RuntimeWarning, match="Replaced with finite values"):
+        resolve(view)
 
 
 def test_bad_precision_options_are_refused():

@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -58,6 +57,8 @@ class StageView:
         dp_group: The data-parallel group of this rank's stages (Transformer Engine's amax reduction).
         microbatch: The index of the micro-batch a held stage is computing, ``stage -> index``.
         step: The optimizer step being run.
+        step_checks: The runner's per-step checks (:class:`~lightning_hpp.pipeline.runner.StepCheck`); the
+            boundary guard joins them, so its flags are decided once per step on every rank.
     """
 
     stages: dict[int, nn.Module]
@@ -66,6 +67,7 @@ class StageView:
     dp_group: Any = None
     microbatch: Callable[[int], int] = lambda stage: -1
     step: Callable[[], int] = lambda: -1
+    step_checks: list[Any] = field(default_factory=list)
 
     @functools.cached_property
     def params(self) -> list[Tensor]:
@@ -75,6 +77,11 @@ class StageView:
             for p in sm.parameters():
                 seen.setdefault(id(p), p)
         return list(seen.values())
+
+    @functools.cached_property
+    def stage_params(self) -> dict[int, list[Tensor]]:
+        """Each held stage's parameters (taken at first use, like :attr:`params`)."""
+        return {k: list(sm.parameters()) for k, sm in self.stages.items()}
 
 
 class HPPPrecision(Precision):
@@ -120,13 +127,18 @@ class HPPPrecision(Precision):
         self.scaler = DynamicLossScaler(init_scale)
         self.precision = "hpp"
         self.skipped_steps = 0
-        self.last_grad_norms: dict[int, float] = {}
+        self._grad_norms: Tensor | None = None
         self._view: StageView | None = None
         self._plan: Any = None
         self._stage_precision: list[str] = []
         self._scaled = False
 
     # ------------------------------------------------------------------ setup
+    @property
+    def last_grad_norms(self) -> dict[int, float]:
+        """The last step's gradient norm per stage (after the dp reduction, before clipping)."""
+        return {} if self._grad_norms is None else dict(enumerate(self._grad_norms.tolist()))
+
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self._scaled else 1.0
@@ -147,6 +159,7 @@ class HPPPrecision(Precision):
         self._stage_precision = precs
         self._scaled = any(MODES[p].scaled for p in precs)
         guard = BoundaryGuard(self.nonfinite, view.microbatch, view.step, self._scaled)
+        view.step_checks.append(guard)
         last = len(precs) - 1
         labels: list[str] = []
         captured = any(getattr(sm, "captured", False) for sm in view.stages.values())  # one frontend for all stages
@@ -233,16 +246,8 @@ class HPPPrecision(Precision):
             return
         algorithm = str(gradient_clip_algorithm or "norm").lower().replace("gradclipalgorithmtype.", "")
         num = plan.num_stages
-        per_stage = {k: [p.grad for p in sm.parameters() if p.grad is not None] for k, sm in view.stages.items()}
-        norms = torch.zeros(num, dtype=torch.float64)
-        for k, grads in per_stage.items():
-            if grads:
-                norms[k] = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double()))
-        if view.pp_group is not None and dist.get_world_size(view.pp_group) > 1:
-            # each stage's entry comes from one rank of the pipeline
-            norms = norms.to(group_device(view.pp_group))
-            dist.all_reduce(norms, group=view.pp_group)
-            norms = norms.cpu()
+        per_stage = {k: [p.grad for p in ps if p.grad is not None] for k, ps in view.stage_params.items()}
+        norms = self._stage_norms(per_stage, num, view.pp_group)
         if algorithm == "value":
             for k, grads in per_stage.items():
                 limit = plan.stages[k].clip_norm or clip_val
@@ -250,22 +255,35 @@ class HPPPrecision(Precision):
                     torch._foreach_clamp_min_(grads, -limit)
                     torch._foreach_clamp_max_(grads, limit)
         elif self.clip == "global":
-            total = math.sqrt(float((norms**2).sum()))
-            if clip_val and total > clip_val:
-                coef = clip_val / (total + 1e-6)
+            if clip_val:
+                coef = (clip_val / (norms.pow(2).sum().sqrt() + 1e-6)).clamp(max=1.0)
                 for grads in per_stage.values():
                     if grads:
-                        torch._foreach_mul_(grads, coef)
+                        torch._foreach_mul_(grads, coef.to(grads[0].device))
         else:
             for k, grads in per_stage.items():
                 limit = plan.stages[k].clip_norm or clip_val
-                if limit and grads and float(norms[k]) > limit:
-                    torch._foreach_mul_(grads, limit / (float(norms[k]) + 1e-6))
-        self.last_grad_norms = {k: float(v) for k, v in enumerate(norms)}
-        for k, v in self.last_grad_norms.items():
-            model.log(f"grad_norm/stage_{k}", v, on_step=True, on_epoch=False)
+                if limit and grads:  # torch's clip_grad_norm_ rule, without reading the norm on the host
+                    torch._foreach_mul_(grads, (limit / (norms[k] + 1e-6)).clamp(max=1.0).to(grads[0].device))
+        self._grad_norms = norms
+        for k in range(num):
+            model.log(f"grad_norm/stage_{k}", norms[k].float(), on_step=True, on_epoch=False)
         if num > 1:
-            model.log("grad_norm/spread", float(norms.std()), on_step=True, on_epoch=False)
+            model.log("grad_norm/spread", norms.std().float(), on_step=True, on_epoch=False)
+
+    @staticmethod
+    def _stage_norms(per_stage: dict[int, list[Tensor]], num: int, pp_group: Any) -> Tensor:
+        """``[norm of stage k's gradients]`` for every stage, on every rank (summed over the pipeline group)."""
+        reduce = pp_group is not None and dist.get_world_size(pp_group) > 1
+        held = next((gs[0].device for gs in per_stage.values() if gs), torch.device("cpu"))
+        device = group_device(pp_group) if reduce else held
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        local = {k: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double()).to(device)
+                 for k, gs in per_stage.items() if gs}
+        norms = torch.stack([local.get(k, zero) for k in range(num)])
+        if reduce:  # each stage's entry comes from one rank of the pipeline
+            dist.all_reduce(norms, group=pp_group)
+        return norms
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
