@@ -4,8 +4,9 @@
 first stage it captures the pipeline input by calling the user's step with ``forward``
 redirected; on the last stage it calls the user's step once per micro-batch with ``forward``
 returning that micro-batch's pipeline output, so the user's own loss, metrics and ``self.log``
-calls run there. What the last stage logged reaches the other stages of the pipeline by one
-broadcast per step.
+calls run there. The loss and what the last stage logged (reduced on the device over the
+micro-batches) reach the other stages of the pipeline with every position's check flags in one
+tensor all-reduce per step; the names of the logged values travel only when they change.
 """
 
 from __future__ import annotations

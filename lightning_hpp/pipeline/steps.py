@@ -27,14 +27,19 @@ class _Captured(Exception):
 _LOG_SIGNATURE = None
 
 
+_LOG_EXCLUDED = ("self", "name", "value", "sync_dist_group")
+
+
 def _bind_log(name: Any, value: Any, args: tuple, kwargs: dict) -> dict:
     global _LOG_SIGNATURE
+    if not args:  # keyword arguments only (the usual call): what binding would give, without its cost
+        return {k: v for k, v in kwargs.items() if k not in _LOG_EXCLUDED}
     if _LOG_SIGNATURE is None:
         from lightning.pytorch import LightningModule
 
         _LOG_SIGNATURE = inspect.signature(LightningModule.log)
     bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs).arguments
-    return {k: v for k, v in bound.items() if k not in ("self", "name", "value", "sync_dist_group")}
+    return {k: v for k, v in bound.items() if k not in _LOG_EXCLUDED}
 
 
 @contextlib.contextmanager

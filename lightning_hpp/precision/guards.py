@@ -57,8 +57,10 @@ class BoundaryGuard:
         return torch.nan_to_num(grad) if self.policy == "sanitize" else None
 
     def _record(self, where: str, tensors: list[Tensor]) -> None:
-        bad = torch.stack([~torch.isfinite(t).all() for t in tensors]).any() if len(tensors) > 1 else ~torch.isfinite(tensors[0]).all()
-        self._events.append((where, bad))
+        # min and max carry any NaN (both) or Inf (one of them): two reductions, no full-size mask
+        ends = [torch.stack(torch.aminmax(t.detach())) for t in tensors if t.numel()]
+        if ends:
+            self._events.append((where, ~torch.isfinite(torch.cat(ends) if len(ends) > 1 else ends[0]).all()))
 
     # ------------------------------------------------------------------ once per step
     def reset(self) -> None:
