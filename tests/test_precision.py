@@ -64,6 +64,8 @@ def test_clipping_per_stage_and_global_equal_hand_computed_reference(tmp_path):
     runs = [
         {"name": "per_stage", "clip_norms": [0.05, 0.02], "precision": {"clip": "per-stage"}},
         {"name": "global", "gradient_clip_val": 0.03, "precision": {"clip": "global"}},
+        {"name": "norms_only", "precision": {"log_grad_norms": True}},  # nothing clips, the norms are asked for
+        {"name": "no_clip"},  # nothing clips, nobody asks: the norms are not taken
     ]
     for r in runs:
         r.update(stages=TWO, schedule="gpipe", n_micro=2, steps=1, batch=16, out=str(tmp_path / r["name"]))
@@ -93,6 +95,15 @@ def test_clipping_per_stage_and_global_equal_hand_computed_reference(tmp_path):
         m0 = load_rank(tmp_path / mode, 0)["metrics"]
         assert m0["grad_norm/stage_0"] == pytest.approx(float(norms[0]), rel=1e-4)
         assert m0["grad_norm/stage_1"] == pytest.approx(float(norms[1]), rel=1e-4)
+    unclipped = {n: (p - 0.1 * p.grad).detach() for n, p in model.named_parameters()}
+    for mode in ("norms_only", "no_clip"):
+        got = merged_state(tmp_path / mode, [0, 1])
+        for name, value in unclipped.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
+    m0 = load_rank(tmp_path / "norms_only", 0)["metrics"]
+    assert m0["grad_norm/stage_0"] == pytest.approx(float(norms[0]), rel=1e-4)
+    assert m0["grad_norm/stage_1"] == pytest.approx(float(norms[1]), rel=1e-4)
+    assert not any(k.startswith("grad_norm/") for k in load_rank(tmp_path / "no_clip", 0)["metrics"])
 
 
 def _stage_modules(model, precisions):

@@ -100,6 +100,8 @@ class HPPPrecision(Precision):
         nonfinite: What a NaN/Inf at a stage boundary does: ``"raise"``, ``"warn"`` or
             ``"sanitize"`` (``nan_to_num`` after the stage's compute, before the next stage).
         init_scale: Initial loss scale when a stage runs in fp16.
+        log_grad_norms: Take and log ``grad_norm/stage_{k}`` every step even when nothing clips (with
+            clipping on, the norms are needed and always logged).
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class HPPPrecision(Precision):
         fp8_recipe: Literal["delayed", "current"] = "delayed",
         nonfinite: Literal["raise", "warn", "sanitize"] = "raise",
         init_scale: float = 2.0**16,
+        log_grad_norms: bool = False,
     ) -> None:
         if clip not in CLIP_MODES:
             raise PlanError(f"`HPPPrecision(clip={clip!r})` is not supported; use one of {CLIP_MODES}.")
@@ -125,6 +128,7 @@ class HPPPrecision(Precision):
         self.fp8_recipe = fp8_recipe
         self.nonfinite = nonfinite
         self.scaler = DynamicLossScaler(init_scale)
+        self.log_grad_norms = bool(log_grad_norms)
         self.precision = "hpp"
         self.skipped_steps = 0
         self._grad_norms: Tensor | None = None
@@ -246,6 +250,9 @@ class HPPPrecision(Precision):
             return
         algorithm = str(gradient_clip_algorithm or "norm").lower().replace("gradclipalgorithmtype.", "")
         num = plan.num_stages
+        if not (clip_val or any(s.clip_norm for s in plan.stages) or self.log_grad_norms):
+            self._grad_norms = None  # nothing clips and nobody asked for the norms: no pass over the gradients
+            return
         per_stage = {k: [p.grad for p in ps if p.grad is not None] for k, ps in view.stage_params.items()}
         norms = self._stage_norms(per_stage, num, view.pp_group)
         if algorithm == "value":
