@@ -245,8 +245,14 @@ class HPPStrategy(ParallelStrategy):
     @property
     def step_stats(self) -> dict[str, Any]:
         """The last training step's ``{"loss": float, "local_grad_norms": {stage: norm before the dp all-reduce}}``
-        (what ``BiasMonitor`` compares across replicas)."""
-        return self._step_stats
+        (what ``BiasMonitor`` compares across replicas; the local norms are taken only when one is among the
+        Trainer's callbacks). Read on the host when asked, not every step."""
+        return {k: (float(v) if k == "loss" else {s: float(n) for s, n in v.items()}) for k, v in self._step_stats.items()}
+
+    def _wants_local_norms(self) -> bool:
+        from lightning_hpp.bias.monitor import BiasMonitor
+
+        return any(isinstance(cb, BiasMonitor) for cb in self.lightning_module.trainer.callbacks)
 
     @property
     def resumed_from(self) -> str | None:
@@ -475,7 +481,8 @@ class HPPStrategy(ParallelStrategy):
                                 self._n_microbatches, self.root_device, eval_stage_modules=stages["eval"],
                                 flatten=cut.flatten, unflatten=cut.unflatten)
         view = StageView(stages["train"], eval_stages=stages["eval"], pp_group=self._mesh.pp_group if pp > 1 else None,
-                         dp_group=self._mesh.dp_group, microbatch=runner.current_microbatch, step=lambda: int(trainer.global_step))
+                         dp_group=self._mesh.dp_group, microbatch=runner.current_microbatch, step=lambda: int(trainer.global_step),
+                         step_checks=runner.step_checks)
         self.precision_plugin.configure_stages(self._plan, view, trainer_precision, self.root_device, rank_kinds[self.global_rank])
         self._runner = runner
         self._grads = GradHandover(stages["train"], self._mesh.dp_group, self._mesh.dp, shared=shared)
@@ -579,7 +586,7 @@ class HPPStrategy(ParallelStrategy):
         with self._grads.during_step(keep_held=not window_start):
             loss, logs = self._runner.train_step(self.lightning_module.training_step, *args, loss_scale=scale, **kwargs)
         self._replay(logs)
-        self._step_stats = {"loss": float(loss)}
+        self._step_stats = {"loss": loss.detach()}
         return loss
 
     @override
@@ -587,7 +594,7 @@ class HPPStrategy(ParallelStrategy):
         """Lightning's backward: the schedule already ran it, so hand over the held gradients."""
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        norms = self._grads.hand_over(local_norms=True)
+        norms = self._grads.hand_over(local_norms=self._wants_local_norms())
         if norms is not None:
             self._step_stats["local_grad_norms"] = norms
         return self.precision_plugin.post_backward(closure_loss, module)
@@ -610,11 +617,11 @@ class HPPStrategy(ParallelStrategy):
         self._replay(logs)
         return output
 
-    def _replay(self, logs: list[tuple[str, float, dict]]) -> None:
+    def _replay(self, logs: Any) -> None:
         """Log on this rank what the last stage logged (so rank 0's loggers and callbacks see it)."""
         module = self.lightning_module
-        for name, value, kw in logs:
-            module.log(name, torch.tensor(value, dtype=torch.float32, device=self.root_device), **kw)
+        for (name, kw), value in zip(logs.schema, logs.values.unbind(0)):
+            module.log(name, value, **kw)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

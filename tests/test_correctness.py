@@ -85,7 +85,7 @@ def test_pp2_dp2_with_gradient_accumulation(tmp_path):
     # 4 ranks: 2 pipeline stages × 2 replicas; each replica reads batches of 8, global batch 16;
     # accumulate_grad_batches=2, so 3 optimizer steps read 6 global batches.
     runs = [
-        {"name": "1f1b", "stages": TWO, "schedule": "1f1b", "n_micro": 2, "pp": 2, "accumulate": 2},
+        {"name": "1f1b", "stages": TWO, "schedule": "1f1b", "n_micro": 2, "pp": 2, "accumulate": 2, "bias_monitor": True},
         {"name": "interleaved", "stages": FOUR, "schedule": "interleaved1f1b", "n_micro": 2, "pp": 2, "accumulate": 2},
     ]
     for r in runs:
@@ -98,7 +98,9 @@ def test_pp2_dp2_with_gradient_accumulation(tmp_path):
         _assert_matches(reference, r["out"], [1, 3])
         assert load_rank(r["out"], 0)["global_step"] == 3
     # the gradient norms BiasMonitor compares are taken before the dp all-reduce: the two replicas of
-    # stage 0 saw different data, so their local norms differ although their parameters are equal
+    # stage 0 saw different data, so their local norms differ although their parameters are equal;
+    # without a BiasMonitor nobody asks and they are not taken
     n0 = load_rank(tmp_path / "1f1b", 0)["step_stats"]["local_grad_norms"][0]
     n1 = load_rank(tmp_path / "1f1b", 1)["step_stats"]["local_grad_norms"][0]
     assert n0 > 0 and n1 > 0 and n0 != n1
+    assert "local_grad_norms" not in load_rank(tmp_path / "interleaved", 0)["step_stats"]

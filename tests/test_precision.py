@@ -64,6 +64,8 @@ def test_clipping_per_stage_and_global_equal_hand_computed_reference(tmp_path):
     runs = [
         {"name": "per_stage", "clip_norms": [0.05, 0.02], "precision": {"clip": "per-stage"}},
         {"name": "global", "gradient_clip_val": 0.03, "precision": {"clip": "global"}},
+        {"name": "norms_only", "precision": {"log_grad_norms": True}},  # nothing clips, the norms are asked for
+        {"name": "no_clip"},  # nothing clips, nobody asks: the norms are not taken
     ]
     for r in runs:
         r.update(stages=TWO, schedule="gpipe", n_micro=2, steps=1, batch=16, out=str(tmp_path / r["name"]))
@@ -93,6 +95,15 @@ def test_clipping_per_stage_and_global_equal_hand_computed_reference(tmp_path):
         m0 = load_rank(tmp_path / mode, 0)["metrics"]
         assert m0["grad_norm/stage_0"] == pytest.approx(float(norms[0]), rel=1e-4)
         assert m0["grad_norm/stage_1"] == pytest.approx(float(norms[1]), rel=1e-4)
+    unclipped = {n: (p - 0.1 * p.grad).detach() for n, p in model.named_parameters()}
+    for mode in ("norms_only", "no_clip"):
+        got = merged_state(tmp_path / mode, [0, 1])
+        for name, value in unclipped.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
+    m0 = load_rank(tmp_path / "norms_only", 0)["metrics"]
+    assert m0["grad_norm/stage_0"] == pytest.approx(float(norms[0]), rel=1e-4)
+    assert m0["grad_norm/stage_1"] == pytest.approx(float(norms[1]), rel=1e-4)
+    assert not any(k.startswith("grad_norm/") for k in load_rank(tmp_path / "no_clip", 0)["metrics"])
 
 
 def _stage_modules(model, precisions):
@@ -112,21 +123,33 @@ def test_fp8_stage_on_cpu_is_refused_without_emulation():
 
 
 def test_nan_guard_names_the_stage_and_microbatch_and_sanitize_replaces():
+    def resolve(view):  # what the runner does once per step: every check gets every position's flag
+        for check in view.step_checks:
+            check.resolve([float(check.flag())])
+
     model = MLP()
     plan, sms, view = _stage_modules(model, ["32-true", "32-true"])
     HPPPrecision(nonfinite="raise").configure_stages(plan, view, "32-true", torch.device("cpu"), "cpu")
+    sms[0](torch.randn(4, 8))
+    resolve(view)  # finite: nothing to report
     with torch.no_grad():
         model.layers[2].bias.fill_(float("nan"))
+    sms[0](torch.randn(4, 8))  # flagged on the device, decided once per step
     with pytest.raises(FloatingPointError, match=r"leaving stage 0 \(micro-batch 3, step -1\)"):
-        sms[0](torch.randn(4, 8))
+        resolve(view)
+    for check in view.step_checks:
+        check.reset()
+    with pytest.raises(FloatingPointError, match=r"pipeline position\(s\) \[1\]"):
+        view.step_checks[0].resolve([0.0, 1.0])  # another position found it: this rank raises as well
     model2 = MLP()
     plan, sms, view = _stage_modules(model2, ["32-true", "32-true"])
     HPPPrecision(nonfinite="sanitize").configure_stages(plan, view, "32-true", torch.device("cpu"), "cpu")
     with torch.no_grad():
         model2.layers[2].bias.fill_(float("nan"))
-    with pytest.warns(RuntimeWarning, match="Replaced with finite values"):
-        out = sms[0](torch.randn(4, 8))
+    out = sms[0](torch.randn(4, 8))
     assert torch.isfinite(out).all()
+    with pytest.warns(RuntimeWarning, match="Replaced with finite values"):
+        resolve(view)
 
 
 def test_bad_precision_options_are_refused():

@@ -74,12 +74,12 @@ class GradHandover:
             for p, g in zip(self.params, held):
                 p.grad = g
 
-    def hand_over(self, local_norms: bool = False) -> dict[int, float] | None:
+    def hand_over(self, local_norms: bool = False) -> dict[int, Tensor] | None:
         """All-reduce the fresh gradients over dp and add them to ``.grad``.
 
         Args:
-            local_norms: Also return each held stage's gradient norm before the all-reduce (one host
-                sync per stage).
+            local_norms: Also return each held stage's gradient norm before the all-reduce (0-dim
+                float64 tensors on the device: nothing is read on the host).
 
         Returns:
             ``{stage: norm}`` when ``local_norms``, else ``None`` (also when no step ran).
@@ -103,13 +103,13 @@ class GradHandover:
                 p.grad = g if p.grad is None else p.grad.add_(g)
         return norms
 
-    def _local_norms(self, grads: list[Tensor | None]) -> dict[int, float]:
+    def _local_norms(self, grads: list[Tensor | None]) -> dict[int, Tensor]:
         per_stage: dict[int, list[Tensor]] = {k: [] for k in self._stages}
         for k, g in zip(self._stage_of, grads):
             if g is not None:
                 per_stage[k].append(g)
         return {
-            k: float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double())) if gs else 0.0
+            k: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double()) if gs else torch.zeros((), dtype=torch.float64)
             for k, gs in per_stage.items()
         }
 

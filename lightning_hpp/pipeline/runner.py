@@ -4,33 +4,50 @@
 first stage it captures the pipeline input by calling the user's step with ``forward``
 redirected; on the last stage it calls the user's step once per micro-batch with ``forward``
 returning that micro-batch's pipeline output, so the user's own loss, metrics and ``self.log``
-calls run there. What the last stage logged reaches the other stages of the pipeline by one
-broadcast per step.
+calls run there. The loss and what the last stage logged (reduced on the device over the
+micro-batches) reach the other stages of the pipeline with every position's check flags in one
+tensor all-reduce per step; the names of the logged values travel only when they change.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import schedules as S
 
+from lightning_hpp._dist import group_device
 from lightning_hpp.errors import PlanError
 from lightning_hpp.pipeline.mesh import Mesh
 from lightning_hpp.pipeline.microbatch import batch_size_of, largest_divisor_at_most, split_batch
 from lightning_hpp.pipeline.schedules import SCHEDULES
 from lightning_hpp.pipeline.stage import StageModule, _Stage
 from lightning_hpp.pipeline.steps import (
+    StepLogs,
     _LogRecorder,
     capture_input,
     extract_loss,
-    merge_logs,
     redirected,
+    reduce_fx_name,
+    reduce_logs,
     replay_forward,
 )
+
+
+class StepCheck(Protocol):
+    """A per-step check decided together (the non-finite guard): a device flag per rank, read once per step."""
+
+    def reset(self) -> None:
+        """Start a step."""
+
+    def flag(self) -> torch.Tensor:
+        """This rank's 0-dim float32 flag on its device (0: nothing to report)."""
+
+    def resolve(self, flags: list[float]) -> None:
+        """Act on every pipeline position's flag (max over replicas), the same on every rank."""
 
 
 class PipelineRunner:
@@ -82,9 +99,12 @@ class PipelineRunner:
         self._mb_size = 0
         self._step_fn: Callable[..., Any] | None = None
         self._step_args: tuple = ()
-        self._recorders: list[_LogRecorder] = []
-        self._losses: list[torch.Tensor] = []
-        self._mb_seen: list[int] = []
+        self._recorders: list[_LogRecorder | None] = []
+        self._losses: list[torch.Tensor | None] = []
+        self._target: torch.Tensor | None = None
+        self._schema: list[tuple[str, dict]] = []
+        self.step_checks: list[StepCheck] = []
+        _sync_metrics_over(module, mesh.dp_group)
 
     # ----------------------------------------------------------------- placement
     @property
@@ -142,51 +162,67 @@ class PipelineRunner:
             # torch's backward-metadata pass calls the loss once on its own outputs: answer with a
             # loss of the right graph without running (and logging from) the user's step
             return sum((t.float().sum() * 0 for t in _tensors(output) if t.requires_grad), torch.zeros(()))
-        mb = int(target[0]) // self._mb_size
+        mb = self._microbatch_of(target)
         rec = _LogRecorder()
         name = getattr(self._step_fn, "__name__", "training_step")
         with redirected(self.module, replay_forward(self._unflatten(output), name), rec):
             result = self._step_fn(self._mb[mb], *self._step_args)
         loss = extract_loss(result, name)
-        self._recorders.append(rec)
-        self._losses.append(loss.detach())
-        self._mb_seen.append(mb)
+        self._recorders[mb] = rec
+        self._losses[mb] = loss.detach()
         # the mean over micro-batches, taken here rather than by torch's scale_grads: torch divides each stage's
         # gradients after its last backward, twice for a parameter two stages on this rank share (tied weights)
         return loss * (self._loss_scale / self.n_microbatches)
 
+    def _microbatch_of(self, target: torch.Tensor) -> int:
+        # torch hands the loss a view of our ``arange`` target: its offset names the micro-batch without
+        # reading the device (``int(target[0])`` would synchronise once per micro-batch)
+        if self._target is not None and target.untyped_storage().data_ptr() == self._target.untyped_storage().data_ptr():
+            return target.storage_offset() // self._mb_size
+        return int(target[0]) // self._mb_size
+
     # ----------------------------------------------------------------- steps
-    def train_step(self, step_fn: Callable[..., Any], batch: Any, *step_args: Any, loss_scale: float = 1.0) -> tuple[torch.Tensor, list]:
+    def train_step(self, step_fn: Callable[..., Any], batch: Any, *step_args: Any, loss_scale: float = 1.0) -> tuple[torch.Tensor, StepLogs]:
         """Forward and backward of one batch; gradients accumulate into the stage parameters.
 
         ``loss_scale`` multiplies each micro-batch's loss before its backward (the fp16 loss scale over
         the gradient-accumulation steps); the returned loss is unscaled.
 
         Returns:
-            The batch's mean loss (same value on every rank of the pipeline) and what the last stage
-            logged, averaged over micro-batches.
+            The batch's mean loss (same value on every rank of the pipeline, a device tensor) and what the
+            last stage logged, reduced over micro-batches with each value's ``reduce_fx`` and, for
+            ``sync_dist=True`` values, over the data-parallel replicas.
         """
         size = batch_size_of(batch)
-        self._mb = split_batch(batch, self.n_microbatches)
-        self._mb_size = size // self.n_microbatches
+        n = self.n_microbatches
+        self._mb = split_batch(batch, n)
+        self._mb_size = size // n
         sched, _ = self._schedule(True, size)
         self._step_fn, self._step_args, self._loss_scale = step_fn, step_args, loss_scale
-        self._recorders, self._losses, self._mb_seen = [], [], []
+        self._recorders, self._losses = [None] * n, [None] * n
+        for check in self.step_checks:
+            check.reset()
         args = self._flatten(*capture_input(self.module, step_fn, batch, *step_args)) if self.holds_first else ()
         self._reset_counters()
-        target = torch.arange(size, device=self.device) if self.holds_last else None
+        self._target = torch.arange(size, device=self.device) if self.holds_last else None
         try:
-            sched.step(*args, target=target)
+            sched.step(*args, target=self._target)
         finally:
-            self._step_fn, self._mb = None, []
-        payload = None
+            self._step_fn, self._mb, self._target = None, [], None
+        loss, logs, error = None, None, None
         if self.holds_last:
-            loss = torch.stack([self._losses[self._mb_seen.index(i)].float() for i in range(self.n_microbatches)]).mean()
-            payload = {"loss": float(loss), "logs": merge_logs([self._recorders[self._mb_seen.index(i)] for i in range(self.n_microbatches)])}
-        payload = self._from_last(payload)
-        return torch.tensor(payload["loss"], device=self.device), payload["logs"]
+            if any(x is None for x in self._losses):
+                raise RuntimeError(f"internal: the schedule computed the loss of micro-batches {self._losses} only")
+            loss = torch.stack([x.float() for x in self._losses]).mean()
+            try:
+                logs = reduce_logs(self._recorders, self.device)
+            except PlanError as e:
+                error = str(e)
+        self._recorders, self._losses = [], []
+        loss, logs = self._exchange(loss, logs, error)
+        return loss, logs
 
-    def eval_step(self, step_fn: Callable[..., Any], batch: Any, *step_args: Any) -> tuple[Any, list]:
+    def eval_step(self, step_fn: Callable[..., Any], batch: Any, *step_args: Any) -> tuple[Any, StepLogs]:
         """A forward-only pass; the user's step runs once on the last stage with the whole output.
 
         Returns:
@@ -194,6 +230,8 @@ class PipelineRunner:
         """
         size = batch_size_of(batch)
         sched, _ = self._schedule(False, size)
+        for check in self.step_checks:
+            check.reset()
         args = self._flatten(*capture_input(self.module, step_fn, batch, *step_args)) if self.holds_first else ()
         self._reset_counters()
         with torch.no_grad():
@@ -203,16 +241,121 @@ class PipelineRunner:
             rec = _LogRecorder()
             with redirected(self.module, replay_forward(self._unflatten(out), getattr(step_fn, "__name__", "step")), rec):
                 result = step_fn(batch, *step_args)
-            payload = {"output": _to_cpu(result), "logs": merge_logs([rec])}
-        payload = self._from_last(payload)
-        return payload["output"], payload["logs"]
+            try:
+                logs = reduce_logs([rec], self.device)
+                payload = ("logs", _to_cpu(result), logs.schema, logs.values.tolist())
+            except PlanError as e:
+                payload = ("error", str(e))
+        if self.mesh.pp > 1:
+            box = [payload]
+            dist.broadcast_object_list(box, group_src=self.last_position, group=self.mesh.pp_group,
+                                       device=group_device(self.mesh.pp_group))
+            payload = box[0]
+        if payload[0] == "error":
+            raise PlanError(payload[1])
+        _, output, schema, values = payload
+        logs = StepLogs(schema, torch.tensor(values, dtype=torch.float32, device=self.device))
+        _, logs, flags = self._over_replicas(logs, self._flags_over_pp(self._check_flags()))
+        self._resolve_checks(flags)
+        return output, logs
 
-    def _from_last(self, payload: Any) -> Any:
-        if self.mesh.pp == 1:
-            return payload
-        box = [payload]
-        dist.broadcast_object_list(box, group_src=self.last_position, group=self.mesh.pp_group, device=_comm_device(self.device))
-        return box[0]
+    # ----------------------------------------------------------------- the step's one collective
+    def _check_flags(self) -> list[torch.Tensor]:
+        return [check.flag() for check in self.step_checks]
+
+    def _exchange(self, loss: torch.Tensor | None, logs: StepLogs | None, error: str | None) -> tuple[torch.Tensor, StepLogs]:
+        """Bring the last stage's loss and logs, and every position's check flags, to every rank of the pipeline.
+
+        One all-reduce (sum) over the pipeline group of ``[status, loss, values..., flags...]``: the last
+        stage fills the status, loss and values, each position its own slots of the check flags, everyone
+        else zeros. The names and options of the values (the schema) travel only when they change, by one
+        object broadcast; so does an error found in the logs, raised then on every rank.
+        """
+        flags = self._check_flags()
+        pp, pos, k = self.mesh.pp, self.mesh.position, len(self._schema)
+        if pp == 1:
+            if error is not None:
+                raise PlanError(error)
+            self._schema = logs.schema
+            loss, logs, flag_values = self._over_replicas(logs, flags, loss)
+            self._resolve_checks(flag_values)
+            return loss, logs
+        device = group_device(self.mesh.pp_group)
+        buf = torch.zeros(2 + k + pp * len(flags), dtype=torch.float32, device=device)
+        status = 0.0
+        if self.holds_last:
+            status = 2.0 if error is not None else (0.0 if logs.schema == self._schema else 1.0)
+            buf[0] = status
+            buf[1] = loss.to(device)
+            if status == 0.0 and k:
+                buf[2 : 2 + k] = logs.values.to(device)
+        if flags:
+            buf[2 + k + pos * len(flags) : 2 + k + (pos + 1) * len(flags)] = torch.stack(flags).to(device)
+        dist.all_reduce(buf, group=self.mesh.pp_group)
+        flag_values = list(buf[2 + k :].view(pp, len(flags)).unbind(0)) if flags else []
+        # the one host read of the step: whether the schema changed (and nothing else unless it did)
+        status = float(buf[0]) if not self.holds_last else status
+        if status != 0.0:
+            box = [(error,) if status == 2.0 else (logs.schema, logs.values.tolist()) if self.holds_last else None]
+            dist.broadcast_object_list(box, group_src=self.last_position, group=self.mesh.pp_group, device=device)
+            if status == 2.0:
+                raise PlanError(box[0][0])
+            self._schema = box[0][0]
+            logs = StepLogs(self._schema, torch.tensor(box[0][1], dtype=torch.float32, device=self.device))
+        else:
+            logs = StepLogs(self._schema, buf[2 : 2 + k].to(self.device))
+        loss = buf[1].to(self.device)
+        loss, logs, flag_values = self._over_replicas(logs, flag_values, loss)
+        self._resolve_checks(flag_values)
+        return loss, logs
+
+    def _over_replicas(self, logs: StepLogs, flags: list[torch.Tensor], loss: torch.Tensor | None = None) -> tuple:
+        """Reduce the ``sync_dist=True`` values over the data-parallel replicas with their ``reduce_fx``, and the
+        check flags (max); replayed with ``sync_dist=False`` afterwards (Lightning would reduce over the world,
+        where each replica's value sits on every one of its pipeline ranks)."""
+        schema = [(name, {**kw, "sync_dist": False}) if kw.get("sync_dist") else (name, kw) for name, kw in logs.schema]
+        if self.mesh.dp > 1:
+            group, device = self.mesh.dp_group, group_device(self.mesh.dp_group)
+            by_op: dict[str, list[int]] = {}
+            for i, (name, kw) in enumerate(logs.schema):
+                if kw.get("sync_dist"):
+                    by_op.setdefault(reduce_fx_name(name, kw.get("reduce_fx", "mean")), []).append(i)
+            values = logs.values
+            if by_op:
+                values = values.clone()
+            for fx, idx in by_op.items():
+                part = values[idx].to(device)
+                dist.all_reduce(part, op=_REDUCE_OPS[fx], group=group)
+                values[idx] = (part / self.mesh.dp if fx == "mean" else part).to(values.device)
+            if flags:
+                stacked = torch.stack(flags).to(device)
+                dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=group)
+                flags = list(stacked.unbind(0))
+            logs = StepLogs(schema, values)
+        else:
+            logs = StepLogs(schema, logs.values)
+        return loss, logs, flags
+
+    def _flags_over_pp(self, flags: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every position's check flags (one row per position) on every rank of the pipeline."""
+        if not flags or self.mesh.pp == 1:
+            return flags
+        device = group_device(self.mesh.pp_group)
+        buf = torch.zeros(self.mesh.pp, len(flags), dtype=torch.float32, device=device)
+        buf[self.mesh.position] = torch.stack(flags).to(device)
+        dist.all_reduce(buf, group=self.mesh.pp_group)
+        return list(buf.unbind(0))
+
+    def _resolve_checks(self, flags: list[torch.Tensor]) -> None:
+        """Hand each check what every position flagged (one host read for all of them)."""
+        if not self.step_checks:
+            return
+        table = torch.stack(flags).reshape(-1, len(self.step_checks)).tolist()
+        for i, check in enumerate(self.step_checks):
+            check.resolve([row[i] for row in table])
+
+
+_REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def _positional_only(args: tuple, kwargs: dict) -> tuple:
@@ -243,5 +386,15 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _comm_device(device: torch.device) -> torch.device | None:
-    return device if device.type == "cuda" else None
+def _sync_metrics_over(module: nn.Module, group: Any) -> None:
+    """Make the module's torchmetrics ``Metric`` objects sync over ``group`` (the data-parallel group).
+
+    The user's step runs on the last stage only, so a metric's default sync over the world would wait
+    for ranks that never update it; over the data-parallel group it meets the last stages of the other
+    replicas, which run the same step. A ``process_group`` the user chose is kept.
+    """
+    if group is None:
+        return
+    for m in module.modules():
+        if hasattr(m, "_defaults") and hasattr(m, "process_group") and m.process_group is None:
+            m.process_group = group

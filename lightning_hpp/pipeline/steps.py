@@ -8,6 +8,7 @@ import contextlib
 import copy
 import inspect
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,14 +27,19 @@ class _Captured(Exception):
 _LOG_SIGNATURE = None
 
 
+_LOG_EXCLUDED = ("self", "name", "value", "sync_dist_group")
+
+
 def _bind_log(name: Any, value: Any, args: tuple, kwargs: dict) -> dict:
     global _LOG_SIGNATURE
+    if not args:  # keyword arguments only (the usual call): what binding would give, without its cost
+        return {k: v for k, v in kwargs.items() if k not in _LOG_EXCLUDED}
     if _LOG_SIGNATURE is None:
         from lightning.pytorch import LightningModule
 
         _LOG_SIGNATURE = inspect.signature(LightningModule.log)
     bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs).arguments
-    return {k: v for k, v in bound.items() if k not in ("self", "name", "value", "sync_dist_group")}
+    return {k: v for k, v in bound.items() if k not in _LOG_EXCLUDED}
 
 
 @contextlib.contextmanager
@@ -134,23 +140,69 @@ def replay_forward(output: Any, fn_name: str) -> Callable[..., Any]:
 class _LogRecorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any, dict]] = []
+        self.metrics: set[str] = set()  # names logged with a torchmetrics Metric
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        self.calls.append((name, value, _bind_log(name, value, args, kwargs)))
+        kw = _bind_log(name, value, args, kwargs)
+        if hasattr(value, "compute") and hasattr(value, "_forward_cache"):  # a torchmetrics Metric
+            self.metrics.add(name)
+            if value._forward_cache is not None:  # this micro-batch's value, before the next one replaces it
+                value = value._forward_cache.detach()
+        self.calls.append((name, value, kw))
 
 
-def _to_float(value: Any) -> float:
+REDUCE_FX = ("mean", "sum", "max", "min")
+_TORCH_FX = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
+
+
+def reduce_fx_name(name: str, fx: Any) -> str:
+    """``self.log(..., reduce_fx=fx)`` as one of :data:`REDUCE_FX` (the reductions Lightning accepts).
+
+    Raises:
+        PlanError: For any other reduction (Lightning refuses it too).
+    """
+    if isinstance(fx, str) and fx.lower() in (*REDUCE_FX, "avg"):
+        return "mean" if fx.lower() == "avg" else fx.lower()
+    if fx in _TORCH_FX:
+        return _TORCH_FX[fx]
+    raise PlanError(
+        f"`self.log({name!r}, ..., reduce_fx={fx!r})`: Lightning reduces logged values with 'mean', 'sum', 'max' or "
+        f"'min' (or torch.mean / torch.sum / torch.max / torch.min) only. Use one of these, or log a torchmetrics "
+        f"`Metric` for a custom reduction."
+    )
+
+
+@dataclass
+class StepLogs:
+    """What the user's step logged in one pipeline step, reduced over its micro-batches.
+
+    Attributes:
+        schema: ``(name, self.log keyword arguments)`` per value, in first-logged order.
+        values: One float32 value per entry of ``schema``, on the pipeline's device.
+    """
+
+    schema: list[tuple[str, dict]] = field(default_factory=list)
+    values: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+
+
+def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
-        return float(value.detach().float().mean())
-    if hasattr(value, "compute"):  # a torchmetrics Metric
-        return float(value.compute())
-    return float(value)
+        return value.detach().to(device=device, dtype=torch.float32).mean()
+    if hasattr(value, "compute"):  # a torchmetrics Metric only updated: its value so far
+        return _as_tensor(value.compute(), device)
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
 
 
-def merge_logs(recorders: list[_LogRecorder]) -> list[tuple[str, float, dict]]:
-    """Average what each micro-batch logged under one name, keeping first-seen order."""
+def reduce_logs(recorders: list[_LogRecorder], device: torch.device) -> StepLogs:
+    """Reduce what each micro-batch logged under one name with its ``reduce_fx``, on ``device``.
+
+    Equal micro-batches make the result what one step over the whole batch logs for values that
+    are the ``reduce_fx`` of per-sample terms (a mean loss, a sum of counts, a max): no host sync,
+    the values stay on the device. A torchmetrics ``Metric`` contributes its value on each
+    micro-batch (``forward``'s result; ``compute()`` when only ``update`` ran), averaged.
+    """
     order: list[str] = []
-    values: dict[str, list[float]] = {}
+    values: dict[str, list[torch.Tensor]] = {}
     kwargs: dict[str, dict] = {}
     for rec in recorders:
         for name, value, kw in rec.calls:
@@ -158,8 +210,15 @@ def merge_logs(recorders: list[_LogRecorder]) -> list[tuple[str, float, dict]]:
                 order.append(name)
                 values[name] = []
                 kwargs[name] = kw
-            values[name].append(_to_float(value))
-    return [(n, sum(values[n]) / len(values[n]), kwargs[n]) for n in order]
+            values[name].append(_as_tensor(value, device))
+    if not order:
+        return StepLogs([], torch.zeros(0, device=device))
+    reduced = []
+    for n in order:
+        fx = "mean" if any(n in rec.metrics for rec in recorders) else reduce_fx_name(n, kwargs[n].get("reduce_fx", "mean"))
+        stacked = torch.stack(values[n])
+        reduced.append(getattr(torch, fx)(stacked) if fx != "mean" else stacked.mean())
+    return StepLogs([(n, kwargs[n]) for n in order], torch.stack(reduced))
 
 
 def extract_loss(output: Any, fn_name: str) -> torch.Tensor:

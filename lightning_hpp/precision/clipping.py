@@ -11,7 +11,6 @@ the same decision.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -51,26 +50,29 @@ def stage_grads(params: Iterable[Tensor]) -> list[Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
-def stage_norm(grads: list[Tensor]) -> float:
-    """The 2-norm of a stage's gradients (float64 accumulation), 0 without gradients."""
+def stage_norm(grads: list[Tensor]) -> Tensor:
+    """The 2-norm of a stage's gradients (float64 accumulation, on their device), 0 without gradients."""
     if not grads:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double()))
+        return torch.zeros((), dtype=torch.float64)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
 
 
 def clip_stages(
     per_stage: Mapping[int, list[Tensor]],
-    norms: Mapping[int, float] | Tensor,
+    norms: Mapping[int, Tensor] | Tensor,
     limits: Mapping[int, float | None],
     algorithm: str,
     mode: str,
     clip_val: float | None,
 ) -> None:
-    """Clip the given stages' gradients in place.
+    """Clip the given stages' gradients in place, without reading a norm on the host.
+
+    The rule is torch's ``clip_grad_norm_``: multiply by ``min(1, limit / (norm + 1e-6))``.
 
     Args:
         per_stage: Gradients by stage.
-        norms: Every stage's norm (the whole pipeline's, for ``mode="global"``).
+        norms: Each stage's norm, by stage index; for ``mode="global"`` every stage's (a tensor of
+            all the pipeline's stage norms).
         limits: Each stage's limit: its ``clip_norm``, else the requested value.
         algorithm: ``"norm"`` or ``"value"``.
         mode: ``"per-stage"`` (each stage against its own limit) or ``"global"`` (one norm over all
@@ -84,17 +86,17 @@ def clip_stages(
                 torch._foreach_clamp_min_(grads, -limit)
                 torch._foreach_clamp_max_(grads, limit)
     elif mode == "global":
-        total = math.sqrt(sum(float(v) ** 2 for v in (norms.tolist() if isinstance(norms, Tensor) else norms.values())))
-        if clip_val and total > clip_val:
-            coef = clip_val / (total + 1e-6)
+        if clip_val:
+            total = torch.as_tensor(norms).double().pow(2).sum().sqrt()
+            coef = (clip_val / (total + 1e-6)).clamp(max=1.0)
             for grads in per_stage.values():
                 if grads:
-                    torch._foreach_mul_(grads, coef)
+                    torch._foreach_mul_(grads, coef.to(grads[0].device))
     else:
         for k, grads in per_stage.items():
             limit = limits[k]
-            if limit and grads and float(norms[k]) > limit:
-                torch._foreach_mul_(grads, limit / (float(norms[k]) + 1e-6))
+            if limit and grads:
+                torch._foreach_mul_(grads, (limit / (norms[k] + 1e-6)).clamp(max=1.0).to(grads[0].device))
 
 
 def algorithm_name(algorithm: Any) -> str:

@@ -1,5 +1,10 @@
 """The NaN/Inf guard at every stage boundary: forward activations leaving a stage and gradients
-arriving at it, named by stage, micro-batch and step."""
+arriving at it, named by stage, micro-batch and step.
+
+The check stays on the device while the schedule runs (one flag per boundary crossing, no host
+sync per micro-batch); the pipeline runner reduces the flags of every rank once per step and the
+guard then raises, warns or reports on every rank alike.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ from lightning_hpp.errors import NonFiniteError
 
 
 class BoundaryGuard:
-    """Installed as an output hook of every stage (``StageModule.output_hooks``).
+    """Installed as an output hook of every stage (``StageModule.output_hooks``) and as a step check of
+    the runner (:class:`~lightning_hpp.pipeline.runner.StepCheck`).
 
     Args:
         policy: ``"raise"``, ``"warn"`` or ``"sanitize"`` (``nan_to_num`` before the next stage).
@@ -28,12 +34,17 @@ class BoundaryGuard:
         self._microbatch = microbatch
         self._step = step
         self._scaled = scaled
+        self._events: list[tuple[str, Tensor]] = []
 
+    # ------------------------------------------------------------------ during the schedule
     def __call__(self, stage: int, x: Any) -> Any:
         step, mb = self._step(), self._microbatch(stage)
         tensors = x if isinstance(x, (tuple, list)) else (x,)
-        if any(not bool(torch.isfinite(t).all()) for t in tensors if isinstance(t, Tensor) and t.is_floating_point()):
-            x = self._on_nonfinite(x, f"forward activation leaving stage {stage} (micro-batch {mb}, step {step})")
+        checked = [t for t in tensors if isinstance(t, Tensor) and t.is_floating_point()]
+        if checked:
+            self._record(f"forward activation leaving stage {stage} (micro-batch {mb}, step {step})", checked)
+        if self.policy == "sanitize":
+            x = _sanitize(x)
         for t in (x if isinstance(x, (tuple, list)) else (x,)):
             if isinstance(t, Tensor) and t.requires_grad:
                 t.register_hook(lambda g, stage=stage, mb=mb, step=step: self._grad_guard(g, stage, mb, step))
@@ -42,20 +53,50 @@ class BoundaryGuard:
     def _grad_guard(self, grad: Tensor, stage: int, mb: int, step: int) -> Tensor | None:
         if self._scaled:
             return None
-        if not bool(torch.isfinite(grad).all()):
-            return self._on_nonfinite(grad, f"gradient arriving at stage {stage} from stage {stage + 1} (micro-batch {mb}, step {step})")
-        return None
+        self._record(f"gradient arriving at stage {stage} from stage {stage + 1} (micro-batch {mb}, step {step})", [grad])
+        return torch.nan_to_num(grad) if self.policy == "sanitize" else None
 
-    def _on_nonfinite(self, x: Any, where: str) -> Any:
-        msg = f"NaN/Inf in the {where}."
+    def _record(self, where: str, tensors: list[Tensor]) -> None:
+        # min and max carry any NaN (both) or Inf (one of them): two reductions, no full-size mask
+        ends = [torch.stack(torch.aminmax(t.detach())) for t in tensors if t.numel()]
+        if ends:
+            self._events.append((where, ~torch.isfinite(torch.cat(ends) if len(ends) > 1 else ends[0]).all()))
+
+    # ------------------------------------------------------------------ once per step
+    def reset(self) -> None:
+        self._events = []
+
+    def flag(self) -> Tensor:
+        """1.0 where a boundary on this rank saw a NaN/Inf in this step, else 0.0 (on the device)."""
+        if not self._events:
+            return torch.zeros(())
+        return torch.stack([bad for _, bad in self._events]).any().float()
+
+    def resolve(self, flags: list[float]) -> None:
+        """Raise, or warn, for what any pipeline position flagged (``flags[position]``, max over replicas)."""
+        if not any(flags):
+            self._events = []
+            return
+        mine = [where for where, bad in self._events if bool(bad)] if self._events else []
+        self._events = []
+        if mine:
+            more = f" (and {len(mine) - 1} more boundary crossings in this step)" if len(mine) > 1 else ""
+            msg = f"NaN/Inf in the {mine[0]}{more}."
+        else:
+            positions = [p for p, f in enumerate(flags) if f]
+            msg = (f"NaN/Inf at a stage boundary on pipeline position(s) {positions} (in this or another replica) in "
+                   f"step {self._step()}; the rank that holds it names the stage and micro-batch.")
         if self.policy == "raise":
             raise NonFiniteError(
                 msg + " Lower the learning rate, check the inputs, or use `HPPPrecision(nonfinite='warn')` / "
                 "`'sanitize'` to continue (sanitize replaces NaN/Inf with finite values)."
             )
-        warnings.warn(msg + (" Replaced with finite values (nonfinite='sanitize')." if self.policy == "sanitize" else ""), RuntimeWarning, stacklevel=2)
-        if self.policy == "sanitize":
-            if isinstance(x, (tuple, list)):
-                return type(x)(torch.nan_to_num(t) if isinstance(t, Tensor) else t for t in x)
-            return torch.nan_to_num(x)
-        return x
+        if mine:
+            suffix = " Replaced with finite values (nonfinite='sanitize')." if self.policy == "sanitize" else ""
+            warnings.warn(msg + suffix, RuntimeWarning, stacklevel=2)
+
+
+def _sanitize(x: Any) -> Any:
+    if isinstance(x, (tuple, list)):
+        return type(x)(torch.nan_to_num(t) if isinstance(t, Tensor) and t.is_floating_point() else t for t in x)
+    return torch.nan_to_num(x) if isinstance(x, Tensor) and x.is_floating_point() else x

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -65,6 +65,8 @@ class StageView:
         dp_group: The data-parallel group of this rank's stages (Transformer Engine's amax reduction).
         microbatch: The index of the micro-batch a held stage is computing, ``stage -> index``.
         step: The optimizer step being run.
+        step_checks: The runner's per-step checks (:class:`~lightning_hpp.pipeline.runner.StepCheck`); the
+            boundary guard joins them, so its flags are decided once per step on every rank.
     """
 
     stages: dict[int, nn.Module]
@@ -73,6 +75,7 @@ class StageView:
     dp_group: Any = None
     microbatch: Callable[[int], int] = lambda stage: -1
     step: Callable[[], int] = lambda: -1
+    step_checks: list[Any] = field(default_factory=list)
 
     @functools.cached_property
     def params(self) -> list[Tensor]:
@@ -82,6 +85,11 @@ class StageView:
             for p in sm.parameters():
                 seen.setdefault(id(p), p)
         return list(seen.values())
+
+    @functools.cached_property
+    def stage_params(self) -> dict[int, list[Tensor]]:
+        """Each held stage's parameters (taken at first use, like :attr:`params`)."""
+        return {k: list(sm.parameters()) for k, sm in self.stages.items()}
 
 
 class HPPPrecision(Precision):
@@ -100,6 +108,8 @@ class HPPPrecision(Precision):
         nonfinite: What a NaN/Inf at a stage boundary does: ``"raise"``, ``"warn"`` or
             ``"sanitize"`` (``nan_to_num`` after the stage's compute, before the next stage).
         init_scale: Initial loss scale when a stage runs in fp16.
+        log_grad_norms: Take and log ``grad_norm/stage_{k}`` every step even when nothing clips (with
+            clipping on, the norms are needed and always logged).
     """
 
     def __init__(
@@ -110,6 +120,7 @@ class HPPPrecision(Precision):
         fp8_recipe: Literal["delayed", "current"] = "delayed",
         nonfinite: Literal["raise", "warn", "sanitize"] = "raise",
         init_scale: float = 2.0**16,
+        log_grad_norms: bool = False,
     ) -> None:
         if clip not in CLIP_MODES:
             raise PlanError(f"`HPPPrecision(clip={clip!r})` is not supported; use one of {CLIP_MODES}.")
@@ -128,15 +139,21 @@ class HPPPrecision(Precision):
         self.fp8_recipe = fp8_recipe
         self.nonfinite = nonfinite
         self.scaler = DynamicLossScaler(init_scale)
+        self.log_grad_norms = bool(log_grad_norms)
         self.precision = "hpp"
         self.skipped_steps = 0
-        self.last_grad_norms: dict[int, float] = {}
+        self._grad_norms: Tensor | None = None
         self._view: StageView | None = None
         self._plan: Any = None
         self._stage_precision: list[str] = []
         self._scaled = False
 
     # ------------------------------------------------------------------ setup
+    @property
+    def last_grad_norms(self) -> dict[int, float]:
+        """The last step's gradient norm per stage (after the dp reduction, before clipping)."""
+        return {} if self._grad_norms is None else dict(enumerate(self._grad_norms.tolist()))
+
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self._scaled else 1.0
@@ -157,6 +174,7 @@ class HPPPrecision(Precision):
         self._stage_precision = precs
         self._scaled = any(MODES[p].scaled for p in precs)
         guard = BoundaryGuard(self.nonfinite, view.microbatch, view.step, self._scaled)
+        view.step_checks.append(guard)
         last = len(precs) - 1
         labels: list[str] = []
         captured = any(getattr(sm, "captured", False) for sm in view.stages.values())  # one frontend for all stages
@@ -243,30 +261,41 @@ class HPPPrecision(Precision):
         if view is None or not getattr(model, "automatic_optimization", True):
             return
         num = plan.num_stages
-        per_stage = {k: stage_grads(sm.parameters()) for k, sm in view.stages.items()}
-        norms = torch.zeros(num, dtype=torch.float64)
-        for k, grads in per_stage.items():
-            norms[k] = stage_norm(grads)
-        if view.pp_group is not None and dist.get_world_size(view.pp_group) > 1:
-            # each stage's entry comes from one rank of the pipeline
-            norms = norms.to(group_device(view.pp_group))
-            dist.all_reduce(norms, group=view.pp_group)
-            norms = norms.cpu()
-        self.last_grad_norms = {k: float(v) for k, v in enumerate(norms)}
-        if overrides_clipping(model):
+        custom = overrides_clipping(model)
+        if not (custom or clip_val or any(s.clip_norm for s in plan.stages) or self.log_grad_norms):
+            self._grad_norms = None  # nothing clips and nobody asked for the norms: no pass over the gradients
+            return
+        per_stage = {k: stage_grads(ps) for k, ps in view.stage_params.items()}
+        norms = self._stage_norms(per_stage, num, view.pp_group)
+        self._grad_norms = norms
+        if custom:
             from lightning.pytorch.trainer import call
 
-            for k in sorted(view.stages):
-                stage_opt = StageOptimizer(optimizer, k, view.stages[k].parameters(), plan.stages[k].clip_norm)
+            for k in sorted(view.stage_params):
+                stage_opt = StageOptimizer(optimizer, k, view.stage_params[k], plan.stages[k].clip_norm)
                 call._call_lightning_module_hook(model.trainer, "configure_gradient_clipping", stage_opt,
                                                  gradient_clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
         else:
             limits = {k: plan.stages[k].clip_norm or clip_val for k in per_stage}
             clip_stages(per_stage, norms, limits, algorithm_name(gradient_clip_algorithm), self.clip, clip_val)
-        for k, v in self.last_grad_norms.items():
-            model.log(f"grad_norm/stage_{k}", v, on_step=True, on_epoch=False)
+        for k in range(num):
+            model.log(f"grad_norm/stage_{k}", norms[k].float(), on_step=True, on_epoch=False)
         if num > 1:
-            model.log("grad_norm/spread", float(norms.std()), on_step=True, on_epoch=False)
+            model.log("grad_norm/spread", norms.std().float(), on_step=True, on_epoch=False)
+
+    @staticmethod
+    def _stage_norms(per_stage: dict[int, list[Tensor]], num: int, pp_group: Any) -> Tensor:
+        """``[norm of stage k's gradients]`` for every stage, on every rank (summed over the pipeline group)."""
+        reduce = pp_group is not None and dist.get_world_size(pp_group) > 1
+        held = next((gs[0].device for gs in per_stage.values() if gs), torch.device("cpu"))
+        device = group_device(pp_group) if reduce else held
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        local = {k: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double()).to(device)
+                 for k, gs in per_stage.items() if gs}
+        norms = torch.stack([local.get(k, zero) for k in range(num)])
+        if reduce:  # each stage's entry comes from one rank of the pipeline
+            dist.all_reduce(norms, group=pp_group)
+        return norms
 
     def clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
         """What ``LightningModule.clip_gradients`` calls (from a ``configure_gradient_clipping`` override).
@@ -279,9 +308,17 @@ class HPPPrecision(Precision):
         view, plan = self._view, self._plan
         if view is None:
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
-        stages = [optimizer.stage] if isinstance(optimizer, StageOptimizer) else sorted(view.stages)
-        per_stage = {k: stage_grads(view.stages[k].parameters()) for k in stages}
-        norms = {k: stage_norm(g) for k, g in per_stage.items()} if self.clip != "global" else self.last_grad_norms
+        stages = [optimizer.stage] if isinstance(optimizer, StageOptimizer) else sorted(view.stage_params)
+        per_stage = {k: stage_grads(view.stage_params[k]) for k in stages}
+        if self.clip == "global":
+            if self._grad_norms is None:
+                raise PlanError(
+                    "`clip_gradients` with `HPPPrecision(clip='global')` scales by the whole pipeline's gradient norm, "
+                    "which is taken only before `configure_gradient_clipping`; call it from that hook."
+                )
+            norms: Any = self._grad_norms
+        else:
+            norms = {k: stage_norm(g) for k, g in per_stage.items()}
         limits = {k: plan.stages[k].clip_norm or clip_val for k in stages}
         clip_stages(per_stage, norms, limits, algorithm_name(gradient_clip_algorithm), self.clip, clip_val)
 

@@ -33,9 +33,15 @@ def run(cfg: dict, devices: int) -> None:
         precision_plugin=HPPPrecision(**precision) if precision and not plugins else None,
         **cfg.get("strategy", {}),
     )
+    callbacks = []
+    if cfg.get("bias_monitor"):  # it asks the strategy for the local gradient norms (step_stats)
+        from lightning_hpp.bias.monitor import BiasMonitor
+
+        callbacks.append(BiasMonitor())
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
+        callbacks=callbacks,
         num_nodes=cfg.get("num_nodes", 1),
         strategy=strategy,
         plugins=plugins,
