@@ -185,3 +185,18 @@ def test_killed_driver_resumes_the_study_and_holds_each_trial_once(killed_and_re
     assert f"Restoring states from the checkpoint path at {sweep / str(KILLED) / 'ckpt'}" in log
     assert record["study"]["start_step"] >= 1  # it did not start from step 0
     assert record["global_step"] == (MAX_STEPS if record["status"] == "ok" else record["study"]["pruned_at_step"])
+
+
+def test_storage_url_password_hidden_and_bad_links_refused(tmp_path):
+    from lightning_hpp.errors import SweepError
+    from lightning_hpp.hydra.storage import check_url, default_url, public_url
+    from lightning_hpp.hydra.trial import TRIAL_ENV, TrialLink
+
+    assert public_url("postgresql://hpp:s3cret@db-host:5432/hpp") == "postgresql://hpp:***@db-host:5432/hpp"
+    assert default_url(tmp_path / "sweep") == f"sqlite:///{tmp_path / 'sweep' / 'study.db'}"
+    with pytest.raises(SweepError, match=r"`hydra.sweeper.storage='db-host/hpp'` is not an SQLAlchemy URL"):
+        check_url("db-host/hpp")
+    link = TrialLink("sqlite:///x.db", "s", trial_id=3, number=2, pruner=None, driver_pid=1)
+    assert TrialLink.from_env({TRIAL_ENV: link.to_env()}) == link and TrialLink.from_env({}) is None
+    with pytest.raises(SweepError, match=f"`{TRIAL_ENV}` is set but is not a study trial"):
+        TrialLink.from_env({TRIAL_ENV: '{"storage": 1}'})

@@ -224,8 +224,13 @@ class StudySweeper(Sweeper):
         log.info(
             "Study trial %d%s: %s", trial.number, f" (retry of {retry_of})" if retry_of is not None else "", overrides
         )
-        with _environ(TRIAL_ENV, link.to_env()), _heartbeat(storage, trial._trial_id, o["heartbeat_interval"]):
-            job = self.launcher.launch([overrides], initial_job_idx=trial.number if retry_of is None else retry_of)[0]
+        job_num = trial.number if retry_of is None else retry_of  # a retry runs in its original's directory
+        try:
+            with _environ(TRIAL_ENV, link.to_env()), _heartbeat(storage, trial._trial_id, o["heartbeat_interval"]):
+                job = self.launcher.launch([overrides], initial_job_idx=job_num)[0]
+        except Exception:  # a config the trial refuses: FAIL now (an interrupt leaves it RUNNING, to be retried)
+            optuna.load_study(study_name=study.study_name, storage=storage).tell(trial.number, state=TrialState.FAIL)
+            raise
         run_dir = Path(job.hydra_cfg.hydra.runtime.output_dir)
         record = _read_json(run_dir / "trial.json") or {}
         fresh = optuna.load_study(study_name=study.study_name, storage=storage)
