@@ -385,7 +385,7 @@ def check_hparams_search_hyperband(tmp_path):
     cfg, options = _study_sweeper(tmp_path, "hparams_search=hyperband", "experiment=mlp_sweep")
     assert options["study_name"] == "mlp_sweep_hyperband" and cfg.hydra.sweep.dir.endswith("mlp_sweep_hyperband")
     pruner = build_pruner(options["pruner"])
-    assert isinstance(pruner, HyperbandPruner) and pruner._max_resource == 16 and pruner._reduction_factor == 3
+    assert isinstance(pruner, HyperbandPruner) and pruner._max_resource == 96 and pruner._reduction_factor == 3
     assert options["params"] == compose_cfg(tmp_path, "hparams_search=asha", keep_hydra=True).hydra.sweeper.params
 
 
@@ -419,7 +419,7 @@ def check_experiment_mlp_tiny(tmp_path):
 
 def check_experiment_mlp_sweep(tmp_path):
     run = _check_experiment(tmp_path, "mlp_sweep", HPPStrategy, 2, "MLP", 2)
-    assert run.trainer.max_steps == 16 and run.trainer.val_check_interval == 2 and run.trainer.max_epochs == 2
+    assert run.trainer.max_steps == 96 and run.trainer.val_check_interval == 4 and run.trainer.max_epochs == 12
     assert not any(isinstance(c, EarlyStopping) for c in run.callbacks)  # trials end at max_steps or when pruned
 
 

@@ -39,7 +39,7 @@ def _env() -> dict[str, str]:
 def _command(sweep: Path) -> list[str]:
     return [
         sys.executable, "-m", "lightning_hpp.hydra.train", "-m", "hparams_search=asha", "experiment=mlp_sweep",
-        f"trainer.max_steps={MAX_STEPS}", "strategy.timeout=60", f"hydra.sweep.dir={sweep}",
+        f"trainer.max_steps={MAX_STEPS}", "trainer.val_check_interval=2", "strategy.timeout=60", f"hydra.sweep.dir={sweep}",
         f"hydra.sweeper.n_trials={N_TRIALS}", "hydra.sweeper.pruner.min_resource=1",
         "hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=2",
         # every trial checkpoints every step into its own directory, so a retried trial can resume
