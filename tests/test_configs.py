@@ -340,6 +340,55 @@ def check_hparams_search_optuna(tmp_path):
     } and fixed == {}
 
 
+def _study_sweeper(tmp_path, *overrides):
+    from hydra_plugins.lightning_hpp_sweeper import StudySweeper
+
+    cfg = compose_cfg(tmp_path, *overrides, keep_hydra=True)
+    options = {k: v for k, v in cfg.hydra.sweeper.items() if not k.startswith("_")}
+    sweeper = StudySweeper(**options)
+    sweeper.config = cfg
+    return cfg, sweeper._checked()
+
+
+def check_hparams_search_asha(tmp_path):
+    from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
+    from optuna.pruners import SuccessiveHalvingPruner
+
+    from lightning_hpp.hydra.trial import build_pruner
+
+    cfg, options = _study_sweeper(tmp_path, "hparams_search=asha", "experiment=mlp_sweep")
+    assert (
+        cfg.hydra.mode.name == "MULTIRUN"
+        and cfg.hydra.sweeper._target_ == "hydra_plugins.lightning_hpp_sweeper.StudySweeper"
+    )
+    assert cfg.hydra.sweep.dir == "outputs/mlp_sweep/studies/mlp_sweep_asha"  # no timestamp: the same command resumes
+    assert options["direction"] == "minimize" and options["n_trials"] == 32 and options["max_retry"] == 1
+    assert options["storage"] == f"sqlite:///{(Path(cfg.hydra.sweep.dir) / 'study.db').resolve()}"
+    pruner = build_pruner(options["pruner"])
+    assert isinstance(pruner, SuccessiveHalvingPruner) and pruner._reduction_factor == 4
+    space, _ = create_params_from_overrides([f"{k}={v}" for k, v in options["params"].items()])
+    optuna_cfg = compose_cfg(tmp_path, "hparams_search=optuna", "experiment=mlp_tiny", keep_hydra=True)
+    assert space == create_params_from_overrides([f"{k}={v}" for k, v in optuna_cfg.hydra.sweeper.params.items()])[0]
+    with pytest.raises(SweepError, match=r"`hydra.sweeper.direction='best'` is not valid"):
+        _study_sweeper(tmp_path, "hparams_search=asha", "experiment=mlp_sweep", "hydra.sweeper.direction=best")
+    with pytest.raises(SweepError, match=r"`hydra.sweeper.storage='not a url'` is not an SQLAlchemy URL"):
+        _study_sweeper(tmp_path, "hparams_search=asha", "experiment=mlp_sweep", "hydra.sweeper.storage='not a url'")
+    with pytest.raises(SweepError, match="must build an Optuna pruner"):
+        _study_sweeper(tmp_path, "hparams_search=asha", "hydra.sweeper.pruner={_target_:collections.OrderedDict}")
+
+
+def check_hparams_search_hyperband(tmp_path):
+    from optuna.pruners import HyperbandPruner
+
+    from lightning_hpp.hydra.trial import build_pruner
+
+    cfg, options = _study_sweeper(tmp_path, "hparams_search=hyperband", "experiment=mlp_sweep")
+    assert options["study_name"] == "mlp_sweep_hyperband" and cfg.hydra.sweep.dir.endswith("mlp_sweep_hyperband")
+    pruner = build_pruner(options["pruner"])
+    assert isinstance(pruner, HyperbandPruner) and pruner._max_resource == 96 and pruner._reduction_factor == 3
+    assert options["params"] == compose_cfg(tmp_path, "hparams_search=asha", keep_hydra=True).hydra.sweeper.params
+
+
 def _check_experiment(tmp_path, name, strategy_type, devices, model_name, stages):
     run = build(compose_cfg(tmp_path, f"experiment={name}"))
     assert type(run.strategy) is strategy_type and run.trainer.num_devices == devices
@@ -366,6 +415,12 @@ def check_experiment_hybrid_vision_ddp(tmp_path):
 def check_experiment_mlp_tiny(tmp_path):
     run = _check_experiment(tmp_path, "mlp_tiny", HPPStrategy, 2, "MLP", 2)
     assert run.trainer.max_steps == 6 and run.trainer.checkpoint_callback is None
+
+
+def check_experiment_mlp_sweep(tmp_path):
+    run = _check_experiment(tmp_path, "mlp_sweep", HPPStrategy, 2, "MLP", 2)
+    assert run.trainer.max_steps == 96 and run.trainer.val_check_interval == 4 and run.trainer.max_epochs == 12
+    assert not any(isinstance(c, EarlyStopping) for c in run.callbacks)  # trials end at max_steps or when pruned
 
 
 CASES: dict[str, Callable] = {
@@ -397,9 +452,12 @@ CASES: dict[str, Callable] = {
     "checkpoint/local.yaml": check_checkpoint_local,
     "checkpoint/s3.yaml": check_checkpoint_s3,
     "hparams_search/optuna.yaml": check_hparams_search_optuna,
+    "hparams_search/asha.yaml": check_hparams_search_asha,
+    "hparams_search/hyperband.yaml": check_hparams_search_hyperband,
     "experiment/hybrid_vision.yaml": check_experiment_hybrid_vision,
     "experiment/hybrid_vision_ddp.yaml": check_experiment_hybrid_vision_ddp,
     "experiment/mlp_tiny.yaml": check_experiment_mlp_tiny,
+    "experiment/mlp_sweep.yaml": check_experiment_mlp_sweep,
 }
 
 
@@ -560,12 +618,12 @@ def test_sweep_summary_ranks_tables_and_plots(tmp_path):
     assert [r.split("|")[2].strip() for r in rows] == ["1", "3", "0", "2"]  # best first, failed last
     assert rows[-1].split("|")[3].strip() == "failed"
     assert "Best: trial 1, val_loss=0.4" in "\n".join(md) and "val_acc" in md[2]
-    assert [r["trial"] for r in json.loads((tmp_path / "summary.json").read_text())] == ["1", "3", "0", "2"]
+    assert [r["trial"] for r in json.loads((tmp_path / "summary.json").read_text())["trials"]] == ["1", "3", "0", "2"]
     png = (tmp_path / "summary.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     assert text.splitlines()[0].startswith("Sweep") and "3/4 trial(s) completed" in text
     summarize(tmp_path, "val_loss", "max")
-    first = json.loads((tmp_path / "summary.json").read_text())[0]
+    first = json.loads((tmp_path / "summary.json").read_text())["trials"][0]
     assert first["trial"] == "0" and math.isclose(float(first["val_loss"]), 0.9)
 
 

@@ -120,7 +120,7 @@ def _is_secret_key(key: str) -> bool:
 
 
 def _redact_override(text: str) -> str:
-    key, sep, value = text.partition("=")
+    key, sep, _ = text.partition("=")
     if sep and _is_secret_key(key.lstrip("+~").rsplit(".", 1)[-1]):
         return f"{key}={REDACTED}"
     return text

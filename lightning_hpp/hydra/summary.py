@@ -8,7 +8,11 @@ every trial directory, and
   other final metrics, best first (failed trials last);
 * writes the same table as ``summary.md`` and the rows as ``summary.json`` in the sweep directory;
 * draws ``summary.png``: the metric against every swept value (log axis for values spanning a
-  decade or more; the other swept values as colours).
+  decade or more; the other swept values as colours);
+* for a study sweep (``hparams_search=asha``), adds each trial's state, the number of validations
+  it reported and the rung at which it stopped to the table, draws ``curves.png`` (the metric
+  against the step for every trial, pruned trials marked where they stopped) and names the study
+  and its storage URL (password hidden) in ``summary.json``.
 
 The same summary can be rebuilt from a finished sweep directory::
 
@@ -22,7 +26,7 @@ import json
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ from lightning_hpp.errors import SweepError
 log = logging.getLogger(__name__)
 
 TRIAL_FILE = "trial.json"
+STUDY_FILE = "study.json"
 MODES = ("min", "max")
 
 
@@ -47,16 +52,35 @@ class Trial:
     metrics: dict[str, float]
     seconds: float | None
     error: str | None
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    """``(step, value)`` reported to the study at each validation (study sweeps only)."""
+    rung: int | None = None
+    """The highest pruning rung the trial reached (study sweeps with a successive-halving pruner)."""
+    state: str | None = None
+    """The study's state of the trial: COMPLETE, PRUNED, FAIL (study sweeps only)."""
 
     @property
     def ok(self) -> bool:
         return self.status == "ok" and self.value is not None and math.isfinite(self.value)
+
+    @property
+    def pruned(self) -> bool:
+        return self.status == "pruned"
 
 
 def parse_override(text: str) -> tuple[str, str]:
     """``"model.optimizer.lr=0.001"`` -> ``("model.optimizer.lr", "0.001")``."""
     key, _, value = text.partition("=")
     return key.lstrip("+~"), value
+
+
+def _params(record: dict[str, Any]) -> dict[str, str]:
+    """The overrides of a trial; for a study trial, the sampled values stand in for their overrides."""
+    params = dict(parse_override(o) for o in record.get("overrides", []))
+    if record.get("params") is not None:  # the study's values, not the driver's own (ckpt_path=last of a retry)
+        params = {k: v for k, v in params.items() if k != "ckpt_path" or record.get("retry_of") is None}
+        params.update({k: repr(v) if isinstance(v, float) else str(v) for k, v in record["params"].items()})
+    return params
 
 
 def load_trials(sweep_dir: str | Path) -> list[Trial]:
@@ -67,12 +91,17 @@ def load_trials(sweep_dir: str | Path) -> list[Trial]:
         trials.append(
             Trial(
                 num=int(data.get("num", len(trials))),
-                params=dict(parse_override(o) for o in data.get("overrides", [])),
+                params=_params(data),
                 status=str(data.get("status", "unknown")),
                 value=None if data.get("value") is None else float(data["value"]),
                 metrics={k: float(v) for k, v in (data.get("metrics") or {}).items()},
                 seconds=data.get("seconds"),
                 error=data.get("error"),
+                curve=[
+                    (int(s), float(v)) for s, v in data.get("curve") or (data.get("study") or {}).get("curve") or []
+                ],
+                rung=data.get("rung"),
+                state=data.get("state"),
             )
         )
     return sorted(trials, key=lambda t: t.num)
@@ -87,11 +116,17 @@ def swept_parameters(trials: Sequence[Trial]) -> list[str]:
 
 
 def ranked(trials: Sequence[Trial], mode: str) -> list[Trial]:
-    """Completed trials best first by their value, then failed ones in trial order."""
+    """Completed trials best first by their value, then pruned ones (by their last value), then failed ones."""
     if mode not in MODES:
         raise SweepError(f"Summary mode {mode!r} is not valid; use 'min' or 'max'.")
-    good = sorted((t for t in trials if t.ok), key=lambda t: t.value if mode == "min" else -t.value)
-    return good + [t for t in trials if not t.ok]
+
+    def by_value(group: list[Trial]) -> list[Trial]:
+        sign = 1 if mode == "min" else -1
+        return sorted(group, key=lambda t: (t.value is None or not math.isfinite(t.value), sign * (t.value or 0.0)))
+
+    good = by_value([t for t in trials if t.ok])
+    pruned = by_value([t for t in trials if t.pruned])
+    return good + pruned + [t for t in trials if not t.ok and not t.pruned]
 
 
 def _fmt(value: Any) -> str:
@@ -112,9 +147,12 @@ def table_rows(trials: Sequence[Trial], metric: str, mode: str) -> tuple[list[st
     """Header and rows of the summary table, best first."""
     params = swept_parameters(trials)
     others = sorted({k for t in trials for k in t.metrics} - {metric})
-    header = ["rank", "trial", "status", *params, metric, *others, "seconds"]
+    study = any(t.state is not None for t in trials)
+    extra = ["validations", "last step", "rung"] if study else []
+    header = ["rank", "trial", "status", *params, metric, *others, *extra, "seconds"]
     rows = []
     for i, t in enumerate(ranked(trials, mode), start=1):
+        curve = [_fmt(len(t.curve)), _fmt(t.curve[-1][0] if t.curve else None), _fmt(t.rung)] if study else []
         rows.append(
             [
                 str(i) if t.ok else "-",
@@ -123,6 +161,7 @@ def table_rows(trials: Sequence[Trial], metric: str, mode: str) -> tuple[list[st
                 *[_fmt_value(t.params.get(p, "-")) for p in params],
                 _fmt(t.value),
                 *[_fmt(t.metrics.get(k)) for k in others],
+                *curve,
                 _fmt(t.seconds),
             ]
         )
@@ -139,7 +178,10 @@ def text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A GitHub-flavoured markdown table."""
-    esc = lambda c: str(c).replace("|", "\\|")  # noqa: E731
+
+    def esc(c: Any) -> str:
+        return str(c).replace("|", "\\|")
+
     lines = ["| " + " | ".join(esc(c) for c in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
@@ -206,6 +248,52 @@ def plot(trials: Sequence[Trial], metric: str, path: str | Path) -> Path:
     return path
 
 
+def plot_curves(trials: Sequence[Trial], metric: str, path: str | Path) -> Path:
+    """Draw every trial's reported curve (metric against step) into a PNG.
+
+    Completed trials are solid lines, pruned ones dashed with an ``x`` where they stopped (labelled
+    with their rung), failed ones dotted.
+
+    Raises:
+        SweepError: no trial reported a value.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn = [t for t in trials if t.curve]
+    if not drawn:
+        raise SweepError(f"No learning curve to plot; none of the {len(trials)} trial(s) reported {metric!r}.")
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for t in drawn:
+        steps, values = zip(*t.curve)
+        style = "-" if t.ok else "--" if t.pruned else ":"
+        (line,) = ax.plot(steps, values, style, marker=".", label=f"trial {t.num} ({t.status})")
+        if t.pruned:
+            ax.plot(steps[-1], values[-1], "x", color=line.get_color(), markersize=10, markeredgewidth=2)
+            if t.rung is not None:
+                ax.annotate(
+                    f"rung {t.rung}",
+                    (steps[-1], values[-1]),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize="x-small",
+                    color=line.get_color(),
+                )
+    ax.set_xlabel("step (optimizer steps)")
+    ax.set_ylabel(metric)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="x-small", ncol=2)
+    n_pruned = sum(t.pruned for t in trials)
+    ax.set_title(f"{metric} per validation: {len(trials)} trial(s), {n_pruned} pruned (x: where they stopped)")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def summarize(sweep_dir: str | Path, metric: str, mode: str = "min", *, draw: bool = True) -> str:
     """Write ``summary.md``, ``summary.json`` and (``draw``) ``summary.png``; return the console table.
 
@@ -221,19 +309,44 @@ def summarize(sweep_dir: str | Path, metric: str, mode: str = "min", *, draw: bo
         )
     header, rows = table_rows(trials, metric, mode)
     best = next((t for t in ranked(trials, mode) if t.ok), None)
-    title = f"Sweep {sweep_dir.name}: {sum(t.ok for t in trials)}/{len(trials)} trial(s) completed, {metric} ({mode})"
+    pruned = sum(t.pruned for t in trials)
+    title = f"Sweep {sweep_dir.name}: {sum(t.ok for t in trials)}/{len(trials)} trial(s) completed"
+    title += f", {pruned} pruned, {metric} ({mode})" if pruned else f", {metric} ({mode})"
     md = f"# {title}\n\n{markdown_table(header, rows)}\n"
     if best is not None:
         shown = swept_parameters(trials) or list(best.params)
-        md += f"\nBest: trial {best.num}, {metric}={best.value:.6g}, " + ", ".join(f"{k}={best.params[k]}" for k in shown if k in best.params) + "\n"
+        md += (
+            f"\nBest: trial {best.num}, {metric}={best.value:.6g}, "
+            + ", ".join(f"{k}={best.params[k]}" for k in shown if k in best.params)
+            + "\n"
+        )
+    study = _read_study(sweep_dir)
+    if study:
+        md = f"Study {study.get('study_name')!r} in {study.get('storage')}\n\n" + md
     (sweep_dir / "summary.md").write_text(md)
-    (sweep_dir / "summary.json").write_text(json.dumps([dict(zip(header, r)) for r in rows], indent=2))
-    if draw and best is not None:
-        try:
+    record = {
+        "study_name": study.get("study_name"),
+        "storage": study.get("storage"),
+        "metric": metric,
+        "mode": mode,
+        "trials": [dict(zip(header, r)) for r in rows],
+    }
+    (sweep_dir / "summary.json").write_text(json.dumps(record, indent=2))
+    try:
+        if draw and best is not None:
             plot(trials, metric, sweep_dir / "summary.png")
-        except ImportError:
-            log.warning("summary.png not drawn: matplotlib is not installed (pip install 'lightning-hpp[hydra]').")
+        if draw and any(t.curve for t in trials):
+            plot_curves(trials, metric, sweep_dir / "curves.png")
+    except ImportError:
+        log.warning("summary.png not drawn: matplotlib is not installed (pip install 'lightning-hpp[hydra]').")
     return f"{title}\n{text_table(header, rows)}"
+
+
+def _read_study(sweep_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((sweep_dir / STUDY_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 class SweepSummary(Callback):
@@ -262,7 +375,7 @@ class SweepSummary(Callback):
         print(text, flush=True)
         log.info("Sweep summary written to %s", sweep_dir / "summary.md")
         trials = load_trials(sweep_dir)
-        if not any(t.ok for t in trials):
+        if not any(t.ok or t.pruned for t in trials):
             first = next((t for t in trials if t.error), None)
             # Hydra turns exceptions raised by callbacks into warnings; SystemExit ends the command.
             raise SystemExit(

@@ -16,6 +16,10 @@ in a session of its own, with a fresh ``MASTER_PORT``. The sweeper waits for it,
 it left behind, and reads the metric from the ``result.json`` that the trial's rank 0 writes.
 Trials therefore run one after another and share no process, port or process group. Each trial
 dir gets a ``trial.json`` record, which :mod:`lightning_hpp.hydra.summary` reads at the end.
+
+Under the study sweeper (``hparams_search=asha``, :mod:`lightning_hpp.hydra.study`) a trial also
+reports to its study and may be pruned (:mod:`lightning_hpp.hydra.trial`); its record then says
+``"status": "pruned"``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from lightning_hpp.errors import PlanError, TrainConfigError
+from lightning_hpp.hydra.trial import StudyReporter, TrialLink, follow_driver
 from lightning_hpp.planning.plan import StagePlan, StageSpec
 
 log = logging.getLogger(__name__)
@@ -341,6 +346,9 @@ def build(cfg: DictConfig) -> Run:
             log.info("callbacks.%s dropped: LearningRateMonitor needs a logger (~logger).", name)
             continue
         callbacks.append(callback)
+    link = TrialLink.from_env()
+    if link is not None:  # a trial of a study sweep: report to the study, stop when pruned
+        callbacks.append(StudyReporter(link, str(cfg.optimized_metric)))
     checkpoint = hydra.utils.instantiate(cfg.checkpoint) if cfg.get("checkpoint") else None
     if checkpoint is not None:
         callbacks.append(checkpoint)
@@ -367,6 +375,7 @@ def run(cfg: DictConfig) -> float | None:
     from lightning_hpp.hydra.snapshot import scrub_hydra_files, write_snapshot
 
     run_dir = Path(cfg.paths.output_dir)
+    follow_driver(TrialLink.from_env())
     if is_rank_zero():
         scrub_hydra_files(run_dir)
     resolved = check_config(cfg)
@@ -390,6 +399,9 @@ def run(cfg: DictConfig) -> float | None:
             "epoch": trainer.current_epoch,
             "should_stop": bool(trainer.should_stop),
         }
+        reporter = next((c for c in built.callbacks if isinstance(c, StudyReporter)), None)
+        if reporter is not None:
+            result["study"] = reporter.state()
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
     if value is None:
         log.warning("optimized_metric %r was not logged; logged: %s", cfg.optimized_metric, sorted(metrics))
@@ -516,6 +528,8 @@ def launch_trial(cfg: DictConfig) -> float:
     error, tail = None, _tail(run_dir / "trial.log")
     if status == "ok" and returncode != 0:
         status, error = "failed", _error_line(tail) or f"the trial exited with {returncode}"
+    elif status == "ok" and ((result or {}).get("study") or {}).get("pruned"):
+        status = "pruned"
     elif status == "ok" and value is None:
         status = "failed"
         error = f"metric {cfg.optimized_metric!r} was not logged; logged: {sorted((result or {}).get('metrics', {}))}"
@@ -535,11 +549,15 @@ def launch_trial(cfg: DictConfig) -> float:
         "ended_at": time.time(),
         "master_port": port,
         "leftover_processes": leftovers,
+        "study": (result or {}).get("study"),
         "run_dir": str(run_dir),
         "error": redact(error),
-        "log_tail": redact(tail) if status != "ok" else None,
+        "log_tail": redact(tail) if status not in ("ok", "pruned") else None,
     }
     (run_dir / TRIAL_FILE).write_text(json.dumps(record, indent=2))
+    if status == "pruned":
+        log.info("trial %s: pruned at step %s", hc.job.num, result["study"]["pruned_at_step"])
+        return math.nan if value is None else float(value)
     if status != "ok":
         log.error("trial %s %s: %s", hc.job.num, status, error)
         return math.nan
