@@ -269,12 +269,9 @@ class HPPPrecision(Precision):
         norms = self._stage_norms(per_stage, num, view.pp_group)
         self._grad_norms = norms
         if custom:
-            from lightning.pytorch.trainer import call
-
             for k in sorted(view.stage_params):
                 stage_opt = StageOptimizer(optimizer, k, view.stage_params[k], plan.stages[k].clip_norm)
-                call._call_lightning_module_hook(model.trainer, "configure_gradient_clipping", stage_opt,
-                                                 gradient_clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+                self._call_clipping_hook(model, stage_opt, clip_val, gradient_clip_algorithm)
         else:
             limits = {k: plan.stages[k].clip_norm or clip_val for k in per_stage}
             clip_stages(per_stage, norms, limits, algorithm_name(gradient_clip_algorithm), self.clip, clip_val)
@@ -282,6 +279,18 @@ class HPPPrecision(Precision):
             model.log(f"grad_norm/stage_{k}", norms[k].float(), on_step=True, on_epoch=False)
         if num > 1:
             model.log("grad_norm/spread", norms.std().float(), on_step=True, on_epoch=False)
+
+    @staticmethod
+    def _call_clipping_hook(model: Any, stage_opt: StageOptimizer, clip_val: Any, algorithm: Any) -> None:
+        """``model.configure_gradient_clipping(stage_opt, ...)`` as Lightning calls its hooks (its name set for
+        ``self.log``, under the Trainer's profiler)."""
+        previous = model._current_fx_name
+        model._current_fx_name = "configure_gradient_clipping"
+        try:
+            with model.trainer.profiler.profile(f"[LightningModule]{type(model).__name__}.configure_gradient_clipping"):
+                model.configure_gradient_clipping(stage_opt, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
+        finally:
+            model._current_fx_name = previous
 
     @staticmethod
     def _stage_norms(per_stage: dict[int, list[Tensor]], num: int, pp_group: Any) -> Tensor:
