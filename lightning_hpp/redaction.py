@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lightning_hpp.checkpoint.s3 import REDACTED, redact
+from lightning_hpp.checkpoint.s3 import REDACTED, is_secret_name, redact
 
 
 class _RedactedLogHyperparams:
@@ -67,14 +67,9 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def names_secret(name: str) -> bool:
-    """Whether a setting called ``name`` holds a secret (``api_key``, ``hf_token``, ``db_password``...)."""
-    return redact({name: "placeholder-value"}, env={})[name] == REDACTED
-
-
 def _secret_key_in(obj: Any) -> bool:
     if isinstance(obj, Mapping):
-        return any((isinstance(k, str) and names_secret(k)) or _secret_key_in(v) for k, v in obj.items())
+        return any((isinstance(k, str) and is_secret_name(k)) or _secret_key_in(v) for k, v in obj.items())
     return isinstance(obj, list) and any(_secret_key_in(v) for v in obj)
 
 
@@ -108,6 +103,6 @@ def secret_overrides(args: Iterable[str], env: Mapping[str, str] | None = None) 
             continue
         value = override.value()
         leaf = override.key_or_group.split(".")[-1].split("@")[0]
-        if names_secret(leaf) or _secret_key_in(value):
+        if is_secret_name(leaf) or _secret_key_in(value):
             found.append((override.key_or_group, f"{arg.split('=', 1)[0]}={REDACTED}"))
     return found

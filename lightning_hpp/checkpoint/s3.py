@@ -130,7 +130,7 @@ def require_s3_credentials(url: str) -> None:
         )
 
 
-def _is_secret_name(name: str) -> bool:
+def is_secret_name(name: str) -> bool:
     """Whether a setting called ``name`` holds a secret (``aws_secret_access_key``, ``token``...).
 
     Tokenizer settings (``pad_token``, ``eos_token_id``) and the like are not secrets.
@@ -159,7 +159,7 @@ def secret_values(env: Mapping[str, str] | None = None) -> list[str]:
     found = {
         value
         for name, value in env.items()
-        if value and len(value) >= _MIN_SECRET_LEN and (name in SECRET_ENV_VARS or _is_secret_name(name))
+        if value and len(value) >= _MIN_SECRET_LEN and (name in SECRET_ENV_VARS or is_secret_name(name))
     }
     return sorted(found, key=len, reverse=True)
 
@@ -192,7 +192,7 @@ def _redact(obj: Any, secrets: list[str]) -> Any:
         return {
             k: (
                 REDACTED
-                if isinstance(k, str) and isinstance(v, (str, bytes)) and _is_secret_name(k)
+                if isinstance(k, str) and isinstance(v, (str, bytes)) and is_secret_name(k)
                 else _redact(v, secrets)
             )
             for k, v in obj.items()

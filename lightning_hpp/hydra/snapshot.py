@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from lightning_hpp._git import code_version
-from lightning_hpp.checkpoint.s3 import REDACTED, redact
+from lightning_hpp.checkpoint.s3 import REDACTED, is_secret_name, redact
 from lightning_hpp.planning.plan import StagePlan
 
 SNAPSHOT_DIR = "snapshot"
@@ -115,13 +115,9 @@ def environment_fingerprint() -> dict[str, Any] | None:
 
 
 # --------------------------------------------------------------------------- Hydra's own files
-def _is_secret_key(key: str) -> bool:
-    return redact({key: "placeholder-value"}, env={})[key] == REDACTED
-
-
 def _redact_override(text: str) -> str:
     key, sep, _ = text.partition("=")
-    if sep and _is_secret_key(key.lstrip("+~").rsplit(".", 1)[-1]):
+    if sep and is_secret_name(key.lstrip("+~").rsplit(".", 1)[-1]):
         return f"{key}={REDACTED}"
     return text
 
