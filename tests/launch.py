@@ -27,6 +27,20 @@ def run_script(module: str, arg: object, timeout: float = 240, check: bool = Tru
     return proc
 
 
+def processes_mentioning(text: str) -> list[str]:
+    """``"pid: command line"`` of every other process whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
 def merged_state(out_dir: str | Path, ranks: list[int]) -> dict[str, torch.Tensor]:
     """The union of what the given ranks saved (their stages' parameters)."""
     state: dict[str, torch.Tensor] = {}

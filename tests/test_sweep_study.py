@@ -20,6 +20,7 @@ import pytest
 from lightning_hpp.hydra.storage import open_storage
 from lightning_hpp.hydra.study import configurations
 from lightning_hpp.hydra.train import end_process_group
+from tests.launch import processes_mentioning
 
 ROOT = Path(__file__).resolve().parents[1]
 N_TRIALS = 6
@@ -45,19 +46,6 @@ def _command(sweep: Path) -> list[str]:
         # every trial checkpoints every step into its own directory, so a retried trial can resume
         "+strategy.checkpoint.dir=${paths.output_dir}/ckpt", "+strategy.checkpoint.every_n_steps=1",
     ]  # fmt: skip
-
-
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmdline:
-                found.append(f"{entry.name}: {cmdline}")
-    return found
 
 
 def _wait_until(condition, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
@@ -97,7 +85,7 @@ def killed_and_resumed(tmp_path_factory):
             os.kill(first.pid, signal.SIGKILL)  # the driver only: its trial must end by itself
             first.wait(timeout=30)
             _wait_until(
-                lambda: not _processes_mentioning(str(sweep)), 30, "the end of every process of the killed trial"
+                lambda: not processes_mentioning(str(sweep)), 30, "the end of every process of the killed trial"
             )
         finally:
             end_process_group(first.pid, wait=0.0, grace=2.0)
@@ -134,7 +122,7 @@ def test_asha_prunes_trials_and_every_rank_of_a_pruned_trial_exits(killed_and_re
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", r["master_port"]))
-    assert _processes_mentioning(str(sweep)) == []
+    assert processes_mentioning(str(sweep)) == []
     # the study agrees with the records: its intermediate values are the curves the trials reported
     study = {t.number: t for t in _trials(sweep)}
     for r in records.values():

@@ -19,6 +19,7 @@ import yaml
 
 from lightning_hpp.checkpoint import export_to_lightning_ckpt
 from lightning_hpp.hydra.train import _group_members, end_process_group, main
+from tests.launch import processes_mentioning
 from tests.models import MLP, make_dataset
 from tests.s3_server import s3_env  # noqa: F401  (fixture)
 
@@ -49,19 +50,6 @@ def _train(*args: str, cwd: Path = ROOT, timeout: float = 300, exe: list[str] | 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
-
-
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmdline:
-                found.append(f"{entry.name}: {cmdline}")
-    return found
 
 
 def _val_loss_reference(state: dict) -> float:
@@ -144,7 +132,7 @@ def test_sweep_2x2_trials_are_separate_multiprocess_runs(tmp_path):
     for a, b in zip(trials, trials[1:]):
         assert a["ended_at"] <= b["started_at"]
     assert len({t["master_port"] for t in trials}) == 4
-    assert _processes_mentioning(str(sweep)) == []
+    assert processes_mentioning(str(sweep)) == []
     for t in trials:
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
