@@ -34,7 +34,8 @@ class BoundaryGuard:
         self._microbatch = microbatch
         self._step = step
         self._scaled = scaled
-        self._events: list[tuple[str, Tensor]] = []
+        self._events: list[tuple[tuple, int, int]] = []  # (where, first and past-last index into _ends)
+        self._ends: list[Tensor] = []  # min and max of every checked tensor of the step
 
     # ------------------------------------------------------------------ during the schedule
     def __call__(self, stage: int, x: Any) -> Any:
@@ -42,7 +43,7 @@ class BoundaryGuard:
         tensors = x if isinstance(x, (tuple, list)) else (x,)
         checked = [t for t in tensors if isinstance(t, Tensor) and t.is_floating_point()]
         if checked:
-            self._record(f"forward activation leaving stage {stage} (micro-batch {mb}, step {step})", checked)
+            self._record(("forward", stage, mb, step), checked)
         if self.policy == "sanitize":
             x = _sanitize(x)
         for t in (x if isinstance(x, (tuple, list)) else (x,)):
@@ -53,32 +54,37 @@ class BoundaryGuard:
     def _grad_guard(self, grad: Tensor, stage: int, mb: int, step: int) -> Tensor | None:
         if self._scaled:
             return None
-        self._record(f"gradient arriving at stage {stage} from stage {stage + 1} (micro-batch {mb}, step {step})", [grad])
+        self._record(("gradient", stage, mb, step), [grad])
         return torch.nan_to_num(grad) if self.policy == "sanitize" else None
 
-    def _record(self, where: str, tensors: list[Tensor]) -> None:
-        # min and max carry any NaN (both) or Inf (one of them): two reductions, no full-size mask
-        ends = [torch.stack(torch.aminmax(t.detach())) for t in tensors if t.numel()]
-        if ends:
-            self._events.append((where, ~torch.isfinite(torch.cat(ends) if len(ends) > 1 else ends[0]).all()))
+    def _record(self, where: tuple, tensors: list[Tensor]) -> None:
+        # min and max carry any NaN (both) or Inf (one of them): one reduction per tensor, no full-size mask;
+        # what they say is looked at once per step (flag), and per crossing only when something was found
+        start = len(self._ends)
+        for t in tensors:
+            if t.numel():
+                self._ends.extend(torch.aminmax(t.detach()))
+        if len(self._ends) > start:
+            self._events.append((where, start, len(self._ends)))
 
     # ------------------------------------------------------------------ once per step
     def reset(self) -> None:
-        self._events = []
+        self._events, self._ends = [], []
 
     def flag(self) -> Tensor:
         """1.0 where a boundary on this rank saw a NaN/Inf in this step, else 0.0 (on the device)."""
-        if not self._events:
+        if not self._ends:
             return torch.zeros(())
-        return torch.stack([bad for _, bad in self._events]).any().float()
+        return (~torch.isfinite(torch.stack(self._ends)).all()).float()
 
     def resolve(self, flags: list[float]) -> None:
         """Raise, or warn, for what any pipeline position flagged (``flags[position]``, max over replicas)."""
         if not any(flags):
-            self._events = []
+            self.reset()
             return
-        mine = [where for where, bad in self._events if bool(bad)] if self._events else []
-        self._events = []
+        mine = [_describe(where) for where, lo, hi in self._events
+                if not bool(torch.isfinite(torch.stack(self._ends[lo:hi])).all())]
+        self.reset()
         if mine:
             more = f" (and {len(mine) - 1} more boundary crossings in this step)" if len(mine) > 1 else ""
             msg = f"NaN/Inf in the {mine[0]}{more}."
@@ -94,6 +100,13 @@ class BoundaryGuard:
         if mine:
             suffix = " Replaced with finite values (nonfinite='sanitize')." if self.policy == "sanitize" else ""
             warnings.warn(msg + suffix, RuntimeWarning, stacklevel=2)
+
+
+def _describe(where: tuple) -> str:
+    kind, stage, mb, step = where
+    if kind == "forward":
+        return f"forward activation leaving stage {stage} (micro-batch {mb}, step {step})"
+    return f"gradient arriving at stage {stage} from stage {stage + 1} (micro-batch {mb}, step {step})"
 
 
 def _sanitize(x: Any) -> Any:
