@@ -486,6 +486,7 @@ class HPPStrategy(ParallelStrategy):
         self.precision_plugin.configure_stages(self._plan, view, trainer_precision, self.root_device, rank_kinds[self.global_rank])
         self._runner = runner
         self._grads = GradHandover(stages["train"], self._mesh.dp_group, self._mesh.dp, shared=shared)
+        runner.last_backward_window = self._grads.last_backward
         rank_zero_info(
             f"HPPStrategy: {self._plan.num_stages} stages, frontend={cut.frontend} ({cut.reason}), schedule={self._schedule}, "
             f"n_microbatches={self._n_microbatches}, pp={pp} × dp={self._mesh.dp}"
@@ -583,7 +584,7 @@ class HPPStrategy(ParallelStrategy):
         scale = self.precision_plugin.loss_scale / trainer.accumulate_grad_batches
         # Lightning zeroes the gradients after the first training_step of each accumulation window
         window_start = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
-        with self._grads.during_step(keep_held=not window_start):
+        with self._grads.during_step(keep_held=not window_start, local_norms=self._wants_local_norms()):
             loss, logs = self._runner.train_step(self.lightning_module.training_step, *args, loss_scale=scale, **kwargs)
         self._replay(logs)
         self._step_stats = {"loss": loss.detach()}

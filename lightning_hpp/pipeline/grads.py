@@ -6,12 +6,20 @@ be zeroed before Lightning's ``backward`` call. :class:`GradHandover` keeps them
 
 * :meth:`GradHandover.during_step` swaps every parameter's ``.grad`` out while the schedule runs
   and back afterwards, keeping what the schedule produced as the step's *fresh* gradients;
+* :meth:`GradHandover.last_backward` wraps a stage's last backward of the step (the schedule's
+  ``last_backward``): as each bucket of its gradients becomes final, that bucket's data-parallel
+  all-reduce starts, so the reduction overlaps the rest of the backward (what DDP's reducer does);
 * :meth:`GradHandover.hand_over` (from the strategy's ``backward``) optionally takes each stage's
-  local norm (before the all-reduce: what ``BiasMonitor`` compares across replicas), averages the
-  fresh gradients over the data-parallel group (large ones in place, small ones flattened), and adds them to ``.grad``
-  (so gradient accumulation over several batches works as under DDP).
+  local norm (before the all-reduce: what ``BiasMonitor`` compares across replicas), reduces the
+  buckets the backward did not start, waits for all of them, averages, and adds the fresh
+  gradients to ``.grad`` (so gradient accumulation over several batches works as under DDP).
 
-The parameter → stage map is built once, not per step.
+Buckets are fixed once, in reverse parameter order (the order a backward usually finishes them):
+a large gradient is a bucket of its own, all-reduced where it is; small ones of one dtype travel
+flattened together. Buckets start strictly in that order on every replica, whatever order the
+autograd engine finishes gradients in, so the replicas' collectives always match; a bucket whose
+gradients the backward never finished (a parameter without a gradient, a zero-bubble schedule's
+separate weight pass) starts in :meth:`hand_over`, and with it every later bucket.
 """
 
 from __future__ import annotations
@@ -23,6 +31,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+_IN_PLACE_NUMEL = 1 << 16
+"""Gradients at least this large are all-reduced where they are; smaller ones travel flattened together."""
+
+_BUCKET_NUMEL = 1 << 18
+"""Elements of small gradients per flattened bucket (1 MiB in float32): small enough that a model of small
+tensors still gets several buckets to overlap, large enough to keep the number of collectives low."""
 
 
 class GradHandover:
@@ -36,26 +51,59 @@ class GradHandover:
         shared: Parameters that stages on other ranks use too (tied embeddings and heads), each list
             with the group of the ranks of this replica holding them: their gradients are summed
             over it after the dp average, so every copy takes the same step.
+        bucket_numel: Elements per bucket of small gradients.
     """
 
     def __init__(self, stage_modules: dict[int, nn.Module], dp_group: Any, dp_size: int,
-                 shared: list[tuple[list[nn.Parameter], Any]] = ()) -> None:
+                 shared: list[tuple[list[nn.Parameter], Any]] = (), bucket_numel: int = _BUCKET_NUMEL) -> None:
         seen: dict[int, nn.Parameter] = {}
-        stage_of: dict[int, int] = {}
+        stages_of: dict[int, set[int]] = {}
         for k, sm in sorted(stage_modules.items()):
             for p in sm.parameters():
                 seen.setdefault(id(p), p)
-                stage_of.setdefault(id(p), k)
+                stages_of.setdefault(id(p), set()).add(k)
         self.params: list[nn.Parameter] = list(seen.values())
-        self._stage_of = [stage_of[id(p)] for p in self.params]
+        self._stage_of = [min(stages_of[id(p)]) for p in self.params]
         self._stages = sorted(stage_modules)
         self._dp_group = dp_group
         self._dp_size = dp_size
+        self._reducing = dp_group is not None and dp_size > 1
         self._shared = list(shared)
         self._fresh: list[Tensor | None] | None = None
+        self.started_in_backward = 0  # buckets of the last handed-over step whose all-reduce started inside the backward
+        # a parameter of several of this rank's stages is final only after the last of their backwards: it is
+        # reduced in hand_over, its buckets after every other one
+        single = [len(stages_of[id(p)]) == 1 for p in self.params]
+        order = [i for i in reversed(range(len(self.params))) if single[i]]
+        order += [i for i in reversed(range(len(self.params))) if not single[i]]
+        self._buckets = _plan_buckets(self.params, order, bucket_numel)
+        self._bucket_of = {i: b for b, members in enumerate(self._buckets) for i in members}
+        self._hooked = {k: [i for i in range(len(self.params)) if single[i] and self._stage_of[i] == k] for k in self._stages}
+        self._reset()
+
+    # ----------------------------------------------------------------- one step
+    def _reset(self) -> None:
+        self._in_step = False
+        self._ready = [0] * len(self._buckets)
+        self._next = 0  # the next bucket to start (buckets start in order)
+        self._early = 0
+        self._works: list[Any] = []
+        self._flats: list[tuple[Tensor, list[Tensor]]] = []
+        self._large: list[Tensor] = []
+        self._want_norms = False
+        self._norms: dict[int, list[Tensor]] = {}
+
+    def _drain(self) -> None:
+        """Wait for what a step that failed half-way left in flight (the next step's collectives follow it)."""
+        for work in self._works:
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - the failed step already raised its own error
+                pass
+        self._reset()
 
     @contextmanager
-    def during_step(self, keep_held: bool = True) -> Iterator[None]:
+    def during_step(self, keep_held: bool = True, local_norms: bool = False) -> Iterator[None]:
         """Run the schedule with empty ``.grad``; keep what it produced, restore what was there.
 
         Args:
@@ -63,19 +111,63 @@ class GradHandover:
                 first batch of a window Lightning zeroes them right after ``training_step`` anyway,
                 so they are dropped now: they would otherwise sit beside the new ones for the whole
                 schedule (one more copy of the stage's gradients at the peak).
+            local_norms: :meth:`hand_over` will be asked for local norms: take them from each bucket
+                before its all-reduce starts.
         """
+        self._drain()
+        self._in_step, self._want_norms = True, local_norms
         held = [p.grad if keep_held else None for p in self.params]
         for p in self.params:
             p.grad = None
         try:
             yield
         finally:
+            self._in_step = False
             self._fresh = [p.grad for p in self.params]
             for p, g in zip(self.params, held):
                 p.grad = g
 
+    @contextmanager
+    def last_backward(self, stage: int) -> Iterator[None]:
+        """Around ``stage``'s last backward of the step: start each bucket's all-reduce once its gradients are final."""
+        indices = self._hooked.get(stage, []) if self._reducing and self._in_step else []
+        handles = [self.params[i].register_post_accumulate_grad_hook(self._on_final(i)) for i in indices]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _on_final(self, i: int) -> Any:
+        bucket = self._bucket_of[i]
+
+        def hook(p: nn.Parameter) -> None:
+            self._ready[bucket] += 1
+            while self._next < len(self._buckets) and self._ready[self._next] == len(self._buckets[self._next]):
+                self._start(self._next, [self.params[j].grad for j in self._buckets[self._next]])
+                self._next += 1
+                self._early += 1
+
+        return hook
+
+    def _start(self, bucket: int, grads: list[Tensor | None]) -> None:
+        members = [(j, g) for j, g in zip(self._buckets[bucket], grads) if g is not None]
+        if not members:
+            return
+        if self._want_norms:
+            for j, n in zip((j for j, _ in members), _norms([g for _, g in members])):
+                self._norms.setdefault(self._stage_of[j], []).append(n)
+        present = [g for _, g in members]
+        if len(present) == 1 and present[0].is_contiguous():
+            self._works.append(dist.all_reduce(present[0], group=self._dp_group, async_op=True))
+            self._large.append(present[0])
+            return
+        flat = torch._utils._flatten_dense_tensors(present)
+        self._works.append(dist.all_reduce(flat, group=self._dp_group, async_op=True))
+        self._flats.append((flat, present))
+
     def hand_over(self, local_norms: bool = False) -> dict[int, Tensor] | None:
-        """All-reduce the fresh gradients over dp and add them to ``.grad``.
+        """Finish the fresh gradients' all-reduce over dp and add them to ``.grad``.
 
         Args:
             local_norms: Also return each held stage's gradient norm before the all-reduce (0-dim
@@ -86,10 +178,31 @@ class GradHandover:
         """
         fresh, self._fresh = self._fresh, None
         if fresh is None:
+            self._drain()
             return None
-        norms = self._local_norms(fresh) if local_norms else None
-        if self._dp_group is not None and self._dp_size > 1:
-            _flat_all_reduce(fresh, self._dp_group, divide_by=self._dp_size)
+        if local_norms and not self._want_norms:
+            if self._next:
+                raise RuntimeError("internal: local norms asked for after buckets started without them; "
+                                   "pass `local_norms` to `during_step`")
+            self._want_norms = True
+        if self._reducing:
+            while self._next < len(self._buckets):
+                self._start(self._next, [fresh[j] for j in self._buckets[self._next]])
+                self._next += 1
+            for work in self._works:
+                work.wait()
+            if self._large:
+                torch._foreach_div_(self._large, self._dp_size)
+            for flat, present in self._flats:
+                flat.div_(self._dp_size)
+                for g, synced in zip(present, torch._utils._unflatten_dense_tensors(flat, present)):
+                    g.copy_(synced)
+        norms = None
+        if local_norms:
+            norms = self._stage_norms(fresh) if not self._reducing else {
+                k: _combine(self._norms.get(k, [])) for k in self._stages}
+        self.started_in_backward = self._early
+        self._reset()
         if self._shared:
             index = {id(p): i for i, p in enumerate(self.params)}
             for params, group in self._shared:
@@ -97,44 +210,64 @@ class GradHandover:
                     i = index[id(p)]
                     if fresh[i] is None:
                         fresh[i] = torch.zeros_like(p)
-                _flat_all_reduce([fresh[index[id(p)]] for p in params], group)
+                _all_reduce_sum([fresh[index[id(p)]] for p in params], group)
         for p, g in zip(self.params, fresh):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
         return norms
 
-    def _local_norms(self, grads: list[Tensor | None]) -> dict[int, Tensor]:
+    def _stage_norms(self, grads: list[Tensor | None]) -> dict[int, Tensor]:
         per_stage: dict[int, list[Tensor]] = {k: [] for k in self._stages}
         for k, g in zip(self._stage_of, grads):
             if g is not None:
                 per_stage[k].append(g)
-        return {
-            k: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double()) if gs else torch.zeros((), dtype=torch.float64)
-            for k, gs in per_stage.items()
-        }
+        return {k: _combine(_norms(gs)) for k, gs in per_stage.items()}
 
 
-_IN_PLACE_NUMEL = 1 << 16
-"""Gradients at least this large are all-reduced where they are; smaller ones travel flattened together."""
+def _norms(grads: list[Tensor]) -> list[Tensor]:
+    """Each gradient's 2-norm, at least in float32 (bf16 and fp16 gradients' norms are taken in float32)."""
+    if not grads:
+        return []
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    return list(torch._foreach_norm(grads, 2, dtype=dtype))
 
 
-def _flat_all_reduce(grads: list[Tensor | None], group: Any, divide_by: int = 1) -> None:
-    """Sum ``grads`` over ``group`` in place (then divide).
+def _combine(norms: list[Tensor]) -> Tensor:
+    """The norm of the concatenation, from the norms of the parts (float64)."""
+    if not norms:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.linalg.vector_norm(torch.stack([n.double() for n in norms]))
 
-    Large contiguous gradients are all-reduced in place, small ones in one flat tensor per dtype;
-    every all-reduce is started before the first is waited for. Copying large gradients into a flat
-    buffer and back costs two passes over the gradients' memory, about as much as the all-reduce itself
-    on a CPU.
-    """
-    large: list[Tensor] = []
+
+def _plan_buckets(params: list[nn.Parameter], order: list[int], numel: int) -> list[list[int]]:
+    """Parameter indices grouped into buckets, in ``order``: a large parameter alone, small ones of one dtype
+    together up to ``numel`` elements."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size, dtype = 0, None
+    for i in order:
+        p = params[i]
+        if p.numel() >= _IN_PLACE_NUMEL:
+            buckets.append([i])
+            continue
+        if current and (p.dtype != dtype or size >= numel):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += p.numel()
+        dtype = p.dtype
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _all_reduce_sum(grads: list[Tensor], group: Any) -> None:
+    """Sum ``grads`` over ``group`` in place: large ones where they are, small ones flattened per dtype."""
+    large = [g for g in grads if g.numel() >= _IN_PLACE_NUMEL and g.is_contiguous()]
     small: dict[torch.dtype, list[Tensor]] = {}
     for g in grads:
-        if g is None:
-            continue
-        if g.numel() >= _IN_PLACE_NUMEL and g.is_contiguous():
-            large.append(g)
-        else:
-            small.setdefault(g.dtype, []).append(g)  # stages may differ in dtype
+        if not (g.numel() >= _IN_PLACE_NUMEL and g.is_contiguous()):
+            small.setdefault(g.dtype, []).append(g)
     works = [dist.all_reduce(g, group=group, async_op=True) for g in large]
     flats = []
     for present in small.values():
@@ -143,11 +276,7 @@ def _flat_all_reduce(grads: list[Tensor | None], group: Any, divide_by: int = 1)
         flats.append((flat, present))
     for work in works:
         work.wait()
-    if divide_by != 1 and large:
-        torch._foreach_div_(large, divide_by)
     for flat, present in flats:
-        if divide_by != 1:
-            flat.div_(divide_by)
         for g, synced in zip(present, torch._utils._unflatten_dense_tensors(flat, present)):
             g.copy_(synced)
 

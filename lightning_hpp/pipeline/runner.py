@@ -94,6 +94,8 @@ class PipelineRunner:
         self.device = device
         self._loss_scale = 1.0
         self.schedule_observers: list[Callable[[Any], None]] = []
+        # wraps each stage's last backward of a training step (the gradient hand-over's overlap window)
+        self.last_backward_window: Callable[[int], Any] | None = None
         self._schedules: dict[tuple, Any] = {}
         self._mb: list[Any] = []
         self._mb_size = 0
@@ -143,6 +145,9 @@ class PipelineRunner:
                 _Stage(sm, idx, self.num_stages, self.device, group=self.mesh.pp_group)
                 for idx, sm in modules.items()
             ]
+            if train:
+                for stage in stages:
+                    stage.on_last_backward = self.last_backward_window
             loss_fn = self._loss_fn if train else None
             if self.kind.multi:
                 cls = self.kind.cls

@@ -222,7 +222,17 @@ def _zeros_like(x: Any) -> Any:
 
 class _Stage(PipelineStage):
     """A PipelineStage that tells its StageModule when a pass only infers metadata (forward, and
-    backward: torch then calls the loss function once on the inference outputs)."""
+    backward: torch then calls the loss function once on the inference outputs), and runs the step's
+    last full backward of the stage inside ``on_last_backward(stage_index)`` when set (where the
+    gradient hand-over starts the data-parallel all-reduce of finished gradients)."""
+
+    on_last_backward: Callable[[int], contextlib.AbstractContextManager] | None = None
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        if not (last_backward and backward_type == "full" and self.on_last_backward is not None):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        with self.on_last_backward(self.stage_index):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         self.submod.inferring = True
