@@ -31,7 +31,7 @@ def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(tmp_pat
     runs = [
         # measured on this machine's ranks, a pipeline fixed by the user: whatever the cut, training equals
         # single-process training
-        {"name": "measured", "strategy": {}, "depth": 4, "steps": 10, "pp": 2, "schedule": "1f1b", "n_micro": 4},
+        {"name": "measured", "strategy": {}, "depth": 4, "steps": 16, "pp": 2, "schedule": "1f1b", "n_micro": 4},
         # nothing fixed, a tiny compute-bound model on two equal ranks: plain data parallelism (pp=1, dp=2),
         # each replica taking half of the loader's batch, so the global batch and the training stay the same
         {"name": "free", "strategy": {}, "depth": 4, "steps": 6},
@@ -42,7 +42,7 @@ def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(tmp_pat
         r.setdefault("steps", 4)
         r.update(batch=16, out=str(tmp_path / r["name"]))
     run_script("tests.workers.run_hpp", {"devices": 2, "runs": runs})
-    reference, _ = train_reference(steps=10, batch=16)
+    reference, _ = train_reference(steps=16, batch=16)
     got = merged_state(tmp_path / "measured", [0, 1])
     for k, v in reference.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
@@ -68,6 +68,8 @@ def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(tmp_pat
     # and for the schedule's part of the step: (m + p - 1) x the slowest predicted stage
     assert metrics["placement/step_predicted_ms"] == pytest.approx(5 * max(meta["predicted"]["stage_ms"]))
     assert metrics["placement/step_measured_ms"] > 0
+    # the telemetry plan="auto" started for that report stopped after it (steps 5 and 10 recorded, 15 not)
+    assert load_rank(tmp_path / "measured", 0)["telemetry_steps"] and max(load_rank(tmp_path / "measured", 0)["telemetry_steps"]) <= 10
 
     plan = load_rank(tmp_path / "kinds", 0)["plan"]
     assert plan["meta"]["predicted"]["pp_degree"] == 2  # the slow rank makes plain data parallelism the slower plan

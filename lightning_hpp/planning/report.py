@@ -19,12 +19,17 @@ from lightning_hpp.errors import PlanError
 
 
 class PlacementReport(Callback):
-    """Log predicted vs measured per-micro-batch stage times once, after ``report_after`` steps."""
+    """Log predicted vs measured per-micro-batch stage times once, after ``report_after`` steps.
 
-    def __init__(self, report_after: int = 10) -> None:
+    With ``stop_telemetry`` (``plan="auto"`` started the telemetry only for this report) the
+    telemetry stops recording and exchanging once the report is made.
+    """
+
+    def __init__(self, report_after: int = 10, stop_telemetry: bool = False) -> None:
         if not isinstance(report_after, int) or report_after < 1:
             raise PlanError(f"`report_after` must be a positive integer, got {report_after!r}.")
         self.report_after = report_after
+        self.stop_telemetry = stop_telemetry  # the telemetry was started for this report alone: stop it after
         self.rows: list[tuple[int, float, float]] = []
         self.step: tuple[float, float] | None = None  # predicted, measured step ms
         self._done = False
@@ -48,6 +53,8 @@ class PlacementReport(Callback):
             measured = statistics.median(per_step) / m
             self.rows.append((k, float(pred), measured))
         self._done = True
+        if self.stop_telemetry:  # same batch on every rank: the history it decides on is the exchanged one
+            telemetry.stop()
         meta = strategy.plan.meta["predicted"]
         schedule_ms = (m + len(predicted) - 1) * max(predicted)  # the step without the update after it
         self.step = (float(schedule_ms), statistics.median(h.step_ms for h in telemetry.history))

@@ -135,6 +135,11 @@ class PipelineTelemetry(Callback):
             self._flush(keep_spans_of=self._trace_step)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop recording and exchanging for the rest of the fit (``history`` is kept). Call it on every rank
+        at the same batch: the exchange is collective."""
         if self._recorder is None:
             return
         if self._runner is not None and self._recorder.instrument in self._runner.schedule_observers:
