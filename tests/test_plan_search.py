@@ -33,7 +33,8 @@ def _profile(rng: random.Random, n: int, kinds: list[str], b0: int) -> CostProfi
         loss = rng.uniform(0, 1)
         oh = Overheads(microbatch_ms=rng.uniform(0, 0.5), step_ms=rng.uniform(0, 2), loss_ms=loss,
                        loss_fixed_ms=rng.uniform(0, loss), optimizer_ms_per_mb=rng.choice([0.0, 0.5]),
-                       p2p_latency_ms=rng.uniform(0, 0.2), p2p_gbps=rng.choice([0.0, 0.5, 2.0]))
+                       p2p_latency_ms=rng.uniform(0, 0.2), p2p_gbps=rng.choice([0.0, 0.5, 2.0]),
+                       allreduce_gbps=rng.choice([0.0, 0.1, 1.0]))
         entries.append(ProfileEntry(k, "32-true", units, overheads=oh))
     return CostProfile("m", names, [1] * n, [[b0, 4]], entries)
 
@@ -58,7 +59,8 @@ def _model_step(prof, kinds_of_stage, cuts, p, dp, m, sched, per_replica, mem):
             sent = (e.units[j - 1].activation_bytes if j < n else 0) + (e.units[i - 1].activation_bytes if i > 0 else 0)
             t += ((i > 0) + (j < n)) * oh.p2p_latency_ms + sent * scale / bw
             params = sum(u.param_bytes for u in us)
-            u_ = 2 * (dp - 1) / dp * params / bw + 2 * (dp - 1) * oh.p2p_latency_ms + params / 1e6 * oh.optimizer_ms_per_mb
+            ar_bw = oh.allreduce_gbps * 1e6 if oh.allreduce_gbps else bw  # the measured all-reduce, else the link
+            u_ = 2 * (dp - 1) / dp * params / ar_bw + 2 * (dp - 1) * oh.p2p_latency_ms + params / 1e6 * oh.optimizer_ms_per_mb
             in_flight = m if sched == "gpipe" else min(m, p - s)
             need = params * 4 + in_flight * sum(u.saved_bytes for u in us) * scale
             if need > mem.get(k, float("inf")):

@@ -6,7 +6,8 @@ Each measurement is cheap (well under a second on a CPU core) and runs on the ra
   one-stage schedule of a trivial module on a one-rank group, run with 1 and with 8 micro-batches;
 * :func:`optimizer_ms_per_mb`: an SGD-with-momentum update per MB of parameters (``foreach``);
 * :func:`loss_costs`: the step's loss and its backward at two micro-batch sizes (fixed + per sample);
-* :func:`p2p_costs` (collective): latency and bandwidth of a send/recv between ranks 0 and 1.
+* :func:`p2p_costs` (collective): latency and bandwidth of a send/recv between ranks 0 and 1;
+* :func:`allreduce_gbps` (collective): the bus bandwidth of an all-reduce over every rank.
 """
 
 from __future__ import annotations
@@ -124,3 +125,27 @@ def _ping(buf: torch.Tensor, rank: int, peer: int) -> None:
     else:
         dist.recv(buf, peer)
         dist.send(buf, peer)
+
+
+def allreduce_gbps(world: int, device: torch.device, latency_ms: float, nbytes: int = 1 << 22, rounds: int = 3) -> float:
+    """Bus bandwidth in GB/s of an all-reduce of ``nbytes`` over every rank (collective; 0.0 with one rank).
+
+    Bus bandwidth as data parallelism's cost model uses it: ``2 (w - 1) / w * nbytes`` over the time,
+    less the ring's ``2 (w - 1)`` message latencies. Every rank returns rank 0's figure.
+    """
+    import torch.distributed as dist
+
+    if world == 1:
+        return 0.0
+    comm = torch.device("cpu") if dist.get_backend() == "gloo" else device
+    buf = torch.zeros(nbytes // 4, device=comm)
+    dist.all_reduce(buf)  # warm-up
+    _sync(comm)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        dist.all_reduce(buf)
+    _sync(comm)
+    ms = (time.perf_counter() - t0) * 1e3 / rounds - 2 * (world - 1) * latency_ms
+    out = torch.tensor([2.0 * (world - 1) / world * nbytes / 1e6 / max(ms, 1e-6)], dtype=torch.float64, device=comm)
+    dist.broadcast(out, 0)
+    return float(out[0])

@@ -120,12 +120,13 @@ def auto_plan(
     else:
         world = len(rank_kinds)
         lat, gbps = calibrate.p2p_costs(rank, world, device)
+        ar_gbps = calibrate.allreduce_gbps(world, device, lat)
         mine = None
         if rank == rank_kinds.index(rank_kinds[rank]):  # first rank of its kind
             big = batch_size // (n_microbatches or 1)
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training draws as without it
                 mine = _measure(units, example_args, rank_kinds[rank], device, big, loss_probe).to_dict()
-            mine["entries"][0]["overheads"].update(p2p_latency_ms=lat, p2p_gbps=gbps)
+            mine["entries"][0]["overheads"].update(p2p_latency_ms=lat, p2p_gbps=gbps, allreduce_gbps=ar_gbps)
         profile = None
         for part in all_gather_object(mine):
             if part is not None:

@@ -93,6 +93,9 @@ class Overheads:
             update measured on this kind), paid once per step by every stage for its parameters.
         p2p_latency_ms: Fixed cost of one point-to-point message between two ranks.
         p2p_gbps: Measured point-to-point bandwidth in GB/s (0: the cluster's ``link_gbps``).
+        allreduce_gbps: Measured bus bandwidth of an all-reduce over the job's ranks in GB/s (the
+            gradient all-reduce of data parallelism; 0: ``p2p_gbps``). On CPUs an all-reduce also sums on
+            the cores that compute, so it runs well below the point-to-point bandwidth.
     """
 
     microbatch_ms: float = 0.0
@@ -102,6 +105,7 @@ class Overheads:
     optimizer_ms_per_mb: float = 0.0
     p2p_latency_ms: float = 0.0
     p2p_gbps: float = 0.0
+    allreduce_gbps: float = 0.0
 
 
 @dataclass

@@ -20,7 +20,7 @@ The cost model, for micro-batches of ``b = batch_size / (dp / data_groups) / m``
     step = (m + p - 1) * max_s t_s + max_s u_s + c_step
     t_s  = sum_units (F_u + V_u * b) + c_mb + [last stage] (L_F + L_V * b)
            + messages_s * latency + bytes_s * b / b0 / bandwidth
-    u_s  = 2 (dp - 1) / dp * params_s / bandwidth + 2 (dp - 1) * latency + optimizer_ms_per_byte * params_s
+    u_s  = 2 (dp - 1) / dp * params_s / allreduce_bandwidth + 2 (dp - 1) * latency + optimizer_ms_per_byte * params_s
 
 ``F_u`` is the unit's fixed time per micro-batch (weights re-read, kernels launched), ``V_u`` its
 time per sample, both from the profile at micro-batch size ``b0`` (``UnitCost.fixed_ms``);
@@ -122,8 +122,10 @@ class _PlanProblem(_Problem):
         return self._mats[k][2] / 1e6 * self._oh(k).optimizer_ms_per_mb
 
     def allreduce(self, k: int, dp: int) -> np.ndarray:
-        latency = 2 * (dp - 1) * self._oh(k).p2p_latency_ms  # a ring sends 2 (dp - 1) messages
-        return _ring(dp) * self._mats[k][2] / self._bandwidth(k) + latency + self.optimizer(k)
+        oh = self._oh(k)
+        latency = 2 * (dp - 1) * oh.p2p_latency_ms  # a ring sends 2 (dp - 1) messages
+        bandwidth = oh.allreduce_gbps * 1e6 if oh.allreduce_gbps else self._bandwidth(k)
+        return _ring(dp) * self._mats[k][2] / bandwidth + latency + self.optimizer(k)
 
     def update_free(self, dp: int) -> bool:
         return dp == 1 and all(self._oh(k).optimizer_ms_per_mb == 0 for k in range(len(self.costs)))
