@@ -60,6 +60,17 @@ def _expected(model: nn.Module, batches: list[torch.Tensor]) -> dict[str, torch.
     return {n: p.grad.clone() for n, p in ref.named_parameters()}
 
 
+def _warmed(handover: GradHandover, model: nn.Module, started: list) -> GradHandover:
+    """After the first step, which only watches how often each gradient accumulates in the last backward."""
+    _step(model, handover, _batches())
+    assert started == []  # nothing starts early in the first step
+    handover.hand_over()
+    started.clear()
+    for p in model.parameters():
+        p.grad = None
+    return handover
+
+
 def _step(model: nn.Module, handover: GradHandover, batches: list[torch.Tensor], **kw) -> None:
     with handover.during_step(**kw):
         for i, x in enumerate(batches):
@@ -79,7 +90,7 @@ def _bucket_values(handover: GradHandover, model: nn.Module, expected: dict[str,
 
 def test_buckets_start_inside_the_last_backward_once_final(group, started):
     model = _model()
-    handover = GradHandover({0: model}, group, 2, bucket_numel=8)  # small buckets: several of them
+    handover = _warmed(GradHandover({0: model}, group, 2, bucket_numel=8), model, started)  # small buckets: several
     batches = _batches()
     expected = _expected(model, batches)
     _step(model, handover, batches)
@@ -105,7 +116,8 @@ def test_outside_the_window_nothing_starts_before_the_hand_over(group, started):
             model(x).square().sum().backward()
     assert started == []
     handover.hand_over()
-    assert handover.started_in_backward == 0 and len(started) == len(handover._buckets)
+    gradients = [c for c, _ in started if c.is_floating_point()]  # (the first step's watch also ends in one collective)
+    assert handover.started_in_backward == 0 and len(gradients) == len(handover._buckets)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[n] / 2, rtol=0, atol=0)
 
@@ -121,7 +133,7 @@ def test_a_parameter_without_gradient_holds_back_later_buckets_to_the_hand_over(
             return self.net(x)
 
     model = WithUnused()
-    handover = GradHandover({0: model}, group, 2, bucket_numel=8)
+    handover = _warmed(GradHandover({0: model}, group, 2, bucket_numel=8), model, started)
     batches = _batches()
     expected = _expected(model.net, batches)
     _step(model, handover, batches)
@@ -137,7 +149,7 @@ def test_a_parameter_without_gradient_holds_back_later_buckets_to_the_hand_over(
 
 def test_local_norms_are_taken_before_the_all_reduce_and_held_gradients_accumulate(group, started):
     model = _model()
-    handover = GradHandover({0: model}, group, 2, bucket_numel=8)
+    handover = _warmed(GradHandover({0: model}, group, 2, bucket_numel=8), model, started)
     batches = _batches()
     expected = _expected(model, batches)
     held = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}
@@ -157,6 +169,7 @@ def test_a_parameter_of_two_local_stages_is_reduced_after_both(group, started):
     a, b = nn.Sequential(shared, nn.Tanh(), nn.Linear(5, 5)), nn.Sequential(nn.Linear(5, 5), nn.Tanh(), shared)
     whole = nn.Sequential(a, b)
     handover = GradHandover({0: a, 1: b}, group, 2, bucket_numel=1)
+    handover._observing = False  # (the first step's watching is tested on its own)
     x = torch.randn(3, 5)
     ref = nn.Sequential(nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5)), nn.Sequential(nn.Linear(5, 5), nn.Tanh()))
     with torch.no_grad():
@@ -178,4 +191,45 @@ def test_a_parameter_of_two_local_stages_is_reduced_after_both(group, started):
     torch.testing.assert_close(shared.bias.grad, expected["a0"][1] / 2, rtol=1e-6, atol=1e-7)
     for mine, theirs in zip([*list(a.parameters())[2:], *list(b.parameters())[:2]],
                             [*list(ref[0][2].parameters()), *list(ref[1][0].parameters())]):
+        torch.testing.assert_close(mine.grad, theirs.grad / 2, rtol=1e-6, atol=1e-7)
+
+
+def test_a_gradient_accumulated_twice_in_one_backward_waits_for_the_hand_over(group, started):
+    from torch.utils.checkpoint import checkpoint
+
+    class Reentrant(nn.Module):  # one weight inside a reentrant checkpoint and outside it: two accumulations
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.shared, self.head = nn.Linear(6, 6), nn.Linear(6, 2)
+
+        def forward(self, x):
+            return self.head(self.shared(checkpoint(self.shared, x, use_reentrant=True)))
+
+    model = Reentrant()
+    handover = GradHandover({0: model}, group, 2, bucket_numel=1)
+    x = torch.randn(4, 6, requires_grad=True)  # a reentrant checkpoint needs an input that requires grad
+
+    def step():
+        with handover.during_step():
+            out = model(x).square().sum()
+            with handover.last_backward(0):
+                out.backward()
+
+    step()
+    assert started == []
+    handover.hand_over()
+    # the watched step found shared.weight and shared.bias accumulated twice: their buckets go last, after the hand-over
+    late = {id(model.shared.weight), id(model.shared.bias)}
+    tail = [handover.params[i] for b in handover._buckets[-2:] for i in b]
+    assert {id(p) for p in tail} == late
+    for p in model.parameters():
+        p.grad = None
+    started.clear()
+    ref = Reentrant()
+    ref(x).square().sum().backward()
+    step()
+    assert len(started) == len(handover._buckets) - 2  # the head's buckets started inside the backward
+    handover.hand_over()
+    for mine, theirs in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(mine.grad, theirs.grad / 2, rtol=1e-6, atol=1e-7)

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_hpp._dist import group_device
+
 _IN_PLACE_NUMEL = 1 << 16
 """Gradients at least this large are all-reduced where they are; smaller ones travel flattened together."""
 
@@ -71,15 +73,23 @@ class GradHandover:
         self._shared = list(shared)
         self._fresh: list[Tensor | None] | None = None
         self.started_in_backward = 0  # buckets of the last handed-over step whose all-reduce started inside the backward
+        self._bucket_numel = bucket_numel
         # a parameter of several of this rank's stages is final only after the last of their backwards: it is
         # reduced in hand_over, its buckets after every other one
-        single = [len(stages_of[id(p)]) == 1 for p in self.params]
-        order = [i for i in reversed(range(len(self.params))) if single[i]]
-        order += [i for i in reversed(range(len(self.params))) if not single[i]]
-        self._buckets = _plan_buckets(self.params, order, bucket_numel)
-        self._bucket_of = {i: b for b, members in enumerate(self._buckets) for i in members}
-        self._hooked = {k: [i for i in range(len(self.params)) if single[i] and self._stage_of[i] == k] for k in self._stages}
+        self._plan([len(stages_of[id(p)]) == 1 for p in self.params])
+        # the first step only watches: a parameter whose gradient accumulates more than once in one backward (a
+        # weight used inside and outside a reentrant checkpoint) is not final at its first accumulation
+        self._observing = True
+        self._fires = [0] * len(self.params)
         self._reset()
+
+    def _plan(self, hookable: list[bool]) -> None:
+        order = [i for i in reversed(range(len(self.params))) if hookable[i]]
+        order += [i for i in reversed(range(len(self.params))) if not hookable[i]]
+        self._buckets = _plan_buckets(self.params, order, self._bucket_numel)
+        self._bucket_of = {i: b for b, members in enumerate(self._buckets) for i in members}
+        self._hooked = {k: [i for i in range(len(self.params)) if hookable[i] and self._stage_of[i] == k] for k in self._stages}
+        self._hookable = list(hookable)
 
     # ----------------------------------------------------------------- one step
     def _reset(self) -> None:
@@ -131,12 +141,30 @@ class GradHandover:
     def last_backward(self, stage: int) -> Iterator[None]:
         """Around ``stage``'s last backward of the step: start each bucket's all-reduce once its gradients are final."""
         indices = self._hooked.get(stage, []) if self._reducing and self._in_step else []
-        handles = [self.params[i].register_post_accumulate_grad_hook(self._on_final(i)) for i in indices]
+        hook = self._on_accumulated if self._observing else self._on_final
+        handles = [self.params[i].register_post_accumulate_grad_hook(hook(i)) for i in indices]
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
+
+    def _on_accumulated(self, i: int) -> Any:
+        def hook(p: nn.Parameter) -> None:
+            self._fires[i] += 1
+
+        return hook
+
+    def _settle_observation(self) -> None:
+        """After the first step: parameters accumulated more than once in a last backward, on any replica, are
+        reduced in ``hand_over`` from now on (one collective, once; every replica plans the same buckets)."""
+        fires = torch.tensor(self._fires, dtype=torch.int32)
+        if self._reducing:
+            fires = fires.to(group_device(self._dp_group))
+            dist.all_reduce(fires, op=dist.ReduceOp.MAX, group=self._dp_group)
+        repeated = fires.cpu().tolist()
+        self._plan([h and n <= 1 for h, n in zip(self._hookable, repeated)])
+        self._observing = False
 
     def _on_final(self, i: int) -> Any:
         bucket = self._bucket_of[i]
@@ -203,6 +231,8 @@ class GradHandover:
                 k: _combine(self._norms.get(k, [])) for k in self._stages}
         self.started_in_backward = self._early
         self._reset()
+        if self._observing and self._reducing:
+            self._settle_observation()
         if self._shared:
             index = {id(p): i for i, p in enumerate(self.params)}
             for params, group in self._shared:
