@@ -306,14 +306,17 @@ def summarize(per_rank: list[dict[str, Any]], batch: int, names: list[str]) -> d
         row: dict[str, Any] = {"label": label(name), "step_ms": 1e3 * step, "samples_s": batch / step, "rounds": len(runs[0])}
         first = runs[0][0]
         if "units" in first:
-            row["units"] = first["units"]
+            row["units"] = runs[0][-1]["units"]  # the last round's plan (the stage table's)
+            row["units_per_round"] = [run["units"] for run in runs[0]]
             row["chosen"] = [run["chosen"] for run in runs[0]]
-            steps = [st for run in runs[0] for st in run.get("steps", [])]
+            # plan="auto" may choose differently in each round (near ties): stage figures are the last round's
+            last = runs[0][-1]
+            steps = list(last.get("steps", []))
             if steps:
                 row["bubble"] = statistics.median(st["bubble"] for st in steps)
                 row["bubble_expected"] = statistics.median(st["bubble_expected"] for st in steps)
                 row["bubble_theory"] = steps[0]["bubble_theory"]
-                m = first["chosen"]["m"]
+                m = last["chosen"]["m"]
                 stages = sorted({int(k) for st in steps for k in st["stages"]})
                 row["measured_stage_ms"] = [
                     statistics.median((st["stages"][str(k)]["fwd_ms"] + st["stages"][str(k)]["bwd_ms"]) / m for st in steps)
@@ -330,7 +333,7 @@ def _plan_text(row: dict[str, Any]) -> str:
     if "chosen" not in row:
         return ""
     seen = []
-    for c, units in zip(row["chosen"], [row["units"]] * len(row["chosen"])):
+    for c, units in zip(row["chosen"], row.get("units_per_round", [row["units"]] * len(row["chosen"]))):
         cut = ":".join(str(sum(u.startswith("blocks.") for u in st)) for st in units)
         text = f"pp={c['pp']}×dp={c['dp']}, {c['schedule']} m={c['m']}" + (f", blocks {cut}" if c["pp"] > 1 else "")
         if text not in seen:
