@@ -53,29 +53,52 @@ def test_option_sections_refuse_unknown_keys_and_wrong_types():
     HPPStrategy(checkpoint=CheckpointOptions(dir="x", every_n_steps=5), bias={"audit": "error", "deterministic": False})
 
 
-@pytest.mark.parametrize(
-    "case, devices, message",
-    [
-        ("too_many_stages", 2, "The plan has 3 stages \\(pp_degree=3\\) but the job has 2 processes"),
-        ("pp_not_divisor", 3, "World size 3 is not divisible by pp_degree=2"),
-        ("non_sequential", 2, "`forward` is not sequential at unit 'layers.4'"),
-        ("int_boundary", 2, "boundary after unit 'layers.3' carries Tensor\\(shape=\\(4, 16\\), dtype=torch.int64\\)"),
-        ("batch_not_divisible", 2, "Batch size 10 is not divisible by n_microbatches=4"),
-        ("pp_exceeds_world", 2, "`HPPStrategy\\(pp_degree=3\\)` needs at least 3 processes, one per pipeline position, but the job has 2"),
-        ("device_map_rank7", 2, "`PlacementOptions\\(device_map='0:cpu,7:cpu'\\)` names rank\\(s\\) \\[7\\], but the job has 2 processes"),
-    ],
-)
-def test_bad_setup_fails_before_training_without_hanging(tmp_path, case, devices, message):
+BAD_SETUPS = [
+    ("too_many_stages", 2, "The plan has 3 stages \\(pp_degree=3\\) but the job has 2 processes"),
+    ("pp_not_divisor", 3, "World size 3 is not divisible by pp_degree=2"),
+    ("non_sequential", 2, "`forward` is not sequential at unit 'layers.4'"),
+    ("int_boundary", 2, "boundary after unit 'layers.3' carries Tensor\\(shape=\\(4, 16\\), dtype=torch.int64\\)"),
+    ("batch_not_divisible", 2, "Batch size 10 is not divisible by n_microbatches=4"),
+    ("pp_exceeds_world", 2, "`HPPStrategy\\(pp_degree=3\\)` needs at least 3 processes, one per pipeline position, but the job has 2"),
+    ("device_map_rank7", 2, "`PlacementOptions\\(device_map='0:cpu,7:cpu'\\)` names rank\\(s\\) \\[7\\], but the job has 2 processes"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_setup_jobs(tmp_path_factory):
+    """One job per world size whose ranks try every bad setup of that size in turn, each case in its own
+    Trainer (tests/workers/refusals.py): ``launch(devices)`` starts it once and returns (process, out dir)."""
+    jobs = {}
+
+    def launch(devices: int):
+        if devices not in jobs:
+            out = tmp_path_factory.mktemp(f"bad_setups_{devices}")
+            cases = [case for case, d, _ in BAD_SETUPS if d == devices]
+            start = time.monotonic()
+            proc = run_script("tests.workers.run_cases", {"cases": cases, "devices": devices, "out": str(out)}, check=False,
+                              timeout=60 + 60 * len(cases))
+            jobs[devices] = proc, out, time.monotonic() - start
+        return jobs[devices]
+
+    return launch
+
+
+@pytest.mark.parametrize("case, devices, message", BAD_SETUPS)
+def test_bad_setup_fails_before_training_without_hanging(bad_setup_jobs, case, devices, message):
+    import json
     import re
 
-    start = time.monotonic()
-    proc = run_script("tests.workers.run_cases", {"case": case, "devices": devices, "out": str(tmp_path)}, check=False, timeout=120)
+    proc, out, _ = bad_setup_jobs(devices)
     assert proc.returncode != 0
-    assert re.search(message, proc.stderr), proc.stderr[-3000:]
-    if case in ("pp_exceeds_world", "device_map_rank7"):  # refused on every rank, each with its own error
-        assert all(re.search(rf"\[rank{r}\]: .*Error: {message}", proc.stderr) for r in range(devices)), proc.stderr[-3000:]
+    assert not list((out / case).glob("stuck_rank*.txt")), proc.stderr[-3000:]  # no rank was left waiting
+    # refused on every rank, each with its own error, before the first optimizer step and well before any timeout
+    for r in range(devices):
+        record = json.loads((out / case / f"rank{r}.json").read_text())
+        assert (record["error"] or "").startswith("lightning_hpp.errors."), (record, proc.stderr[-3000:])
+        assert re.search(message, record["error"]), record
+        assert record["global_step"] == 0
+        assert record["seconds"] < 60, record
     assert "Epoch 0" not in proc.stdout
-    assert time.monotonic() - start < 90
 
 
 @pytest.mark.parametrize("failing", [0, 1], ids=["rank0-hosts-the-store", "rank1-child"])
