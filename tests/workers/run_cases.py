@@ -59,7 +59,7 @@ def main_cases(cfg: dict) -> int:
     records = []
     for case in cfg["cases"]:
         trainer, model, train, val = _build({**cfg, "case": case})
-        records.append(try_case(cfg["out"], case, cfg["devices"], trainer, lambda: trainer.fit(model, train, val)))
+        records.append(try_case(os.path.join(cfg["out"], case), cfg["devices"], lambda: trainer.fit(model, train, val), trainer))
     return exit_status(records)
 
 
