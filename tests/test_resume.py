@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,14 +40,38 @@ def _assert_bitwise(out: Path, a: str, b: str, ranks=(0, 1)) -> None:
             assert torch.equal(x["optim"][k]["momentum_buffer"], y["optim"][k]["momentum_buffer"]), f"rank {r}: momentum of {k}"
 
 
-def test_mid_epoch_resume_with_async_save_is_bitwise_exact_and_exports(tmp_path):
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Path:
+    """The runs of this module that need no S3 server, in two launches instead of seven.
+
+    1. 4 ranks (pp=2 x dp=2) save a checkpoint at step 4 (``saved``, into ``ckpt4``);
+    2. 2 ranks, one configuration after another, each with its own Trainer and model: the
+       uninterrupted references (``full``: 12 steps, ``full8``: 8 steps); ``ckpt4`` loaded by 2 stages
+       on 2 ranks (``dp1``); and, last, 5 steps that end with an asynchronous step-5 checkpoint
+       (``first``, into ``ckpt``). Every resume below is a new job reading what an earlier job wrote.
+    """
+    out = tmp_path_factory.mktemp("resume")
+    ckpt4 = str(out / "ckpt4")
+    run_script("tests.workers.run_resume", {"stages": TWO, "pp": 2, "devices": 4, "steps": 4, "batch": 8, "tag": "saved", "out": str(out), "ckpt_dir": ckpt4, "every": 4})
+    runs = [
+        {"stages": TWO, "steps": 12, "tag": "full", "out": str(out)},
+        {"stages": TWO, "steps": 8, "tag": "full8", "out": str(out)},
+        {"stages": TWO, "devices": 2, "steps": 4, "tag": "dp1", "out": str(out), "ckpt_dir": ckpt4, "resume": "auto"},
+        # stops after 5 of the 8 batches of epoch 0; the step-5 checkpoint is written asynchronously
+        {"stages": TWO, "steps": 5, "tag": "first", "out": str(out), "ckpt_dir": str(out / "ckpt"), "every": 5, "async_save": True},
+    ]
+    run_script("tests.workers.run_resume", {"runs": runs})
+    return out
+
+
+def test_mid_epoch_resume_with_async_save_is_bitwise_exact_and_exports(shared, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    run_script("tests.workers.run_resume", {"stages": TWO, "steps": 12, "tag": "full", "out": str(tmp_path)})
-    # stops after 5 of the 8 batches of epoch 0; the step-5 checkpoint is written asynchronously
-    run_script("tests.workers.run_resume", {"stages": TWO, "steps": 5, "tag": "first", "out": str(tmp_path), "ckpt_dir": ckpt, "every": 5, "async_save": True})
+    shutil.copytree(shared / "ckpt", ckpt)  # what the 5-step job of `shared` left
     assert [c.step for c in list_checkpoints(ckpt)] == [5]
     run_script("tests.workers.run_resume", {"stages": TWO, "steps": 12, "tag": "resumed", "out": str(tmp_path), "ckpt_dir": ckpt, "every": 5, "resume": "auto", "keep_last": 1})
     assert _load(tmp_path, "resumed", 0)["resumed_from"].endswith("step-5")
+    for r in (0, 1):
+        shutil.copy(shared / f"full_rank{r}.pt", tmp_path)
     _assert_bitwise(tmp_path, "full", "resumed")
     # keep_last=1 kept the newest (step-10) and the checkpoint the run resumed from (step-5)
     assert [c.step for c in list_checkpoints(ckpt)] == [5, 10]
@@ -54,24 +79,23 @@ def test_mid_epoch_resume_with_async_save_is_bitwise_exact_and_exports(tmp_path)
     # export: one plain Lightning .ckpt that the module loads without HPPStrategy
     export_to_lightning_ckpt(str(Path(ckpt) / "step-5"), str(tmp_path / "model.ckpt"))
     restored = MLP.load_from_checkpoint(str(tmp_path / "model.ckpt"))
-    first = {**_load(tmp_path, "first", 0)["state"], **_load(tmp_path, "first", 1)["state"]}
+    first = {**_load(shared, "first", 0)["state"], **_load(shared, "first", 1)["state"]}
     for k, v in restored.state_dict().items():
         assert torch.equal(v, first[k])
 
 
-def test_checkpoint_loads_under_other_cuts_and_dp_degrees(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
+def test_checkpoint_loads_under_other_cuts_and_dp_degrees(shared):
     # saved by pp=2 x dp=2 (4 ranks) ...
-    run_script("tests.workers.run_resume", {"stages": TWO, "pp": 2, "devices": 4, "steps": 4, "batch": 8, "tag": "saved", "out": str(tmp_path), "ckpt_dir": ckpt, "every": 4})
-    saved = {**_load(tmp_path, "saved", 0)["state"], **_load(tmp_path, "saved", 2)["state"]}
-    saved_optim = {**_load(tmp_path, "saved", 0)["optim"], **_load(tmp_path, "saved", 2)["optim"]}
-    # ... loaded by 3 stages on 3 ranks (dp=1), and by 2 stages on 2 ranks (dp=1); max_steps is already reached
-    for tag, stages, devices in (("three", THREE, 3), ("dp1", TWO, 2)):
-        run_script("tests.workers.run_resume", {"stages": stages, "devices": devices, "steps": 4, "tag": tag, "out": str(tmp_path), "ckpt_dir": ckpt, "resume": "auto"})
+    saved = {**_load(shared, "saved", 0)["state"], **_load(shared, "saved", 2)["state"]}
+    saved_optim = {**_load(shared, "saved", 0)["optim"], **_load(shared, "saved", 2)["optim"]}
+    # ... loaded by 3 stages on 3 ranks (dp=1), and by 2 stages on 2 ranks (dp=1, in `shared`); max_steps is already reached
+    run_script("tests.workers.run_resume", {"stages": THREE, "devices": 3, "steps": 4, "tag": "three", "out": str(shared), "ckpt_dir": str(shared / "ckpt4"), "resume": "auto"})
+    for tag, devices in (("three", 3), ("dp1", 2)):
         got, optim = {}, {}
         for r in range(devices):
-            out = _load(tmp_path, tag, r)
+            out = _load(shared, tag, r)
             assert out["global_step"] == 4
+            assert out["resumed_from"].endswith("step-4"), (tag, out["resumed_from"])
             got.update(out["state"])
             optim.update(out["optim"])
         assert sorted(got) == sorted(saved)
@@ -81,9 +105,10 @@ def test_checkpoint_loads_under_other_cuts_and_dp_degrees(tmp_path):
             assert torch.equal(optim[k]["momentum_buffer"], saved_optim[k]["momentum_buffer"]), f"{tag}: momentum of {k}"
 
 
-def test_kill_9_under_torchrun_restarts_resumes_and_matches(tmp_path):
+def test_kill_9_under_torchrun_restarts_resumes_and_matches(shared, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    run_script("tests.workers.run_resume", {"stages": TWO, "steps": 12, "tag": "full", "out": str(tmp_path)})
+    for r in (0, 1):
+        shutil.copy(shared / f"full_rank{r}.pt", tmp_path)  # the uninterrupted 12-step run
     cfg = {"stages": TWO, "steps": 12, "tag": "elastic", "out": str(tmp_path), "ckpt_dir": ckpt, "every": 2, "resume": "auto", "kill_at": 5, "kill_rank": 1}
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -105,9 +130,10 @@ def test_kill_9_under_torchrun_restarts_resumes_and_matches(tmp_path):
     assert recovery < 120
 
 
-def test_s3_model_checkpoint_and_last_resume_without_leaking_secrets(tmp_path, s3_env):  # noqa: F811
+def test_s3_model_checkpoint_and_last_resume_without_leaking_secrets(shared, tmp_path, s3_env):  # noqa: F811
     root = s3_env.root
-    run_script("tests.workers.run_resume", {"stages": TWO, "steps": 8, "tag": "full", "out": str(tmp_path)})
+    for r in (0, 1):
+        shutil.copy(shared / f"full8_rank{r}.pt", tmp_path / f"full_rank{r}.pt")  # the uninterrupted 8-step run
     run_script("tests.workers.run_resume", {"stages": TWO, "steps": 6, "tag": "first", "out": str(tmp_path), "mc_dirpath": root, "every": 3})
     names = sorted({k.split("/")[1] for k in s3_env.objects()})
     # top-1 kept only the newest epoch checkpoint; last.ckpt is there too
