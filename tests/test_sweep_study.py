@@ -1,4 +1,4 @@
-"""ASHA sweeps on a real study database, for real: one 6-trial sweep of 2-rank HPPStrategy runs whose
+"""ASHA sweeps on a real study database, for real: one 4-trial sweep of 2-rank HPPStrategy runs whose
 driver is killed (SIGKILL) in the middle of a trial and started again with the same command.
 
 The scenario runs once (a module fixture); one test checks the pruning, the other the resume.
@@ -23,7 +23,7 @@ from lightning_hpp.hydra.train import end_process_group
 from tests.launch import processes_mentioning
 
 ROOT = Path(__file__).resolve().parents[1]
-N_TRIALS = 6
+N_TRIALS = 4
 MAX_STEPS = 6  # validations at steps 2, 4, 6
 KILLED = 1  # the trial that is running when the driver is killed
 pytestmark = pytest.mark.slow
