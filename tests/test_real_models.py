@@ -51,7 +51,7 @@ def assert_matches(ref_model, ref_losses, out_dir, ranks, compare_losses=True):
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
 
 
-def test_transformers_and_nanogpt_two_stages_traced(tmp_path):
+def _traced_runs() -> list[dict]:
     runs = [
         {"name": "gpt2_1f1b", "model": "gpt2", "points": ["model.transformer.h.2"], "schedule": "1f1b",
          "strategy": {"telemetry": {"every_n_steps": 1}}},  # telemetry times traced stages like any others
@@ -61,8 +61,32 @@ def test_transformers_and_nanogpt_two_stages_traced(tmp_path):
                                                                  "model.transformer.h.3"], "schedule": "interleaved1f1b"},
     ]
     for r in runs:
-        r.update(n_micro=4, steps=3, batch=8, out=str(tmp_path / r["name"]))
+        r.update(n_micro=4, steps=3, batch=8)
+    return runs
+
+
+def _batchnorm_runs() -> list[dict]:
+    # torch's shape inference used to run the user's step once on zeros before the first step, so the
+    # loss logged at step 1 (and BatchNorm's statistics) came from that pass
+    runs = [{"name": f"bn_{s}", "model": "bn_mlp", "points": ["model.3"], "schedule": s} for s in ("1f1b", "gpipe")]
+    for r in runs:
+        r.update(n_micro=4, steps=4, batch=8)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """The 2-rank runs of this module, one configuration after another in one launch (each with its own
+    Trainer and model): ``out / name`` holds each run's outputs."""
+    out = tmp_path_factory.mktemp("real_two_ranks")
+    runs = [{**r, "out": str(out / r["name"])} for r in _traced_runs() + _batchnorm_runs()]
     run_script("tests.workers.run_real", {"devices": 2, "runs": runs}, timeout=600)
+    return out
+
+
+def test_transformers_and_nanogpt_two_stages_traced(two_rank_runs):
+    tmp_path = two_rank_runs
+    runs = [{**r, "out": str(tmp_path / r["name"])} for r in _traced_runs()]
     for r in runs:
         out = load_rank(r["out"], 0)
         assert out["plan"]["meta"]["frontend"] == "traced"
@@ -96,13 +120,8 @@ def test_llama_three_stages_and_pp2_dp2(tmp_path):
     assert_matches(ref_model, None, tmp_path / "gpt2_pp2_dp2", [0, 1, 2, 3], compare_losses=False)
 
 
-def test_a_chain_with_batchnorm_logs_the_right_loss_from_the_first_step(tmp_path):
-    # torch's shape inference used to run the user's step once on zeros before the first step, so the
-    # loss logged at step 1 (and BatchNorm's statistics) came from that pass
-    runs = [{"name": f"bn_{s}", "model": "bn_mlp", "points": ["model.3"], "schedule": s} for s in ("1f1b", "gpipe")]
-    for r in runs:
-        r.update(n_micro=4, steps=4, batch=8, out=str(tmp_path / r["name"]))
-    run_script("tests.workers.run_real", {"devices": 2, "runs": runs}, timeout=300)
+def test_a_chain_with_batchnorm_logs_the_right_loss_from_the_first_step(two_rank_runs):
+    runs = [{**r, "out": str(two_rank_runs / r["name"])} for r in _batchnorm_runs()]
     ref_model, ref_losses = reference("bn_mlp", 4, 8, 4)
     for r in runs:
         assert load_rank(r["out"], 0)["plan"]["meta"]["frontend"] == "sequential"
