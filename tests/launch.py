@@ -27,6 +27,49 @@ def run_script(module: str, arg: object, timeout: float = 240, check: bool = Tru
     return proc
 
 
+def run_scripts(jobs: list[tuple[str, object]], timeout: float = 240, check: bool = True) -> list[subprocess.CompletedProcess]:
+    """:func:`run_script` for independent jobs started side by side: ``python -m module '<json arg>'`` for
+    every ``(module, arg)`` at once (each still launches its own ranks through Lightning), then wait for all.
+
+    Only for jobs that share nothing (no directory, no port, no process count) and assert no timing: a job of
+    2 ranks spends most of its time with one core idle while one rank imports Lightning after the other.
+    """
+    import tempfile
+    import time
+
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    full_env.pop("LOCAL_RANK", None)
+    full_env.pop("WORLD_SIZE", None)
+    started = []
+    with tempfile.TemporaryDirectory(prefix="hpp-jobs-") as logs:
+        for i, (module, arg) in enumerate(jobs):
+            text = arg if isinstance(arg, str) else json.dumps(arg)
+            out, err = open(Path(logs) / f"{i}.out", "w+"), open(Path(logs) / f"{i}.err", "w+")
+            proc = subprocess.Popen([sys.executable, "-m", module, text], cwd=ROOT, env=full_env, stdout=out, stderr=err, text=True)
+            started.append((module, text, proc, out, err))
+        deadline = time.monotonic() + timeout
+        try:
+            for module, text, proc, _, _ in started:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            for _, _, proc, _, _ in started:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        done = []
+        for module, text, proc, out, err in started:
+            out.seek(0)
+            err.seek(0)
+            result = subprocess.CompletedProcess([sys.executable, "-m", module, text], proc.returncode, out.read(), err.read())
+            out.close()
+            err.close()
+            if check and result.returncode != 0:
+                raise AssertionError(f"{module} exited with {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n"
+                                     f"--- stderr\n{result.stderr[-8000:]}")
+            done.append(result)
+    return done
+
+
 def processes_mentioning(text: str) -> list[str]:
     """``"pid: command line"`` of every other process whose command line contains ``text``."""
     found = []
