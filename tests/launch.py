@@ -27,9 +27,10 @@ def run_script(module: str, arg: object, timeout: float = 240, check: bool = Tru
     return proc
 
 
-def run_scripts(jobs: list[tuple[str, object]], timeout: float = 240, check: bool = True) -> list[subprocess.CompletedProcess]:
+def run_scripts(jobs: list[tuple], timeout: float = 240, check: bool = True) -> list[subprocess.CompletedProcess]:
     """:func:`run_script` for independent jobs started side by side: ``python -m module '<json arg>'`` for
-    every ``(module, arg)`` at once (each still launches its own ranks through Lightning), then wait for all.
+    every ``(module, arg)`` or ``(module, arg, env)`` at once (each still launches its own ranks through
+    Lightning; ``env``: more environment variables, ``None`` removing one), then wait for all.
 
     Only for jobs that share nothing (no directory, no port, no process count) and assert no timing: a job of
     2 ranks spends most of its time with one core idle while one rank imports Lightning after the other.
@@ -42,10 +43,11 @@ def run_scripts(jobs: list[tuple[str, object]], timeout: float = 240, check: boo
     full_env.pop("WORLD_SIZE", None)
     started = []
     with tempfile.TemporaryDirectory(prefix="hpp-jobs-") as logs:
-        for i, (module, arg) in enumerate(jobs):
+        for i, (module, arg, *more) in enumerate(jobs):
             text = arg if isinstance(arg, str) else json.dumps(arg)
             out, err = open(Path(logs) / f"{i}.out", "w+"), open(Path(logs) / f"{i}.err", "w+")
-            proc = subprocess.Popen([sys.executable, "-m", module, text], cwd=ROOT, env=full_env, stdout=out, stderr=err, text=True)
+            env = {k: v for k, v in {**full_env, **(more[0] if more else {})}.items() if v is not None}
+            proc = subprocess.Popen([sys.executable, "-m", module, text], cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
             started.append((module, text, proc, out, err))
         deadline = time.monotonic() + timeout
         try:
