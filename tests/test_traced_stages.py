@@ -17,7 +17,7 @@ import torch
 
 from lightning_hpp.checkpoint.lightning_state import from_sharded, load_template, tensor_aliases, to_sharded
 from lightning_hpp.checkpoint.sharded import checkpoint_keys, load_sharded, save_sharded
-from tests.launch import load_rank, merged_state, run_script
+from tests.launch import load_rank, merged_state, run_script, run_scripts
 from tests.real_models import LMWrapper
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -162,14 +162,30 @@ def _v_runs(tmp_path: Path) -> list[dict]:
     return [_gpt2_run(f"gpt2_{s}", tmp_path, model="gpt2", points=GPT2_FOUR, schedule=s) for s in V_SCHEDULES]
 
 
+REFUSED = {"gpt2_fp8_cpu": {}, "gpt2_fp8_te": {"fp8_capable": True}}
+
+
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every 2-rank training run of this module, one configuration after another in one launch (each with its
-    own Trainer and model, seeded alike): the tied-weight checkpoints, the per-stage precisions, the V schedules."""
-    out = tmp_path_factory.mktemp("traced_two_ranks")
+def two_rank_jobs(tmp_path_factory: pytest.TempPathFactory):
+    """The two 2-rank jobs of this module, side by side (they share nothing), each running its configurations
+    one after another (each with its own Trainer and model, seeded alike):
+
+    * every training run: the tied-weight checkpoints, the per-stage precisions, the V schedules;
+    * the traced GPT-2s whose setup must fail, tried in turn by the same ranks (tests/workers/refusals.py).
+
+    Returns (training dir, refusals dir, the refusal job's finished process)."""
+    out, refused = tmp_path_factory.mktemp("traced_two_ranks"), tmp_path_factory.mktemp("traced_refused")
     runs = _tied_weight_runs(out) + _precision_runs(out) + _v_runs(out)
-    run_script("tests.workers.run_real", {"devices": 2, "runs": runs}, timeout=600)
-    return out
+    bad = [{**_gpt2_run(name, refused, precision=["32-true", "fp8"], **kw), "refused": True} for name, kw in REFUSED.items()]
+    training, refusals = run_scripts([("tests.workers.run_real", {"devices": 2, "runs": runs}),
+                                      ("tests.workers.run_real", {"devices": 2, "runs": bad})], timeout=600, check=False)
+    assert training.returncode == 0, f"--- stdout\n{training.stdout[-4000:]}\n--- stderr\n{training.stderr[-8000:]}"
+    return out, refused, refusals
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(two_rank_jobs) -> Path:
+    return two_rank_jobs[0]
 
 
 @pytest.mark.slow
@@ -261,16 +277,9 @@ def test_precision_per_traced_stage_trains_and_is_recorded(two_rank_runs):
     assert max(float((got[k] - want[k]).abs().max()) for k in got) > 1e-5  # fp8 rounding did happen
 
 
-REFUSED = {"gpt2_fp8_cpu": {}, "gpt2_fp8_te": {"fp8_capable": True}}
-
-
 @pytest.fixture(scope="module")
-def refused_runs(tmp_path_factory: pytest.TempPathFactory):
-    """Traced GPT-2s whose setup must fail, tried in turn by the ranks of one 2-rank job (tests/workers/refusals.py)."""
-    out = tmp_path_factory.mktemp("traced_refused")
-    runs = [{**_gpt2_run(name, out, precision=["32-true", "fp8"], **kw), "refused": True} for name, kw in REFUSED.items()]
-    proc = run_script("tests.workers.run_real", {"devices": 2, "runs": runs}, timeout=300, check=False)
-    return proc, out
+def refused_runs(two_rank_jobs):
+    return two_rank_jobs[2], two_rank_jobs[1]
 
 
 def _refused(refused_runs, name: str) -> list[str]:
