@@ -143,8 +143,10 @@ def uncapturable_job(tmp_path_factory):
     from tests.launch import run_script
 
     out = tmp_path_factory.mktemp("uncapturable")
-    proc = run_script("tests.workers.run_traced_cases", {"cases": [c for c, _ in UNCAPTURABLE], "out": str(out)},
-                      check=False, timeout=240)
+    from tests.workers.refusals import COLLECTIVE_TIMEOUT_S
+
+    proc = run_script("tests.workers.run_traced_cases", {"cases": [c for c, _ in UNCAPTURABLE], "out": str(out),
+                                                          "timeout": COLLECTIVE_TIMEOUT_S}, check=False, timeout=600)
     return proc, out
 
 
@@ -158,7 +160,7 @@ def test_uncapturable_steps_stop_every_rank_at_setup(uncapturable_job, case, mes
     # both ranks raise the same error themselves (no rank is left waiting in a collective), well before a timeout
     for record in refusals.read(out / case, 2):
         assert re.match(r"lightning_hpp\.errors\.\w+Error: " + message, record["error"] or ""), (record, proc.stderr[-3000:])
-        assert record["global_step"] == 0 and record["seconds"] < 60, record
+        assert record["global_step"] == 0 and record["seconds"] < refusals.BOUND_S, record
 
 
 def test_fp8_emulation_on_a_traced_stage_equals_the_converted_layers():

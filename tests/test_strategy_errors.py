@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from lightning_hpp import HPPStrategy, PlanError
-from tests.launch import run_script
+from tests.launch import run_scripts
+from tests.workers import refusals
 from tests.workers.run_errors import PLANTED_ENV
 
 pytestmark = pytest.mark.slow
@@ -66,52 +65,52 @@ BAD_SETUPS = [
 
 @pytest.fixture(scope="module")
 def bad_setup_jobs(tmp_path_factory):
-    """One job per world size whose ranks try every bad setup of that size in turn, each case in its own
-    Trainer (tests/workers/refusals.py): ``launch(devices)`` starts it once and returns (process, out dir)."""
-    jobs = {}
-
-    def launch(devices: int):
-        if devices not in jobs:
-            out = tmp_path_factory.mktemp(f"bad_setups_{devices}")
-            cases = [case for case, d, _ in BAD_SETUPS if d == devices]
-            proc = run_script("tests.workers.run_cases", {"cases": cases, "devices": devices, "out": str(out)}, check=False,
-                              timeout=60 + 60 * len(cases))
-            jobs[devices] = proc, out
-        return jobs[devices]
-
-    return launch
+    """One job per world size (2 and 3, side by side: they share nothing) whose ranks try every bad setup of
+    that size in turn, each case in its own Trainer (tests/workers/refusals.py). {devices: (process, out dir)}."""
+    sizes = sorted({d for _, d, _ in BAD_SETUPS})
+    outs = {d: tmp_path_factory.mktemp(f"bad_setups_{d}") for d in sizes}
+    jobs = [("tests.workers.run_cases", {"cases": [c for c, n, _ in BAD_SETUPS if n == d], "devices": d, "out": str(outs[d]),
+                                         "timeout": refusals.COLLECTIVE_TIMEOUT_S}) for d in sizes]
+    procs = run_scripts(jobs, timeout=600, check=False)
+    return {d: (proc, outs[d]) for d, proc in zip(sizes, procs)}
 
 
 @pytest.mark.parametrize("case, devices, message", BAD_SETUPS)
 def test_bad_setup_fails_before_training_without_hanging(bad_setup_jobs, case, devices, message):
     import re
 
-    from tests.workers import refusals
-
-    proc, out = bad_setup_jobs(devices)
+    proc, out = bad_setup_jobs[devices]
     assert proc.returncode != 0
     # refused on every rank, each with its own error (no rank was left waiting in a collective), before the
-    # first optimizer step and well before any timeout
+    # first optimizer step and far below the collective timeout
     for record in refusals.read(out / case, devices):
         assert (record["error"] or "").startswith("lightning_hpp.errors."), (record, proc.stderr[-3000:])
         assert re.search(message, record["error"]), record
         assert record["global_step"] == 0
-        assert record["seconds"] < 60, record
+        assert record["seconds"] < refusals.BOUND_S, record
     assert "Epoch 0" not in proc.stdout
 
 
+@pytest.fixture(scope="module")
+def first_error_jobs(tmp_path_factory):
+    """The two jobs of test_the_first_error_ends_every_rank, side by side (they share nothing): rank 0, then
+    rank 1, raises at step 2. {failing rank: finished process}."""
+    outs = [tmp_path_factory.mktemp(f"first_error_{r}") for r in (0, 1)]
+    jobs = [("tests.workers.run_errors", {"out": str(outs[r]), "raise_rank": r, "raise_step": 2, "timeout": 300}, PLANTED_ENV)
+            for r in (0, 1)]
+    return dict(enumerate(run_scripts(jobs, timeout=280, check=False)))
+
+
 @pytest.mark.parametrize("failing", [0, 1], ids=["rank0-hosts-the-store", "rank1-child"])
-def test_the_first_error_ends_every_rank(tmp_path, failing):
+def test_the_first_error_ends_every_rank(first_error_jobs, failing):
     # One rank raises in training_step at step 2 while its peer waits on the pipeline. The peer must
     # end with an error naming that rank and repeating its exception (not gloo's "Connection closed
     # by peer"), long before the 300 s collective timeout.
     import re
 
     peer = 1 - failing
-    start = time.monotonic()
-    proc = run_script("tests.workers.run_errors", {"out": str(tmp_path), "raise_rank": failing, "raise_step": 2, "timeout": 300},
-                      check=False, timeout=280, env=PLANTED_ENV)
-    elapsed = time.monotonic() - start
+    proc = first_error_jobs[failing]
+    elapsed = proc.seconds
     assert proc.returncode != 0
     own = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank{failing}]: ")]
     assert own[-1] == f"[rank{failing}]: RuntimeError: boom on rank {failing} at step 2", proc.stderr[-3000:]

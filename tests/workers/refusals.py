@@ -22,7 +22,18 @@ from pathlib import Path
 from typing import Any
 
 PEER_TIMEOUT_S = 90.0
-"""How long a rank waits for its peers' records of a case before it stops the job."""
+"""How long a rank waits for its peers' records of a case before it stops the job.
+
+A case's ``seconds`` tell a rank that failed at once from one that waited in a collective until the
+process group's timeout (and then failed with an error naming the first rank's): give the jobs a
+timeout well above the bound the test puts on ``seconds`` (:data:`COLLECTIVE_TIMEOUT_S`, :data:`BOUND_S`).
+The first case of a job includes the launch of the other ranks (rank 0 waits for their imports)."""
+
+COLLECTIVE_TIMEOUT_S = 300
+"""The ``HPPStrategy(timeout=...)`` of the jobs of bad setups."""
+
+BOUND_S = 150.0
+"""A case that took longer than this has waited for something (far below :data:`COLLECTIVE_TIMEOUT_S`)."""
 
 
 def describe(exc: BaseException) -> str:

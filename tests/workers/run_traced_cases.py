@@ -47,7 +47,7 @@ def main_cases(cfg: dict) -> int:
 
     records = []
     for case in cfg["cases"]:
-        trainer, model = _build({"case": case})
+        trainer, model = _build({**cfg, "case": case})
 
         def fit() -> None:
             trainer.fit(model, loader("gpt2", 8))
@@ -60,7 +60,7 @@ def main_cases(cfg: dict) -> int:
 def _build(cfg: dict) -> tuple:
     L.seed_everything(0)
     model = {"second_call": TwoCalls, "data_dependent": DataDependent}[cfg["case"]]("gpt2")
-    strategy = HPPStrategy(plan=StagePlan.split_at(["model.transformer.h.2"]), n_microbatches=4, timeout=60)
+    strategy = HPPStrategy(plan=StagePlan.split_at(["model.transformer.h.2"]), n_microbatches=4, timeout=cfg.get("timeout", 60))
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
     return trainer, model
