@@ -27,6 +27,60 @@ def run_script(module: str, arg: object, timeout: float = 240, check: bool = Tru
     return proc
 
 
+def run_scripts(jobs: list[tuple], timeout: float = 240, check: bool = True) -> list[subprocess.CompletedProcess]:
+    """:func:`run_script` for independent jobs started side by side: ``python -m module '<json arg>'`` for
+    every ``(module, arg)`` or ``(module, arg, env)`` at once (each still launches its own ranks through
+    Lightning; ``env``: more environment variables, ``None`` removing one), then wait for all.
+
+    Only for jobs that share nothing (no directory, no port, no process count) and whose timing bounds hold
+    with company: a job of 2 ranks spends most of its time with one core idle while one rank imports Lightning
+    after the other. Each result has ``seconds``: from the start of all the jobs to the end of this one.
+    """
+    import tempfile
+    import time
+
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    full_env.pop("LOCAL_RANK", None)
+    full_env.pop("WORLD_SIZE", None)
+    started = []
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="hpp-jobs-") as logs:
+        for i, (module, arg, *more) in enumerate(jobs):
+            text = arg if isinstance(arg, str) else json.dumps(arg)
+            out, err = open(Path(logs) / f"{i}.out", "w+"), open(Path(logs) / f"{i}.err", "w+")
+            env = {k: v for k, v in {**full_env, **(more[0] if more else {})}.items() if v is not None}
+            proc = subprocess.Popen([sys.executable, "-m", module, text], cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+            started.append((module, text, proc, out, err))
+        deadline = start + timeout
+        ended: dict[int, float] = {}
+        try:
+            while len(ended) < len(started):
+                for i, (_, _, proc, _, _) in enumerate(started):
+                    if i not in ended and proc.poll() is not None:
+                        ended[i] = time.monotonic() - start
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired([p.args for _, _, p, _, _ in started], timeout)
+                time.sleep(0.05)
+        finally:
+            for _, _, proc, _, _ in started:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        done = []
+        for i, (module, text, proc, out, err) in enumerate(started):
+            out.seek(0)
+            err.seek(0)
+            result = subprocess.CompletedProcess([sys.executable, "-m", module, text], proc.returncode, out.read(), err.read())
+            result.seconds = ended.get(i)  # from the start of all the jobs to the end of this one
+            out.close()
+            err.close()
+            if check and result.returncode != 0:
+                raise AssertionError(f"{module} exited with {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n"
+                                     f"--- stderr\n{result.stderr[-8000:]}")
+            done.append(result)
+    return done
+
+
 def processes_mentioning(text: str) -> list[str]:
     """``"pid: command line"`` of every other process whose command line contains ``text``."""
     found = []

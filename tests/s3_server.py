@@ -14,6 +14,7 @@ region). ``fault_proxy`` puts a :class:`FaultProxy` between the client and the s
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import socket
 import struct
@@ -315,26 +316,45 @@ class S3Env:
         return out
 
 
-@pytest.fixture
-def s3_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Env]:
-    """A fresh bucket on the loopback moto server, and the AWS environment pointing at it."""
+UNSET_AWS = ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE")
+"""Variables that would take precedence over :func:`aws_variables` and are removed."""
+
+
+def aws_variables(env: S3Env) -> dict[str, str]:
+    """The AWS environment pointing at ``env``'s server (with :data:`UNSET_AWS` removed)."""
+    return {
+        "AWS_ACCESS_KEY_ID": FAKE_ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": FAKE_SECRET_KEY,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": env.endpoint,
+        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+        # botocore's own per-request retries off: the retries under test are lightning_hpp's
+        "AWS_MAX_ATTEMPTS": "1",
+    }
+
+
+@contextlib.contextmanager
+def fresh_bucket() -> Iterator[S3Env]:
+    """A fresh bucket on the loopback moto server, emptied and deleted at the end."""
     server = moto_server()
     env = S3Env(bucket=f"ckpt-{uuid.uuid4().hex[:10]}", endpoint=server.endpoint, port=server.port)
-    for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", FAKE_ACCESS_KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET_KEY)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-    # botocore's own per-request retries off: the retries under test are lightning_hpp's
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     env.client().create_bucket(Bucket=env.bucket)
     yield env
     s3 = env.client()
     for key in env.objects():
         s3.delete_object(Bucket=env.bucket, Key=key)
     s3.delete_bucket(Bucket=env.bucket)
+
+
+@pytest.fixture
+def s3_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Env]:
+    """A fresh bucket on the loopback moto server, and the AWS environment pointing at it."""
+    with fresh_bucket() as env:
+        for name in UNSET_AWS:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in aws_variables(env).items():
+            monkeypatch.setenv(name, value)
+        yield env
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.launch import load_rank, run_script
+from tests.launch import load_rank, run_scripts
 from tests.real_models import LMWrapper
 from tests.test_real_models import assert_matches, reference
 
@@ -22,21 +22,68 @@ def _param_names(state: dict, model: torch.nn.Module) -> set[str]:
     return {k for k in state if k in names}
 
 
-def test_meta_model_in_four_stages_loads_its_weights_stage_locally(tmp_path):
-    # the reference: a Llama (tied embeddings) built eagerly, saved as transformers saves it (sharded)
+def _llama_weights(tmp_path) -> LMWrapper:
+    # a Llama (tied embeddings) built eagerly, saved as transformers saves it (sharded)
     L.seed_everything(0)
     eager = LMWrapper("llama", layers=4)
     eager.model.save_pretrained(tmp_path / "hf", max_shard_size="60KB")
+    return eager
+
+
+def _llama_runs(tmp_path) -> list[dict]:
+    return [{"name": "llama_meta4", "model": "llama", "model_kw": {"layers": 4, "in_configure_model": True},
+             "points": ["model.model.layers.1", "model.model.layers.2", "model.model.layers.3"], "schedule": "1f1b",
+             "strategy": {"init": {"weights": str(tmp_path / "hf"), "rename": "model."}},
+             "n_micro": 4, "steps": 3, "batch": 8, "out": str(tmp_path / "llama_meta4")}]
+
+
+def _chain_weights(tmp_path) -> LMWrapper:
+    from safetensors.torch import save_model
+
+    L.seed_everything(0)
+    eager = LMWrapper("deep_mlp", blocks=6, width=32)
+    save_model(eager, str(tmp_path / "mlp.safetensors"))
+    return eager
+
+
+CHAIN_KW = {"blocks": 6, "width": 32, "in_configure_model": True}
+
+
+def _chain_runs(tmp_path) -> list[dict]:
+    kw = CHAIN_KW
+    runs = [
+        {"name": "file", "model": "deep_mlp", "model_kw": kw, "points": ["model.4"], "schedule": "gpipe",
+         "strategy": {"init": {"weights": str(tmp_path / "mlp.safetensors")}}},
+        # activation checkpointing changes nothing numerically
+        {"name": "file_recompute", "model": "deep_mlp", "model_kw": kw, "points": ["model.4"], "schedule": "1f1b",
+         "strategy": {"init": {"weights": str(tmp_path / "mlp.safetensors")}, "activation_checkpointing": True}},
+        # their own initializers, seeded per module: the same weights under any cut (lr 0 keeps them)
+        {"name": "init_a", "model": "deep_mlp", "model_kw": {**kw, "lr": 0.0}, "points": ["model.4"], "schedule": "1f1b"},
+        {"name": "init_b", "model": "deep_mlp", "model_kw": {**kw, "lr": 0.0}, "points": ["model.2"], "schedule": "1f1b"},
+    ]
+    for r in runs:
+        r.update(n_micro=4, steps=3, batch=8, out=str(tmp_path / r["name"]))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Both jobs of this module side by side (they share nothing): the 4-rank Llama and the 2-rank chain
+    configurations (one after another, each with its own Trainer and model). Returns (out dir, eager Llama,
+    eager chain): the models whose weights the jobs load."""
+    out = tmp_path_factory.mktemp("big_models")
+    llama, chain = _llama_weights(out), _chain_weights(out)
+    run_scripts([("tests.workers.run_real", {"devices": 4, "runs": _llama_runs(out)}),
+                 ("tests.workers.run_real", {"devices": 2, "runs": _chain_runs(out)})], timeout=600)
+    return out, llama, chain
+
+
+def test_meta_model_in_four_stages_loads_its_weights_stage_locally(jobs):
+    tmp_path, eager, _ = jobs
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1  # sharded: each rank opens only its shards
     # the reference trains a fresh construction, which LMWrapper seeds: the weights just saved
     torch.testing.assert_close(eager.state_dict(), LMWrapper("llama", layers=4).state_dict(), rtol=0, atol=0)
     ref_model, ref_losses = reference("llama", 3, 8, 4, layers=4)
-
-    runs = [{"name": "llama_meta4", "model": "llama", "model_kw": {"layers": 4, "in_configure_model": True},
-             "points": ["model.model.layers.1", "model.model.layers.2", "model.model.layers.3"], "schedule": "1f1b",
-             "strategy": {"init": {"weights": str(tmp_path / "hf"), "rename": "model."}},
-             "n_micro": 4, "steps": 3, "batch": 8, "out": str(tmp_path / "llama_meta4")}]
-    run_script("tests.workers.run_real", {"devices": 4, "runs": runs}, timeout=600)
     assert_matches(ref_model, ref_losses, tmp_path / "llama_meta4", [0, 1, 2, 3])
     total = sum(p.numel() * p.element_size() for p in eager.parameters())
     for r in range(4):
@@ -51,27 +98,10 @@ def test_meta_model_in_four_stages_loads_its_weights_stage_locally(tmp_path):
         assert out["param_bytes"] == stage_bytes < 0.6 * total, (r, out["param_bytes"], stage_bytes, total)
 
 
-def test_meta_chain_model_from_a_safetensors_file_and_from_its_initializers(tmp_path):
-    from safetensors.torch import save_model
-
-    L.seed_everything(0)
-    eager = LMWrapper("deep_mlp", blocks=6, width=32)
-    save_model(eager, str(tmp_path / "mlp.safetensors"))
+def test_meta_chain_model_from_a_safetensors_file_and_from_its_initializers(jobs):
+    tmp_path, _, eager = jobs
     ref_model, ref_losses = reference("deep_mlp", 3, 8, 4, blocks=6, width=32)
-    kw = {"blocks": 6, "width": 32, "in_configure_model": True}
-    runs = [
-        {"name": "file", "model": "deep_mlp", "model_kw": kw, "points": ["model.4"], "schedule": "gpipe",
-         "strategy": {"init": {"weights": str(tmp_path / "mlp.safetensors")}}},
-        # activation checkpointing changes nothing numerically
-        {"name": "file_recompute", "model": "deep_mlp", "model_kw": kw, "points": ["model.4"], "schedule": "1f1b",
-         "strategy": {"init": {"weights": str(tmp_path / "mlp.safetensors")}, "activation_checkpointing": True}},
-        # their own initializers, seeded per module: the same weights under any cut (lr 0 keeps them)
-        {"name": "init_a", "model": "deep_mlp", "model_kw": {**kw, "lr": 0.0}, "points": ["model.4"], "schedule": "1f1b"},
-        {"name": "init_b", "model": "deep_mlp", "model_kw": {**kw, "lr": 0.0}, "points": ["model.2"], "schedule": "1f1b"},
-    ]
-    for r in runs:
-        r.update(n_micro=4, steps=3, batch=8, out=str(tmp_path / r["name"]))
-    run_script("tests.workers.run_real", {"devices": 2, "runs": runs}, timeout=600)
+    kw = CHAIN_KW
     for name in ("file", "file_recompute"):
         assert load_rank(tmp_path / name, 0)["plan"]["meta"]["frontend"] == "sequential"
         assert_matches(ref_model, ref_losses, tmp_path / name, [0, 1])

@@ -31,11 +31,26 @@ WORKER = "tests.ckpt_workers.train_worker"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def selection(tmp_path_factory: pytest.TempPathFactory):
+    """The 2 plain gloo ranks of the selection test, started (in a thread) before the jobs of :func:`runs`,
+    beside the first of them: they share nothing. ``selection()`` waits for them: (their dir, their results)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = tmp_path_factory.mktemp("selection")
+    (out / "config.json").write_text(json.dumps({"roots": [str(out / "a"), str(out / "b")]}))
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(run_ranks, Path(__file__).parent / "ckpt_workers" / "select_worker.py", 2, out)
+    yield lambda: (out, future.result())
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, selection) -> dict:
     out = tmp_path_factory.mktemp("recovery")
     ckpt = out / "ckpt"
     base = {"out": str(out), "steps": 15, "num_workers": 2}
     run_script(WORKER, {**base, "tag": "ref", "dir": str(ckpt), "every": 5})
+    selection()  # done by now (or shortly): its ranks do not run beside the jobs below
     flip_tensor_byte(ckpt / "step-15")
     garbage_index(ckpt / "step-10")
     damaged = {"step-15": digest(ckpt / "step-15"), "step-10": digest(ckpt / "step-10")}
@@ -98,10 +113,9 @@ def test_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(runs: di
     assert sorted(p.name for p in runs["ckpt"].iterdir()) == runs["after_fallback"]  # nothing written
 
 
-def test_ranks_follow_rank_0s_choice_and_fall_back_together_on_damage_one_rank_found(tmp_path: Path) -> None:
+def test_ranks_follow_rank_0s_choice_and_fall_back_together_on_damage_one_rank_found(selection) -> None:
     """Rank 1 sees another directory (a different listing) and alone hashes the damaged file."""
-    (tmp_path / "config.json").write_text(json.dumps({"roots": [str(tmp_path / "a"), str(tmp_path / "b")]}))
-    results = run_ranks(Path(__file__).parent / "ckpt_workers" / "select_worker.py", 2, tmp_path)
+    tmp_path, results = selection()
     a = tmp_path / "a"
     for r in results:
         assert r["chosen"] == str(a / "step-2"), r

@@ -38,6 +38,15 @@ FAST = RetryPolicy(attempts=3, base_delay=0.02, max_delay=0.1)
 BOTOCORE_RETRY = "Retry needed, retrying request"  # botocore.retries.standard's debug line
 
 
+@pytest.fixture(autouse=True)
+def _short_botocore_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """botocore waits up to 2**attempt seconds (throttling errors such as 503) between the tries of a request;
+    the tests count the tries and read botocore's retry lines, not the waits: 1 ms each."""
+    from botocore.retries.standard import ExponentialBackoff
+
+    monkeypatch.setattr(ExponentialBackoff, "delay_amount", lambda self, context: 0.001)
+
+
 def _state(step: int) -> dict:
     gen = torch.Generator().manual_seed(step)
     model = {"enc.weight": torch.randn(128, 64, generator=gen), "enc.bias": torch.randn(64, generator=gen)}

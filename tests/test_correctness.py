@@ -1,8 +1,9 @@
 """fp32 pipelines reproduce single-process training: every parameter, every schedule.
 
-Each test launches one real multi-process job (Lightning re-launches the script per rank, gloo),
-runs several configurations in it, and compares every parameter with a single-process Trainer
-trained on the same data with the same global batch for the same number of optimizer steps.
+Each test checks one real multi-process job (Lightning re-launches the script per rank, gloo; the
+three jobs run side by side), which runs several configurations, and compares every parameter with a
+single-process Trainer trained on the same data with the same global batch for the same number of
+optimizer steps.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launch import load_rank, merged_state, run_script
+from tests.launch import load_rank, merged_state, run_scripts
 from tests.reference import train_reference
 
 pytestmark = pytest.mark.slow
@@ -29,7 +30,7 @@ def _assert_matches(reference, out_dir, ranks):
         torch.testing.assert_close(got[name], value, **TOL, msg=lambda m: f"{name}: {m}")
 
 
-def test_two_ranks_every_schedule(tmp_path):
+def _two_rank_runs() -> list[dict]:
     runs = [
         {"name": "gpipe", "stages": TWO, "schedule": "gpipe", "n_micro": 4},
         {"name": "1f1b", "stages": TWO, "schedule": "1f1b", "n_micro": 4, "validate": True, "predict": True, "limit_val_batches": 1.0},
@@ -39,8 +40,45 @@ def test_two_ranks_every_schedule(tmp_path):
         {"name": "dualpipev", "stages": FOUR, "schedule": "dualpipev", "n_micro": 4},
     ]
     for r in runs:
-        r.update(steps=5, batch=16, out=str(tmp_path / r["name"]))
-    run_script("tests.workers.run_hpp", {"devices": 2, "runs": runs})
+        r.update(steps=5, batch=16)
+    return runs
+
+
+def _three_rank_runs() -> list[dict]:
+    return [{"name": n, "stages": THREE, "schedule": n, "n_micro": 4, "steps": 4, "batch": 16} for n in ("gpipe", "1f1b")]
+
+
+def _four_rank_runs() -> list[dict]:
+    # 4 ranks: 2 pipeline stages × 2 replicas; each replica reads batches of 8, global batch 16;
+    # accumulate_grad_batches=2, so 3 optimizer steps read 6 global batches.
+    runs = [
+        {"name": "1f1b", "stages": TWO, "schedule": "1f1b", "n_micro": 2, "pp": 2, "accumulate": 2, "bias_monitor": True},
+        {"name": "interleaved", "stages": FOUR, "schedule": "interleaved1f1b", "n_micro": 2, "pp": 2, "accumulate": 2},
+    ]
+    for r in runs:
+        r.update(steps=3, batch=8)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """The three jobs of this module side by side (they share nothing): 2, 3 and 4 ranks, each running its
+    configurations one after another (each with its own Trainer and model). ``out[n] / name``: the outputs of
+    the run ``name`` on ``n`` ranks."""
+    root = tmp_path_factory.mktemp("correctness")
+    out = {n: root / f"ranks{n}" for n in (2, 3, 4)}
+
+    def spec(n: int, runs: list[dict]) -> dict:
+        return {"devices": n, "runs": [{**r, "out": str(out[n] / r["name"])} for r in runs]}
+
+    run_scripts([("tests.workers.run_hpp", spec(2, _two_rank_runs())), ("tests.workers.run_hpp", spec(3, _three_rank_runs())),
+                 ("tests.workers.run_hpp", spec(4, _four_rank_runs()))])
+    return out
+
+
+def test_two_ranks_every_schedule(jobs):
+    tmp_path = jobs[2]
+    runs = [{**r, "out": str(tmp_path / r["name"])} for r in _two_rank_runs()]
     reference, trainer = train_reference(steps=5, batch=16)
     for r in runs:
         _assert_matches(reference, r["out"], [0, 1])
@@ -70,27 +108,16 @@ def test_two_ranks_every_schedule(tmp_path):
         assert torch.equal(out["predict"], preds)
 
 
-def test_three_stages_gpipe_and_1f1b(tmp_path):
-    runs = [
-        {"name": n, "stages": THREE, "schedule": n, "n_micro": 4, "steps": 4, "batch": 16, "out": str(tmp_path / n)}
-        for n in ("gpipe", "1f1b")
-    ]
-    run_script("tests.workers.run_hpp", {"devices": 3, "runs": runs})
+def test_three_stages_gpipe_and_1f1b(jobs):
+    runs = [{**r, "out": str(jobs[3] / r["name"])} for r in _three_rank_runs()]
     reference, _ = train_reference(steps=4, batch=16)
     for r in runs:
         _assert_matches(reference, r["out"], [0, 1, 2])
 
 
-def test_pp2_dp2_with_gradient_accumulation(tmp_path):
-    # 4 ranks: 2 pipeline stages × 2 replicas; each replica reads batches of 8, global batch 16;
-    # accumulate_grad_batches=2, so 3 optimizer steps read 6 global batches.
-    runs = [
-        {"name": "1f1b", "stages": TWO, "schedule": "1f1b", "n_micro": 2, "pp": 2, "accumulate": 2, "bias_monitor": True},
-        {"name": "interleaved", "stages": FOUR, "schedule": "interleaved1f1b", "n_micro": 2, "pp": 2, "accumulate": 2},
-    ]
-    for r in runs:
-        r.update(steps=3, batch=8, out=str(tmp_path / r["name"]))
-    run_script("tests.workers.run_hpp", {"devices": 4, "runs": runs})
+def test_pp2_dp2_with_gradient_accumulation(jobs):
+    tmp_path = jobs[4]
+    runs = [{**r, "out": str(tmp_path / r["name"])} for r in _four_rank_runs()]
     reference, _ = train_reference(steps=3, batch=16, accumulate=2)
     for r in runs:
         # ranks 0,1 hold stage 0 (replicas 0,1); ranks 2,3 hold stage 1: compare both replicas

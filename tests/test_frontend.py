@@ -130,23 +130,37 @@ def test_split_at_and_balanced_plans():
         balanced_plan(_DataDependent(), 2)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case, message", [
+UNCAPTURABLE = [
     ("second_call", r"`training_step` calls `self\(...\)` more than once"),
     ("data_dependent", r"torch.export cannot capture `DataDependent.forward` for the traced frontend at .*run_traced_cases\.py:\d+"),
-])
-def test_uncapturable_steps_stop_every_rank_at_setup(case, message):
-    import time
+]
 
+
+@pytest.fixture(scope="module")
+def uncapturable_job(tmp_path_factory):
+    """One 2-rank job whose ranks try every uncapturable step in turn, each in its own Trainer
+    (tests/workers/refusals.py)."""
     from tests.launch import run_script
 
-    start = time.monotonic()
-    proc = run_script("tests.workers.run_traced_cases", {"case": case}, check=False, timeout=180)
-    assert proc.returncode != 0 and "TRAINED" not in proc.stdout
-    # both ranks raise the same error themselves (no rank is left waiting in a collective)
-    for rank in (0, 1):
-        assert re.search(rf"\[rank{rank}\]: lightning_hpp\.errors\.\w+Error: " + message, proc.stderr), proc.stderr[-3000:]
-    assert time.monotonic() - start < 150
+    out = tmp_path_factory.mktemp("uncapturable")
+    from tests.workers.refusals import COLLECTIVE_TIMEOUT_S
+
+    proc = run_script("tests.workers.run_traced_cases", {"cases": [c for c, _ in UNCAPTURABLE], "out": str(out),
+                                                          "timeout": COLLECTIVE_TIMEOUT_S}, check=False, timeout=600)
+    return proc, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, message", UNCAPTURABLE)
+def test_uncapturable_steps_stop_every_rank_at_setup(uncapturable_job, case, message):
+    from tests.workers import refusals
+
+    proc, out = uncapturable_job
+    assert proc.returncode != 0 and f"TRAINED {case}" not in proc.stdout
+    # both ranks raise the same error themselves (no rank is left waiting in a collective), well before a timeout
+    for record in refusals.read(out / case, 2):
+        assert re.match(r"lightning_hpp\.errors\.\w+Error: " + message, record["error"] or ""), (record, proc.stderr[-3000:])
+        assert record["global_step"] == 0 and record["seconds"] < refusals.BOUND_S, record
 
 
 def test_fp8_emulation_on_a_traced_stage_equals_the_converted_layers():

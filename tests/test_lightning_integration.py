@@ -19,8 +19,40 @@ from tests.launch import ROOT, run_script
 pytestmark = pytest.mark.slow
 
 
-def test_last_stage_metrics_reach_rank0_loggers_and_callbacks(tmp_path):
-    proc = run_script("tests.workers.run_cases", {"case": "lightning_integration", "devices": 2, "out": str(tmp_path)})
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Both jobs of this module side by side (they share nothing): the Lightning-launched 2-rank fit with
+    loggers and callbacks, and the two torchrun node agents (``tests.workers.run_hpp``, one process each).
+    Returns (integration dir, its finished process, torchrun dir, the agents' outputs)."""
+    root = tmp_path_factory.mktemp("integration")
+    fit_dir, torchrun_dir = root / "fit", root / "torchrun"
+    fit_dir.mkdir()
+    torchrun_dir.mkdir()
+    port = find_free_network_port()
+    cfg = json.dumps({"devices": 1, "num_nodes": 2, "runs": [{"name": "tr", "stages": [["layers.0-3"], ["layers.4-6"]], "schedule": "1f1b", "n_micro": 4, "steps": 4, "batch": 16, "out": str(torchrun_dir)}]})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n),
+             "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "tests.workers.run_hpp", cfg],
+            cwd=ROOT, env=env, stdout=open(root / f"agent{n}.log", "w"), stderr=subprocess.STDOUT, text=True,
+        )
+        for n in (0, 1)
+    ]
+    try:
+        fit = run_script("tests.workers.run_cases", {"case": "lightning_integration", "devices": 2, "out": str(fit_dir)})
+        for p in agents:
+            p.wait(timeout=240)
+        outs = [(root / f"agent{n}.log").read_text() for n in (0, 1)]
+    finally:
+        for p in agents:
+            if p.poll() is None:
+                p.kill()
+    return fit_dir, fit, torchrun_dir, (agents, outs)
+
+
+def test_last_stage_metrics_reach_rank0_loggers_and_callbacks(jobs):
+    tmp_path, proc, _, _ = jobs
     r0 = json.loads((tmp_path / "result0.json").read_text())
     r1 = json.loads((tmp_path / "result1.json").read_text())
     # EarlyStopping saw the real val_loss (min_delta=10 means no epoch improves enough) on both ranks
@@ -49,23 +81,12 @@ def test_last_stage_metrics_reach_rank0_loggers_and_callbacks(tmp_path):
     assert plan["meta"]["schedule"] == "1f1b" and plan["meta"]["pp_degree"] == 2
 
 
-def test_two_node_torchrun_matches_single_process(tmp_path):
+def test_two_node_torchrun_matches_single_process(jobs):
     """Two torchrun node agents on loopback (--nnodes 2, one process each) train 2 stages."""
     from tests.launch import merged_state
     from tests.reference import train_reference
 
-    port = find_free_network_port()
-    cfg = json.dumps({"devices": 1, "num_nodes": 2, "runs": [{"name": "tr", "stages": [["layers.0-3"], ["layers.4-6"]], "schedule": "1f1b", "n_micro": 4, "steps": 4, "batch": 16, "out": str(tmp_path)}]})
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n),
-             "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "tests.workers.run_hpp", cfg],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for n in (0, 1)
-    ]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
+    _, _, tmp_path, (procs, outs) = jobs
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     reference, _ = train_reference(steps=4, batch=16)
     got = merged_state(tmp_path, [0, 1])

@@ -20,20 +20,46 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in b)
 
 
-@pytest.mark.slow
-def test_each_mode_trains_close_to_fp32_and_overflow_skips_everywhere(tmp_path):
-    modes = ["16-mixed", "bf16-mixed", "16-true", "bf16-true", "fp8"]
+MODES = ["16-mixed", "bf16-mixed", "16-true", "bf16-true", "fp8"]
+
+
+def _mode_runs() -> list[dict]:
     runs = [
         {"name": m, "stages": TWO, "schedule": "1f1b", "n_micro": 4, "steps": 5, "batch": 16, "precisions": ["32-true", m],
          "precision": {"fp8_backend": "emulate"}}
-        for m in modes
+        for m in MODES
     ]
     # an fp16 stage whose gradients overflow at the initial scale: the step is skipped on every rank
     runs.append({"name": "overflow", "stages": TWO, "schedule": "1f1b", "n_micro": 4, "steps": 1, "batch": 16,
                  "precisions": ["16-mixed", "32-true"], "init_scale": 2.0**60})
+    return runs
+
+
+def _clip_runs() -> list[dict]:
+    runs = [
+        {"name": "per_stage", "clip_norms": [0.05, 0.02], "precision": {"clip": "per-stage"}},
+        {"name": "global", "gradient_clip_val": 0.03, "precision": {"clip": "global"}},
+        {"name": "norms_only", "precision": {"log_grad_norms": True}},  # nothing clips, the norms are asked for
+        {"name": "no_clip"},  # nothing clips, nobody asks: the norms are not taken
+    ]
     for r in runs:
-        r["out"] = str(tmp_path / r["name"])
+        r.update(stages=TWO, schedule="gpipe", n_micro=2, steps=1, batch=16)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """The 2-rank runs of this module, one configuration after another in one launch (each with its own
+    Trainer and model): ``out / name`` holds each run's outputs."""
+    out = tmp_path_factory.mktemp("precision_two_ranks")
+    runs = [{**r, "out": str(out / r["name"])} for r in _mode_runs() + _clip_runs()]
     run_script("tests.workers.run_hpp", {"devices": 2, "runs": runs})
+    return out
+
+
+@pytest.mark.slow
+def test_each_mode_trains_close_to_fp32_and_overflow_skips_everywhere(two_rank_runs):
+    tmp_path, modes = two_rank_runs, MODES
     reference, _ = train_reference(steps=5, batch=16)
     ref = reference.state_dict()
     for m in modes:
@@ -60,16 +86,8 @@ def test_each_mode_trains_close_to_fp32_and_overflow_skips_everywhere(tmp_path):
 
 
 @pytest.mark.slow
-def test_clipping_per_stage_and_global_equal_hand_computed_reference(tmp_path):
-    runs = [
-        {"name": "per_stage", "clip_norms": [0.05, 0.02], "precision": {"clip": "per-stage"}},
-        {"name": "global", "gradient_clip_val": 0.03, "precision": {"clip": "global"}},
-        {"name": "norms_only", "precision": {"log_grad_norms": True}},  # nothing clips, the norms are asked for
-        {"name": "no_clip"},  # nothing clips, nobody asks: the norms are not taken
-    ]
-    for r in runs:
-        r.update(stages=TWO, schedule="gpipe", n_micro=2, steps=1, batch=16, out=str(tmp_path / r["name"]))
-    run_script("tests.workers.run_hpp", {"devices": 2, "runs": runs})
+def test_clipping_per_stage_and_global_equal_hand_computed_reference(two_rank_runs):
+    tmp_path = two_rank_runs
 
     # hand-computed: the first batch of the (shuffled) reference order, one SGD step (momentum buffer = grad)
     import torch.nn.functional as F

@@ -12,7 +12,18 @@ from torch import nn
 
 from lightning_hpp.errors import ProfileError, ProfileMismatchError
 from lightning_hpp.planning.partition import partition
+from lightning_hpp.planning import profile as profile_module
 from lightning_hpp.planning.profile import CostProfile, check_profile_matches, load_or_profile, profile_units
+
+
+LIBRARY_WINDOW_S = profile_module.MIN_WINDOW_S
+
+
+@pytest.fixture(autouse=True)
+def _short_window(monkeypatch):
+    """Each unit is timed for at least MIN_WINDOW_S (0.3 s, for CPU quotas); these tests check bytes, calls,
+    caching and files, not times, so 10 ms will do. The test that compares times keeps the library's window."""
+    monkeypatch.setattr(profile_module, "MIN_WINDOW_S", 0.01)
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +69,8 @@ def small_units():
     ]
 
 
-def test_measures_bytes_exactly_and_time_relatively():
+def test_measures_bytes_exactly_and_time_relatively(monkeypatch):
+    monkeypatch.setattr(profile_module, "MIN_WINDOW_S", LIBRARY_WINDOW_S)
     heavy = nn.Linear(512, 512)
     units = [("heavy", heavy), ("light", nn.ReLU()), ("head", nn.Linear(512, 4))]
     x = torch.randn(256, 512)

@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.launch import load_rank, merged_state, run_script
+from tests.launch import load_rank, merged_state, run_scripts
 from tests.real_models import LMWrapper, loader
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def assert_matches(ref_model, ref_losses, out_dir, ranks, compare_losses=True):
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
 
 
-def test_transformers_and_nanogpt_two_stages_traced(tmp_path):
+def _traced_runs() -> list[dict]:
     runs = [
         {"name": "gpt2_1f1b", "model": "gpt2", "points": ["model.transformer.h.2"], "schedule": "1f1b",
          "strategy": {"telemetry": {"every_n_steps": 1}}},  # telemetry times traced stages like any others
@@ -61,8 +61,49 @@ def test_transformers_and_nanogpt_two_stages_traced(tmp_path):
                                                                  "model.transformer.h.3"], "schedule": "interleaved1f1b"},
     ]
     for r in runs:
-        r.update(n_micro=4, steps=3, batch=8, out=str(tmp_path / r["name"]))
-    run_script("tests.workers.run_real", {"devices": 2, "runs": runs}, timeout=600)
+        r.update(n_micro=4, steps=3, batch=8)
+    return runs
+
+
+def _batchnorm_runs() -> list[dict]:
+    # torch's shape inference used to run the user's step once on zeros before the first step, so the
+    # loss logged at step 1 (and BatchNorm's statistics) came from that pass
+    runs = [{"name": f"bn_{s}", "model": "bn_mlp", "points": ["model.3"], "schedule": s} for s in ("1f1b", "gpipe")]
+    for r in runs:
+        r.update(n_micro=4, steps=4, batch=8)
+    return runs
+
+
+LLAMA3 = {"name": "llama3", "model": "llama", "points": ["model.model.layers.1", "model.model.layers.2"], "schedule": "1f1b",
+          "n_micro": 4, "steps": 3, "batch": 8}
+GPT2_PP2_DP2 = {"name": "gpt2_pp2_dp2", "model": "gpt2", "points": ["model.transformer.h.2"], "schedule": "1f1b", "pp": 2,
+                "n_micro": 2, "steps": 3, "batch": 4}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Every job of this module, the three side by side (they share nothing): 2 ranks running the
+    traced models and the BatchNorm chain one configuration after another (each with its own Trainer
+    and model), Llama on 3 ranks, GPT-2 on 4 (pp=2 x dp=2). ``out / name`` holds each run's outputs."""
+    out = tmp_path_factory.mktemp("real_models")
+
+    def spec(devices: int, runs: list[dict]) -> dict:
+        return {"devices": devices, "runs": [{**r, "out": str(out / r["name"])} for r in runs]}
+
+    run_scripts([("tests.workers.run_real", spec(2, _traced_runs() + _batchnorm_runs())),
+                 ("tests.workers.run_real", spec(3, [LLAMA3])),
+                 ("tests.workers.run_real", spec(4, [GPT2_PP2_DP2]))], timeout=600)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(jobs):
+    return jobs
+
+
+def test_transformers_and_nanogpt_two_stages_traced(two_rank_runs):
+    tmp_path = two_rank_runs
+    runs = [{**r, "out": str(tmp_path / r["name"])} for r in _traced_runs()]
     for r in runs:
         out = load_rank(r["out"], 0)
         assert out["plan"]["meta"]["frontend"] == "traced"
@@ -77,32 +118,18 @@ def test_transformers_and_nanogpt_two_stages_traced(tmp_path):
     torch.testing.assert_close(s0["model.transformer.wte.weight"], s1["model.lm_head.weight"], rtol=0, atol=0)
 
 
-def test_llama_three_stages_and_pp2_dp2(tmp_path):
-    runs = [
-        {"name": "llama3", "model": "llama", "points": ["model.model.layers.1", "model.model.layers.2"],
-         "schedule": "1f1b", "devices": 3},
-    ]
-    for r in runs:
-        r.update(n_micro=4, steps=3, batch=8, out=str(tmp_path / r["name"]))
-    run_script("tests.workers.run_real", {"devices": 3, "runs": runs}, timeout=600)
+def test_llama_three_stages_and_pp2_dp2(jobs):
+    tmp_path = jobs
     ref_model, ref_losses = reference("llama", 3, 8, 4)
     assert_matches(ref_model, ref_losses, tmp_path / "llama3", [0, 1, 2])
     assert load_rank(tmp_path / "llama3", 1)["stage_ids"] == [1]
 
-    dp = {"name": "gpt2_pp2_dp2", "model": "gpt2", "points": ["model.transformer.h.2"], "schedule": "1f1b", "pp": 2,
-          "n_micro": 2, "steps": 3, "batch": 4, "out": str(tmp_path / "gpt2_pp2_dp2")}
-    run_script("tests.workers.run_real", {"devices": 4, "runs": [dp]}, timeout=600)
     ref_model, _ = reference("gpt2", 3, 8, 4)  # two replicas of batch 4 = one batch of 8 (token-mean loss)
     assert_matches(ref_model, None, tmp_path / "gpt2_pp2_dp2", [0, 1, 2, 3], compare_losses=False)
 
 
-def test_a_chain_with_batchnorm_logs_the_right_loss_from_the_first_step(tmp_path):
-    # torch's shape inference used to run the user's step once on zeros before the first step, so the
-    # loss logged at step 1 (and BatchNorm's statistics) came from that pass
-    runs = [{"name": f"bn_{s}", "model": "bn_mlp", "points": ["model.3"], "schedule": s} for s in ("1f1b", "gpipe")]
-    for r in runs:
-        r.update(n_micro=4, steps=4, batch=8, out=str(tmp_path / r["name"]))
-    run_script("tests.workers.run_real", {"devices": 2, "runs": runs}, timeout=300)
+def test_a_chain_with_batchnorm_logs_the_right_loss_from_the_first_step(two_rank_runs):
+    runs = [{**r, "out": str(two_rank_runs / r["name"])} for r in _batchnorm_runs()]
     ref_model, ref_losses = reference("bn_mlp", 4, 8, 4)
     for r in runs:
         assert load_rank(r["out"], 0)["plan"]["meta"]["frontend"] == "sequential"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,9 @@ import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from lightning_hpp.checkpoint import export_to_lightning_ckpt, list_checkpoints
-from tests.launch import ROOT, run_script
+from tests.launch import ROOT, run_scripts
 from tests.models import MLP
-from tests.s3_server import FAKE_SECRET_KEY, s3_env  # noqa: F401 - fixture
+from tests.s3_server import FAKE_SECRET_KEY, UNSET_AWS, aws_variables, fresh_bucket
 
 pytestmark = pytest.mark.slow
 
@@ -39,41 +40,82 @@ def _assert_bitwise(out: Path, a: str, b: str, ranks=(0, 1)) -> None:
             assert torch.equal(x["optim"][k]["momentum_buffer"], y["optim"][k]["momentum_buffer"]), f"rank {r}: momentum of {k}"
 
 
-def test_mid_epoch_resume_with_async_save_is_bitwise_exact_and_exports(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    run_script("tests.workers.run_resume", {"stages": TWO, "steps": 12, "tag": "full", "out": str(tmp_path)})
-    # stops after 5 of the 8 batches of epoch 0; the step-5 checkpoint is written asynchronously
-    run_script("tests.workers.run_resume", {"stages": TWO, "steps": 5, "tag": "first", "out": str(tmp_path), "ckpt_dir": ckpt, "every": 5, "async_save": True})
-    assert [c.step for c in list_checkpoints(ckpt)] == [5]
-    run_script("tests.workers.run_resume", {"stages": TWO, "steps": 12, "tag": "resumed", "out": str(tmp_path), "ckpt_dir": ckpt, "every": 5, "resume": "auto", "keep_last": 1})
-    assert _load(tmp_path, "resumed", 0)["resumed_from"].endswith("step-5")
-    _assert_bitwise(tmp_path, "full", "resumed")
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """The runs of this module but the torchrun one: four jobs in two rounds of two side by side (the jobs
+    of a round share nothing) instead of ten jobs one after another. Every resume is a job of the second
+    round reading what a job of the first wrote. Jobs of 2 ranks run their configurations one after
+    another, each with its own Trainer and model.
+
+    1. 4 ranks (pp=2 x dp=2) save a checkpoint at step 4 (``saved``, into ``ckpt4``); 2 ranks run the
+       uninterrupted references (``full``: 12 steps, ``full8``: 8 steps), 5 steps that end with an
+       asynchronous step-5 checkpoint (``first``, into ``ckpt``) and 6 steps with a ModelCheckpoint on S3
+       (``s3_first``, every 3 steps, save_last).
+    2. 3 ranks load ``ckpt4`` under 3 stages (``three``); 2 ranks load it under 2 stages (``dp1``), resume
+       ``first`` with ``resume="auto"`` and ``keep_last=1`` (``resumed``, on a copy of ``ckpt``: ``ckpt_resumed``)
+       and resume ``s3_first`` from S3 with ``ckpt_path="last"`` (``s3_resumed``).
+
+    Yields (out dir, the S3Env, the S3 checkpoint names after round 1).
+    """
+    out = tmp_path_factory.mktemp("resume")
+    ckpt4, ckpt, o = str(out / "ckpt4"), str(out / "ckpt"), str(out)
+    with fresh_bucket() as s3:
+        env = {**aws_variables(s3), **dict.fromkeys(UNSET_AWS)}
+        root = s3.root
+        run_scripts([
+            ("tests.workers.run_resume", {"stages": TWO, "pp": 2, "devices": 4, "steps": 4, "batch": 8, "tag": "saved", "out": o, "ckpt_dir": ckpt4, "every": 4}),
+            ("tests.workers.run_resume", {"runs": [
+                {"stages": TWO, "steps": 12, "tag": "full", "out": o},
+                {"stages": TWO, "steps": 8, "tag": "full8", "out": o},
+                {"stages": TWO, "steps": 6, "tag": "s3_first", "out": o, "mc_dirpath": root, "every": 3},
+                # stops after 5 of the 8 batches of epoch 0; the step-5 checkpoint is written asynchronously
+                {"stages": TWO, "steps": 5, "tag": "first", "out": o, "ckpt_dir": ckpt, "every": 5, "async_save": True},
+            ]}, env),
+        ], timeout=400)
+        s3_names = sorted({k.split("/")[1] for k in s3.objects()})
+        shutil.copytree(ckpt, out / "ckpt_resumed")
+        run_scripts([
+            ("tests.workers.run_resume", {"stages": THREE, "devices": 3, "steps": 4, "tag": "three", "out": o, "ckpt_dir": ckpt4, "resume": "auto"}),
+            ("tests.workers.run_resume", {"runs": [
+                {"stages": TWO, "devices": 2, "steps": 4, "tag": "dp1", "out": o, "ckpt_dir": ckpt4, "resume": "auto"},
+                {"stages": TWO, "steps": 12, "tag": "resumed", "out": o, "ckpt_dir": str(out / "ckpt_resumed"), "every": 5, "resume": "auto", "keep_last": 1},
+                {"stages": TWO, "steps": 8, "tag": "s3_resumed", "out": o, "mc_dirpath": root, "every": 3, "ckpt_path": "last"},
+            ]}, env),
+        ], timeout=400)
+        yield out, s3, s3_names
+
+
+def test_mid_epoch_resume_with_async_save_is_bitwise_exact_and_exports(shared):
+    out, _, _ = shared
+    assert [c.step for c in list_checkpoints(str(out / "ckpt"))] == [5]  # what the 5-step job left
+    assert _load(out, "resumed", 0)["resumed_from"].endswith("step-5")
+    _assert_bitwise(out, "full", "resumed")
     # keep_last=1 kept the newest (step-10) and the checkpoint the run resumed from (step-5)
+    ckpt = str(out / "ckpt_resumed")
     assert [c.step for c in list_checkpoints(ckpt)] == [5, 10]
 
     # export: one plain Lightning .ckpt that the module loads without HPPStrategy
-    export_to_lightning_ckpt(str(Path(ckpt) / "step-5"), str(tmp_path / "model.ckpt"))
-    restored = MLP.load_from_checkpoint(str(tmp_path / "model.ckpt"))
-    first = {**_load(tmp_path, "first", 0)["state"], **_load(tmp_path, "first", 1)["state"]}
+    export_to_lightning_ckpt(str(Path(ckpt) / "step-5"), str(out / "model.ckpt"))
+    restored = MLP.load_from_checkpoint(str(out / "model.ckpt"))
+    first = {**_load(out, "first", 0)["state"], **_load(out, "first", 1)["state"]}
     for k, v in restored.state_dict().items():
         assert torch.equal(v, first[k])
 
 
-def test_checkpoint_loads_under_other_cuts_and_dp_degrees(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
+def test_checkpoint_loads_under_other_cuts_and_dp_degrees(shared):
+    out, _, _ = shared
     # saved by pp=2 x dp=2 (4 ranks) ...
-    run_script("tests.workers.run_resume", {"stages": TWO, "pp": 2, "devices": 4, "steps": 4, "batch": 8, "tag": "saved", "out": str(tmp_path), "ckpt_dir": ckpt, "every": 4})
-    saved = {**_load(tmp_path, "saved", 0)["state"], **_load(tmp_path, "saved", 2)["state"]}
-    saved_optim = {**_load(tmp_path, "saved", 0)["optim"], **_load(tmp_path, "saved", 2)["optim"]}
+    saved = {**_load(out, "saved", 0)["state"], **_load(out, "saved", 2)["state"]}
+    saved_optim = {**_load(out, "saved", 0)["optim"], **_load(out, "saved", 2)["optim"]}
     # ... loaded by 3 stages on 3 ranks (dp=1), and by 2 stages on 2 ranks (dp=1); max_steps is already reached
-    for tag, stages, devices in (("three", THREE, 3), ("dp1", TWO, 2)):
-        run_script("tests.workers.run_resume", {"stages": stages, "devices": devices, "steps": 4, "tag": tag, "out": str(tmp_path), "ckpt_dir": ckpt, "resume": "auto"})
+    for tag, devices in (("three", 3), ("dp1", 2)):
         got, optim = {}, {}
         for r in range(devices):
-            out = _load(tmp_path, tag, r)
-            assert out["global_step"] == 4
-            got.update(out["state"])
-            optim.update(out["optim"])
+            loaded = _load(out, tag, r)
+            assert loaded["global_step"] == 4
+            assert loaded["resumed_from"].endswith("step-4"), (tag, loaded["resumed_from"])
+            got.update(loaded["state"])
+            optim.update(loaded["optim"])
         assert sorted(got) == sorted(saved)
         for k in saved:
             assert torch.equal(got[k], saved[k]), f"{tag}: {k}"
@@ -81,9 +123,10 @@ def test_checkpoint_loads_under_other_cuts_and_dp_degrees(tmp_path):
             assert torch.equal(optim[k]["momentum_buffer"], saved_optim[k]["momentum_buffer"]), f"{tag}: momentum of {k}"
 
 
-def test_kill_9_under_torchrun_restarts_resumes_and_matches(tmp_path):
+def test_kill_9_under_torchrun_restarts_resumes_and_matches(shared, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    run_script("tests.workers.run_resume", {"stages": TWO, "steps": 12, "tag": "full", "out": str(tmp_path)})
+    for r in (0, 1):
+        shutil.copy(shared[0] / f"full_rank{r}.pt", tmp_path)  # the uninterrupted 12-step run
     cfg = {"stages": TWO, "steps": 12, "tag": "elastic", "out": str(tmp_path), "ckpt_dir": ckpt, "every": 2, "resume": "auto", "kill_at": 5, "kill_rank": 1}
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -105,19 +148,16 @@ def test_kill_9_under_torchrun_restarts_resumes_and_matches(tmp_path):
     assert recovery < 120
 
 
-def test_s3_model_checkpoint_and_last_resume_without_leaking_secrets(tmp_path, s3_env):  # noqa: F811
+def test_s3_model_checkpoint_and_last_resume_without_leaking_secrets(shared):
+    out, s3_env, names = shared
     root = s3_env.root
-    run_script("tests.workers.run_resume", {"stages": TWO, "steps": 8, "tag": "full", "out": str(tmp_path)})
-    run_script("tests.workers.run_resume", {"stages": TWO, "steps": 6, "tag": "first", "out": str(tmp_path), "mc_dirpath": root, "every": 3})
-    names = sorted({k.split("/")[1] for k in s3_env.objects()})
-    # top-1 kept only the newest epoch checkpoint; last.ckpt is there too
+    # after the 6-step job: top-1 kept only the newest epoch checkpoint; last.ckpt is there too
     assert names == ["epoch=0-step=6.ckpt", "last.ckpt"], names
-    run_script("tests.workers.run_resume", {"stages": TWO, "steps": 8, "tag": "resumed", "out": str(tmp_path), "mc_dirpath": root, "every": 3, "ckpt_path": "last"})
-    assert _load(tmp_path, "resumed", 0)["resumed_from"] == f"{root}/last.ckpt"
-    _assert_bitwise(tmp_path, "full", "resumed")
+    assert _load(out, "s3_resumed", 0)["resumed_from"] == f"{root}/last.ckpt"
+    _assert_bitwise(out, "full8", "s3_resumed")
     secret = FAKE_SECRET_KEY.encode()
     for key, data in s3_env.objects().items():
         assert secret not in data, key
-    for path in tmp_path.rglob("*"):
+    for path in out.rglob("*"):
         if path.is_file():
             assert secret not in path.read_bytes(), path

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from lightning_hpp import HPPStrategy, PlanError
-from tests.launch import run_script
+from tests.launch import run_scripts
+from tests.workers import refusals
 from tests.workers.run_errors import PLANTED_ENV
 
 pytestmark = pytest.mark.slow
@@ -53,43 +52,65 @@ def test_option_sections_refuse_unknown_keys_and_wrong_types():
     HPPStrategy(checkpoint=CheckpointOptions(dir="x", every_n_steps=5), bias={"audit": "error", "deterministic": False})
 
 
-@pytest.mark.parametrize(
-    "case, devices, message",
-    [
-        ("too_many_stages", 2, "The plan has 3 stages \\(pp_degree=3\\) but the job has 2 processes"),
-        ("pp_not_divisor", 3, "World size 3 is not divisible by pp_degree=2"),
-        ("non_sequential", 2, "`forward` is not sequential at unit 'layers.4'"),
-        ("int_boundary", 2, "boundary after unit 'layers.3' carries Tensor\\(shape=\\(4, 16\\), dtype=torch.int64\\)"),
-        ("batch_not_divisible", 2, "Batch size 10 is not divisible by n_microbatches=4"),
-        ("pp_exceeds_world", 2, "`HPPStrategy\\(pp_degree=3\\)` needs at least 3 processes, one per pipeline position, but the job has 2"),
-        ("device_map_rank7", 2, "`PlacementOptions\\(device_map='0:cpu,7:cpu'\\)` names rank\\(s\\) \\[7\\], but the job has 2 processes"),
-    ],
-)
-def test_bad_setup_fails_before_training_without_hanging(tmp_path, case, devices, message):
+BAD_SETUPS = [
+    ("too_many_stages", 2, "The plan has 3 stages \\(pp_degree=3\\) but the job has 2 processes"),
+    ("pp_not_divisor", 3, "World size 3 is not divisible by pp_degree=2"),
+    ("non_sequential", 2, "`forward` is not sequential at unit 'layers.4'"),
+    ("int_boundary", 2, "boundary after unit 'layers.3' carries Tensor\\(shape=\\(4, 16\\), dtype=torch.int64\\)"),
+    ("batch_not_divisible", 2, "Batch size 10 is not divisible by n_microbatches=4"),
+    ("pp_exceeds_world", 2, "`HPPStrategy\\(pp_degree=3\\)` needs at least 3 processes, one per pipeline position, but the job has 2"),
+    ("device_map_rank7", 2, "`PlacementOptions\\(device_map='0:cpu,7:cpu'\\)` names rank\\(s\\) \\[7\\], but the job has 2 processes"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_setup_jobs(tmp_path_factory):
+    """One job per world size (2 and 3, side by side: they share nothing) whose ranks try every bad setup of
+    that size in turn, each case in its own Trainer (tests/workers/refusals.py). {devices: (process, out dir)}."""
+    sizes = sorted({d for _, d, _ in BAD_SETUPS})
+    outs = {d: tmp_path_factory.mktemp(f"bad_setups_{d}") for d in sizes}
+    jobs = [("tests.workers.run_cases", {"cases": [c for c, n, _ in BAD_SETUPS if n == d], "devices": d, "out": str(outs[d]),
+                                         "timeout": refusals.COLLECTIVE_TIMEOUT_S}) for d in sizes]
+    procs = run_scripts(jobs, timeout=600, check=False)
+    return {d: (proc, outs[d]) for d, proc in zip(sizes, procs)}
+
+
+@pytest.mark.parametrize("case, devices, message", BAD_SETUPS)
+def test_bad_setup_fails_before_training_without_hanging(bad_setup_jobs, case, devices, message):
     import re
 
-    start = time.monotonic()
-    proc = run_script("tests.workers.run_cases", {"case": case, "devices": devices, "out": str(tmp_path)}, check=False, timeout=120)
+    proc, out = bad_setup_jobs[devices]
     assert proc.returncode != 0
-    assert re.search(message, proc.stderr), proc.stderr[-3000:]
-    if case in ("pp_exceeds_world", "device_map_rank7"):  # refused on every rank, each with its own error
-        assert all(re.search(rf"\[rank{r}\]: .*Error: {message}", proc.stderr) for r in range(devices)), proc.stderr[-3000:]
+    # refused on every rank, each with its own error (no rank was left waiting in a collective), before the
+    # first optimizer step and far below the collective timeout
+    for record in refusals.read(out / case, devices):
+        assert (record["error"] or "").startswith("lightning_hpp.errors."), (record, proc.stderr[-3000:])
+        assert re.search(message, record["error"]), record
+        assert record["global_step"] == 0
+        assert record["seconds"] < refusals.BOUND_S, record
     assert "Epoch 0" not in proc.stdout
-    assert time.monotonic() - start < 90
+
+
+@pytest.fixture(scope="module")
+def first_error_jobs(tmp_path_factory):
+    """The two jobs of test_the_first_error_ends_every_rank, side by side (they share nothing): rank 0, then
+    rank 1, raises at step 2. {failing rank: finished process}."""
+    outs = [tmp_path_factory.mktemp(f"first_error_{r}") for r in (0, 1)]
+    jobs = [("tests.workers.run_errors", {"out": str(outs[r]), "raise_rank": r, "raise_step": 2, "timeout": 300}, PLANTED_ENV)
+            for r in (0, 1)]
+    return dict(enumerate(run_scripts(jobs, timeout=280, check=False)))
 
 
 @pytest.mark.parametrize("failing", [0, 1], ids=["rank0-hosts-the-store", "rank1-child"])
-def test_the_first_error_ends_every_rank(tmp_path, failing):
+def test_the_first_error_ends_every_rank(first_error_jobs, failing):
     # One rank raises in training_step at step 2 while its peer waits on the pipeline. The peer must
     # end with an error naming that rank and repeating its exception (not gloo's "Connection closed
     # by peer"), long before the 300 s collective timeout.
     import re
 
     peer = 1 - failing
-    start = time.monotonic()
-    proc = run_script("tests.workers.run_errors", {"out": str(tmp_path), "raise_rank": failing, "raise_step": 2, "timeout": 300},
-                      check=False, timeout=280, env=PLANTED_ENV)
-    elapsed = time.monotonic() - start
+    proc = first_error_jobs[failing]
+    elapsed = proc.seconds
     assert proc.returncode != 0
     own = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank{failing}]: ")]
     assert own[-1] == f"[rank{failing}]: RuntimeError: boom on rank {failing} at step 2", proc.stderr[-3000:]

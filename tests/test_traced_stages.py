@@ -17,7 +17,7 @@ import torch
 
 from lightning_hpp.checkpoint.lightning_state import from_sharded, load_template, tensor_aliases, to_sharded
 from lightning_hpp.checkpoint.sharded import checkpoint_keys, load_sharded, save_sharded
-from tests.launch import load_rank, merged_state, run_script
+from tests.launch import load_rank, merged_state, run_script, run_scripts
 from tests.real_models import LMWrapper
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -131,12 +131,9 @@ def _assert_same_run(got: list[dict], want: list[dict]) -> None:
                                    msg=lambda m, k=k: f"momentum of {k}: {m}")
 
 
-@pytest.mark.slow
-def test_tied_weights_saved_once_and_checkpoints_move_between_frontends_and_cuts(tmp_path):
-    from tests.test_real_models import assert_matches, reference
-
+def _tied_weight_runs(tmp_path: Path) -> list[dict]:
     gpt2_ckpt, seq_ckpt, traced_ckpt = (str(tmp_path / d) for d in ("ckpt_gpt2", "ckpt_seq", "ckpt_traced"))
-    runs = [
+    return [
         # GPT-2 in 2 traced stages (cut h.2), saved after 2 of 4 steps; resumed below under 3 stages
         _gpt2_run("gpt2_saved", tmp_path, steps=2, ckpt_dir=gpt2_ckpt, every=2),
         # the MLP: uninterrupted; saved by one frontend at step 4 (mid-epoch), resumed by the other at another cut
@@ -146,7 +143,57 @@ def test_tied_weights_saved_once_and_checkpoints_move_between_frontends_and_cuts
         _mlp_run("mlp_saved_traced", tmp_path, "traced", "layers.4", 4, ckpt_dir=traced_ckpt, every=4),
         _mlp_run("mlp_resumed_seq", tmp_path, "sequential", "layers.3", 10, resume=f"{traced_ckpt}/step-4"),
     ]
-    run_script("tests.workers.run_real", {"devices": 2, "runs": runs}, timeout=300)
+
+
+def _precision_runs(tmp_path: Path) -> list[dict]:
+    # one batch of 8 samples, seen at every step: the loss can fall (the batches of random tokens cannot be learned in
+    # a few steps otherwise); the fp32 reference is the same pipeline in 32-true (equal to one process, see
+    # tests/test_real_models.py)
+    return [_gpt2_run("gpt2_bf16", tmp_path, precision=["bf16-mixed", "32-true"], steps=6, n=8),
+            _gpt2_run("gpt2_fp8emu", tmp_path, precision=["32-true", "fp8"], fp8_backend="emulate", steps=6, n=8),
+            _gpt2_run("gpt2_fp32", tmp_path, steps=6, n=8)]
+
+
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
+def _v_runs(tmp_path: Path) -> list[dict]:
+    """GPT-2 (tied embeddings: the stricter case) in 4 traced stages on 2 ranks under both V-placement schedules."""
+    return [_gpt2_run(f"gpt2_{s}", tmp_path, model="gpt2", points=GPT2_FOUR, schedule=s) for s in V_SCHEDULES]
+
+
+REFUSED = {"gpt2_fp8_cpu": {}, "gpt2_fp8_te": {"fp8_capable": True}}
+
+
+@pytest.fixture(scope="module")
+def two_rank_jobs(tmp_path_factory: pytest.TempPathFactory):
+    """The two 2-rank jobs of this module, side by side (they share nothing), each running its configurations
+    one after another (each with its own Trainer and model, seeded alike):
+
+    * every training run: the tied-weight checkpoints, the per-stage precisions, the V schedules;
+    * the traced GPT-2s whose setup must fail, tried in turn by the same ranks (tests/workers/refusals.py).
+
+    Returns (training dir, refusals dir, the refusal job's finished process)."""
+    out, refused = tmp_path_factory.mktemp("traced_two_ranks"), tmp_path_factory.mktemp("traced_refused")
+    runs = _tied_weight_runs(out) + _precision_runs(out) + _v_runs(out)
+    bad = [{**_gpt2_run(name, refused, precision=["32-true", "fp8"], **kw), "refused": True} for name, kw in REFUSED.items()]
+    training, refusals = run_scripts([("tests.workers.run_real", {"devices": 2, "runs": runs}),
+                                      ("tests.workers.run_real", {"devices": 2, "runs": bad})], timeout=600, check=False)
+    assert training.returncode == 0, f"--- stdout\n{training.stdout[-4000:]}\n--- stderr\n{training.stderr[-8000:]}"
+    return out, refused, refusals
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(two_rank_jobs) -> Path:
+    return two_rank_jobs[0]
+
+
+@pytest.mark.slow
+def test_tied_weights_saved_once_and_checkpoints_move_between_frontends_and_cuts(two_rank_runs):
+    from tests.test_real_models import assert_matches, reference
+
+    tmp_path = two_rank_runs
+    gpt2_ckpt = str(tmp_path / "ckpt_gpt2")
 
     # 1. the tied embedding / LM head is one checkpoint entry, under its first name, with its momentum once
     keys = set(checkpoint_keys(f"{gpt2_ckpt}/step-2"))
@@ -188,14 +235,8 @@ def test_tied_weights_saved_once_and_checkpoints_move_between_frontends_and_cuts
 
 
 @pytest.mark.slow
-def test_precision_per_traced_stage_trains_and_is_recorded(tmp_path):
-    # one batch of 8 samples, seen at every step: the loss can fall (the batches of random tokens cannot be learned in
-    # a few steps otherwise); the fp32 reference is the same pipeline in 32-true (equal to one process, see
-    # tests/test_real_models.py)
-    runs = [_gpt2_run("gpt2_bf16", tmp_path, precision=["bf16-mixed", "32-true"], steps=6, n=8),
-            _gpt2_run("gpt2_fp8emu", tmp_path, precision=["32-true", "fp8"], fp8_backend="emulate", steps=6, n=8),
-            _gpt2_run("gpt2_fp32", tmp_path, steps=6, n=8)]
-    run_script("tests.workers.run_real", {"devices": 2, "runs": runs}, timeout=300)
+def test_precision_per_traced_stage_trains_and_is_recorded(two_rank_runs):
+    tmp_path = two_rank_runs
     ref = _ranks(tmp_path, "gpt2_fp32")
     want, ref_losses = merged_state(tmp_path / "gpt2_fp32", [0, 1]), ref[0]["losses"]
     assert ref[0]["plan"]["meta"]["precision"] == ["32-true", "32-true"]
@@ -236,41 +277,42 @@ def test_precision_per_traced_stage_trains_and_is_recorded(tmp_path):
     assert max(float((got[k] - want[k]).abs().max()) for k in got) > 1e-5  # fp8 rounding did happen
 
 
-def _refused(tmp_path: Path, name: str, **kw) -> list[str]:
-    """Launch a traced GPT-2 whose setup must fail; every rank's error (type: message)."""
-    bad = _gpt2_run(name, tmp_path, precision=["32-true", "fp8"], **kw)
-    proc = run_script("tests.workers.run_real", {"devices": 2, "runs": [bad]}, timeout=150, check=False)
+@pytest.fixture(scope="module")
+def refused_runs(two_rank_jobs):
+    return two_rank_jobs[2], two_rank_jobs[1]
+
+
+def _refused(refused_runs, name: str) -> list[str]:
+    """Every rank's error (type: message) for the run ``name`` of :func:`refused_runs`."""
+    from tests.workers import refusals
+
+    proc, out = refused_runs
     assert proc.returncode != 0  # ended, and not successfully (a hang would raise TimeoutExpired)
-    assert not (tmp_path / name / "rank0.pt").exists() and not (tmp_path / name / "rank1.pt").exists()
-    return [(tmp_path / name / f"rank{r}_error.txt").read_text() for r in (0, 1)]
+    records = refusals.read(out / name, 2)  # every rank raised itself; none was left waiting in a collective
+    assert all(r["error"] is not None for r in records), records
+    assert not (out / name / "rank0.pt").exists() and not (out / name / "rank1.pt").exists()
+    return [(out / name / f"rank{r}_error.txt").read_text() for r in (0, 1)]
 
 
 @pytest.mark.slow
-def test_fp8_on_a_traced_stage_without_an_fp8_device_fails_at_setup_on_every_rank(tmp_path):
-    for error in _refused(tmp_path, "gpt2_fp8_cpu"):
+def test_fp8_on_a_traced_stage_without_an_fp8_device_fails_at_setup_on_every_rank(refused_runs):
+    for error in _refused(refused_runs, "gpt2_fp8_cpu"):
         assert error.startswith("FP8Error: Stage 1 has precision 'fp8' but runs on device 'cpu'"), error
         assert "fp8_backend='emulate'" in error, error
 
 
 @pytest.mark.slow
-def test_transformer_engine_fp8_on_a_traced_stage_is_refused_with_the_stage_on_every_rank(tmp_path):
+def test_transformer_engine_fp8_on_a_traced_stage_is_refused_with_the_stage_on_every_rank(refused_runs):
     # fp8_capable: the worker makes every device count as an H100 with Transformer Engine
-    for error in _refused(tmp_path, "gpt2_fp8_te", fp8_capable=True):
+    for error in _refused(refused_runs, "gpt2_fp8_te"):
         assert error.startswith("PlanError: Stage 1 runs in fp8 through Transformer Engine"), error
         assert "traced frontend runs stage 1 as a captured graph" in error and "fp8_backend='emulate'" in error, error
 
 
-V_SCHEDULES = ("zbv", "dualpipev")
-
-
 @pytest.fixture(scope="module")
-def v_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    """GPT-2 (tied embeddings: the stricter case) in 4 traced stages on 2 ranks under both V-placement
-    schedules: one launch."""
-    out = tmp_path_factory.mktemp("v_schedules")
-    runs = [_gpt2_run(f"gpt2_{s}", out, model="gpt2", points=GPT2_FOUR, schedule=s) for s in V_SCHEDULES]
-    run_script("tests.workers.run_real", {"devices": 2, "runs": runs}, timeout=300)
-    return out, runs
+def v_runs(two_rank_runs: Path) -> tuple[Path, list[dict]]:
+    """The V-placement runs of :func:`two_rank_runs`."""
+    return two_rank_runs, _v_runs(two_rank_runs)
 
 
 def _check_v_run(out: Path, run: dict) -> None:

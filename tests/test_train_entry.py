@@ -21,7 +21,7 @@ from lightning_hpp.checkpoint import export_to_lightning_ckpt
 from lightning_hpp.hydra.train import _group_members, end_process_group, main
 from tests.launch import processes_mentioning
 from tests.models import MLP, make_dataset
-from tests.s3_server import s3_env  # noqa: F401  (fixture)
+from tests.s3_server import UNSET_AWS, aws_variables, fresh_bucket
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "hpp-Entry-Secret-5d2b8e41c7"
@@ -34,18 +34,59 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _train(*args: str, cwd: Path = ROOT, timeout: float = 300, exe: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run the entry point; on timeout end its whole process group and fail with its output."""
+def _start(*args: str, cwd: Path = ROOT, exe: list[str] | None = None, env: dict[str, str] | None = None,
+           logs: Path | None = None) -> subprocess.Popen:
+    """Start the entry point in a session of its own, its output into ``logs``.out/.err."""
     cmd = (exe or [sys.executable, "-m", "lightning_hpp.hydra.train"]) + list(args)
-    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**_env(), **(env or {})}, stdout=open(f"{logs}.out", "w"),
+                            stderr=open(f"{logs}.err", "w"), text=True, start_new_session=True)
+    proc.logs = logs
+    return proc
+
+
+def _finish(proc: subprocess.Popen, deadline: float) -> subprocess.CompletedProcess:
+    """Wait for ``proc`` until ``deadline`` (monotonic); past it end its whole process group and fail with its output."""
     try:
-        out, err = proc.communicate(timeout=timeout)
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        timed_out = False
     except subprocess.TimeoutExpired:
         end_process_group(proc.pid, wait=0.0, grace=5.0)
-        out, err = proc.communicate()
-        pytest.fail(f"{cmd} ran longer than {timeout}s\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-6000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        proc.wait()
+        timed_out = True
+    out, err = (Path(f"{proc.logs}.{x}").read_text() for x in ("out", "err"))
+    if timed_out:
+        pytest.fail(f"{proc.args} ran too long\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-6000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+CONSOLE = Path(sys.executable).with_name("lightning-hpp-train")
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """The four runs of the entry point of this module, side by side (they share nothing): a single
+    2-rank run checkpointing to S3, the 2x2 multirun, the 2-trial Optuna search, and (when the console
+    script is installed) a sweep whose trial fails. Yields (root dir, {name: finished process}, S3Env)."""
+    root = tmp_path_factory.mktemp("entry")
+    with fresh_bucket() as s3:
+        (root / "single").mkdir()
+        single_env = {**aws_variables(s3), "AWS_SECRET_ACCESS_KEY": SECRET, "HPP_S3_BUCKET": s3.bucket}
+        for name in UNSET_AWS:
+            single_env.pop(name, None)
+        started = {
+            # moto accepts any key; this one must leak nowhere
+            "single": _start("experiment=mlp_tiny", "checkpoint=s3", "strategy.timeout=60", f"hydra.run.dir={root / 'single' / 'run'}",
+                             cwd=root / "single", env=single_env, logs=root / "single_log"),
+            "sweep": _start("-m", "experiment=mlp_tiny", "model.optimizer.lr=0.05,0.2", "plan.stages.1.clip_norm=0.05,1.0",
+                            "strategy.timeout=60", f"hydra.sweep.dir={root / 'sweep'}", logs=root / "sweep_log"),
+            "optuna": _start("hparams_search=optuna", "experiment=mlp_tiny", "hydra.sweeper.n_trials=2", "strategy.timeout=60",
+                             f"hydra.sweep.dir={root / 'optuna'}", logs=root / "optuna_log"),
+        }
+        if CONSOLE.exists():
+            started["console"] = _start("-m", "experiment=mlp_tiny", "plan=hybrid", f"hydra.sweep.dir={root / 'bad'}",
+                                        exe=[str(CONSOLE)], logs=root / "console_log")
+        deadline = time.monotonic() + 600
+        yield root, {name: _finish(proc, deadline) for name, proc in started.items()}, s3
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -62,11 +103,14 @@ def _val_loss_reference(state: dict) -> float:
     return float(torch.stack(losses).mean())
 
 
-def test_single_run_s3_checkpoint_snapshot_without_secrets(tmp_path, s3_env, monkeypatch):  # noqa: F811
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)  # moto accepts any key; this one must leak nowhere
-    monkeypatch.setenv("HPP_S3_BUCKET", s3_env.bucket)
-    run = tmp_path / "run"
-    proc = _train("experiment=mlp_tiny", "checkpoint=s3", "strategy.timeout=60", f"hydra.run.dir={run}", cwd=tmp_path)
+def test_single_run_s3_checkpoint_snapshot_without_secrets(jobs, tmp_path, monkeypatch):
+    root, procs, s3_env = jobs
+    for name in UNSET_AWS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in aws_variables(s3_env).items():
+        monkeypatch.setenv(name, value)
+    run = root / "single" / "run"
+    proc = procs["single"]
     _ok(proc)
 
     result = json.loads((run / "result.json").read_text())
@@ -103,12 +147,9 @@ def test_single_run_s3_checkpoint_snapshot_without_secrets(tmp_path, s3_env, mon
     assert not leaks, f"the secret was written to {leaks}"
 
 
-def test_sweep_2x2_trials_are_separate_multiprocess_runs(tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = _train(
-        "-m", "experiment=mlp_tiny", "model.optimizer.lr=0.05,0.2", "plan.stages.1.clip_norm=0.05,1.0",
-        "strategy.timeout=60", f"hydra.sweep.dir={sweep}",
-    )
+def test_sweep_2x2_trials_are_separate_multiprocess_runs(jobs):
+    root, procs, _ = jobs
+    sweep, proc = root / "sweep", procs["sweep"]
     _ok(proc)
     trials = [json.loads((sweep / str(i) / "trial.json").read_text()) for i in range(4)]
     assert not (sweep / "4").exists()
@@ -146,11 +187,9 @@ def test_sweep_2x2_trials_are_separate_multiprocess_runs(tmp_path):
     assert "4/4 trial(s) completed" in proc.stdout
 
 
-def test_optuna_search_two_trials(tmp_path):
-    sweep = tmp_path / "optuna"
-    proc = _train(
-        "hparams_search=optuna", "experiment=mlp_tiny", "hydra.sweeper.n_trials=2", "strategy.timeout=60", f"hydra.sweep.dir={sweep}"
-    )
+def test_optuna_search_two_trials(jobs):
+    root, procs, _ = jobs
+    sweep, proc = root / "optuna", procs["optuna"]
     _ok(proc)
     trials = [json.loads((sweep / str(i) / "trial.json").read_text()) for i in range(2)]
     assert not (sweep / "2").exists()
@@ -167,12 +206,11 @@ def test_optuna_search_two_trials(tmp_path):
     assert "2/2 trial(s) completed" in (sweep / "summary.md").read_text()
 
 
-def test_console_script_sweep_whose_trials_all_fail_exits_nonzero(tmp_path):
-    exe = Path(sys.executable).with_name("lightning-hpp-train")
-    if not exe.exists():
+def test_console_script_sweep_whose_trials_all_fail_exits_nonzero(jobs):
+    if not CONSOLE.exists():
         pytest.skip("the console script is not installed (pip install -e .)")
-    sweep = tmp_path / "bad"
-    proc = _train("-m", "experiment=mlp_tiny", "plan=hybrid", f"hydra.sweep.dir={sweep}", exe=[str(exe)])
+    root, procs, _ = jobs
+    sweep, proc = root / "bad", procs["console"]
     assert proc.returncode == 1
     trial = json.loads((sweep / "0" / "trial.json").read_text())
     assert trial["status"] == "failed" and trial["returncode"] == 1

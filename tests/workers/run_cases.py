@@ -1,6 +1,8 @@
 """Small multi-process jobs for the integration and bad-input tests.
 
 Usage: python -m tests.workers.run_cases '<json: {"case": NAME, "out": DIR, ...}>'
+or, for several bad setups tried in turn by the same processes (:mod:`tests.workers.refusals`),
+python -m tests.workers.run_cases '<json: {"cases": [NAME, ...], "devices": N, "out": DIR}>'
 """
 
 from __future__ import annotations
@@ -46,6 +48,22 @@ class _Bucketize(nn.Module):
 
 
 def main(cfg: dict) -> None:
+    trainer, model, train, val = _build(cfg)
+    trainer.fit(model, train, val)
+    _report(cfg, trainer)
+
+
+def main_cases(cfg: dict) -> int:
+    from tests.workers.refusals import exit_status, try_case
+
+    records = []
+    for case in cfg["cases"]:
+        trainer, model, train, val = _build({**cfg, "case": case})
+        records.append(try_case(os.path.join(cfg["out"], case), cfg["devices"], lambda: trainer.fit(model, train, val), trainer))
+    return exit_status(records)
+
+
+def _build(cfg: dict) -> tuple:
     case = cfg["case"]
     L.seed_everything(0)
     devices = cfg.get("devices", 2)
@@ -73,8 +91,12 @@ def main(cfg: dict) -> None:
         kw = dict(logger=CSVLogger(cfg["out"], name="csv"), max_epochs=5, log_every_n_steps=1, enable_progress_bar=True)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=HPPStrategy(**strategy_kw), callbacks=callbacks, **QUIET, **kw)
     train, val = loaders(batch)
-    trainer.fit(model, train, val)
-    if case == "lightning_integration":
+    return trainer, model, train, val
+
+
+def _report(cfg: dict, trainer) -> None:
+    if cfg["case"] == "lightning_integration":
+        ckpt, stop = trainer.checkpoint_callback, trainer.early_stopping_callback
         result = {
             "rank": trainer.global_rank,
             "epochs_run": trainer.current_epoch,
@@ -89,4 +111,7 @@ def main(cfg: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    spec = json.loads(sys.argv[1])
+    if "cases" in spec:
+        sys.exit(main_cases(spec))
+    main(spec)

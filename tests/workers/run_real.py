@@ -13,7 +13,9 @@ model, e.g. ``{"in_configure_model": true}``), ``strategy`` (more HPPStrategy ke
 (``HPPPrecision(fp8_backend=...)``), and ``fp8_capable`` (``true``: every device counts as able to run Transformer Engine fp8, as an H100 with
 TE installed would, so that what is refused *because of the frontend* can be checked on CPUs). A
 rank whose run raises writes ``<out>/rank{r}_error.txt`` (the exception's type and message) and
-exits with it.
+exits with it, unless the config has ``"refused": true`` (a bad setup): then every rank records its
+error (:mod:`tests.workers.refusals`) and goes on to the next configuration, and the job exits with
+status 1 at the end.
 """
 
 import json
@@ -124,6 +126,13 @@ def _run(cfg: dict, devices: int) -> None:
 
 
 if __name__ == "__main__":
+    from tests.workers.refusals import exit_status, try_case
+
     spec = json.loads(sys.argv[1])
+    records = []
     for cfg in spec["runs"]:
-        run(cfg, spec["devices"])
+        if cfg.get("refused"):
+            records.append(try_case(cfg["out"], spec["devices"], lambda: run(cfg, spec["devices"])))
+        else:
+            run(cfg, spec["devices"])
+    sys.exit(exit_status(records))

@@ -1,6 +1,8 @@
 """Train, stop, resume: every rank saves its final parameters and optimizer state to OUT/<tag>_rank{r}.pt.
 
 Usage: python -m tests.workers.run_resume '<json config>'
+or, for several configurations one after another in the same processes (each with its own Trainer
+and model; all with the same ``devices``), python -m tests.workers.run_resume '<json: {"runs": [config, ...]}>'
 """
 
 import json
@@ -88,4 +90,6 @@ def main(cfg: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    spec = json.loads(sys.argv[1])
+    for cfg in spec.get("runs", [spec]):
+        main(cfg)

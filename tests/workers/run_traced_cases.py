@@ -1,11 +1,14 @@
 """Bad real-model inputs for the traced frontend: each must stop every rank at setup.
 
 Usage: python -m tests.workers.run_traced_cases '<json: {"case": NAME}>'
+or, for several cases tried in turn by the same processes (:mod:`tests.workers.refusals`),
+python -m tests.workers.run_traced_cases '<json: {"cases": [NAME, ...], "out": DIR}>'
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import lightning as L
@@ -34,14 +37,37 @@ class DataDependent(LMWrapper):
 
 
 def main(cfg: dict) -> None:
-    L.seed_everything(0)
-    model = {"second_call": TwoCalls, "data_dependent": DataDependent}[cfg["case"]]("gpt2")
-    strategy = HPPStrategy(plan=StagePlan.split_at(["model.transformer.h.2"]), n_microbatches=4, timeout=60)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer, model = _build(cfg)
     trainer.fit(model, loader("gpt2", 8))
     print("TRAINED")
 
 
+def main_cases(cfg: dict) -> int:
+    from tests.workers.refusals import exit_status, try_case
+
+    records = []
+    for case in cfg["cases"]:
+        trainer, model = _build({**cfg, "case": case})
+
+        def fit() -> None:
+            trainer.fit(model, loader("gpt2", 8))
+            print(f"TRAINED {case}")
+
+        records.append(try_case(os.path.join(cfg["out"], case), 2, fit, trainer))
+    return exit_status(records)
+
+
+def _build(cfg: dict) -> tuple:
+    L.seed_everything(0)
+    model = {"second_call": TwoCalls, "data_dependent": DataDependent}[cfg["case"]]("gpt2")
+    strategy = HPPStrategy(plan=StagePlan.split_at(["model.transformer.h.2"]), n_microbatches=4, timeout=cfg.get("timeout", 60))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    return trainer, model
+
+
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    spec = json.loads(sys.argv[1])
+    if "cases" in spec:
+        sys.exit(main_cases(spec))
+    main(spec)
