@@ -47,9 +47,11 @@ def run_scripts(jobs: list[tuple], timeout: float = 240, check: bool = True) -> 
     with tempfile.TemporaryDirectory(prefix="hpp-jobs-") as logs:
         for i, (module, arg, *more) in enumerate(jobs):
             text = arg if isinstance(arg, str) else json.dumps(arg)
-            out, err = open(Path(logs) / f"{i}.out", "w+"), open(Path(logs) / f"{i}.err", "w+")
+            out, err = Path(logs) / f"{i}.out", Path(logs) / f"{i}.err"
             env = {k: v for k, v in {**full_env, **(more[0] if more else {})}.items() if v is not None}
-            proc = subprocess.Popen([sys.executable, "-m", module, text], cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+            with open(out, "w") as out_file, open(err, "w") as err_file:  # the child keeps its own copies
+                proc = subprocess.Popen([sys.executable, "-m", module, text], cwd=ROOT, env=env, stdout=out_file,
+                                        stderr=err_file, text=True)
             started.append((module, text, proc, out, err))
         deadline = start + timeout
         ended: dict[int, float] = {}
@@ -68,12 +70,9 @@ def run_scripts(jobs: list[tuple], timeout: float = 240, check: bool = True) -> 
                     proc.wait()
         done = []
         for i, (module, text, proc, out, err) in enumerate(started):
-            out.seek(0)
-            err.seek(0)
-            result = subprocess.CompletedProcess([sys.executable, "-m", module, text], proc.returncode, out.read(), err.read())
+            result = subprocess.CompletedProcess([sys.executable, "-m", module, text], proc.returncode, out.read_text(),
+                                                 err.read_text())
             result.seconds = ended.get(i)  # from the start of all the jobs to the end of this one
-            out.close()
-            err.close()
             if check and result.returncode != 0:
                 raise AssertionError(f"{module} exited with {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n"
                                      f"--- stderr\n{result.stderr[-8000:]}")
