@@ -19,9 +19,17 @@ def run_script(module: str, arg: object, timeout: float = 240, check: bool = Tru
     full_env.pop("LOCAL_RANK", None)
     full_env.pop("WORLD_SIZE", None)
     text = arg if isinstance(arg, str) else json.dumps(arg)
-    proc = subprocess.run(
-        [sys.executable, "-m", module, text], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
-    )
+    cmd = [sys.executable, "-m", module, text]
+    # a session of its own: on timeout every process of the job goes (the ranks Lightning started, their
+    # DataLoader workers), not only the first, which would leave the others waiting forever
+    job = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(job)
+        raise
+    proc = subprocess.CompletedProcess(cmd, job.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(f"{module} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
     return proc
@@ -47,9 +55,11 @@ def run_scripts(jobs: list[tuple], timeout: float = 240, check: bool = True) -> 
     with tempfile.TemporaryDirectory(prefix="hpp-jobs-") as logs:
         for i, (module, arg, *more) in enumerate(jobs):
             text = arg if isinstance(arg, str) else json.dumps(arg)
-            out, err = open(Path(logs) / f"{i}.out", "w+"), open(Path(logs) / f"{i}.err", "w+")
+            out, err = Path(logs) / f"{i}.out", Path(logs) / f"{i}.err"
             env = {k: v for k, v in {**full_env, **(more[0] if more else {})}.items() if v is not None}
-            proc = subprocess.Popen([sys.executable, "-m", module, text], cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+            with open(out, "w") as out_file, open(err, "w") as err_file:  # the child keeps its own copies
+                proc = subprocess.Popen([sys.executable, "-m", module, text], cwd=ROOT, env=env, stdout=out_file,
+                                        stderr=err_file, text=True, start_new_session=True)
             started.append((module, text, proc, out, err))
         deadline = start + timeout
         ended: dict[int, float] = {}
@@ -64,21 +74,28 @@ def run_scripts(jobs: list[tuple], timeout: float = 240, check: bool = True) -> 
         finally:
             for _, _, proc, _, _ in started:
                 if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+                    _kill_group(proc)
         done = []
         for i, (module, text, proc, out, err) in enumerate(started):
-            out.seek(0)
-            err.seek(0)
-            result = subprocess.CompletedProcess([sys.executable, "-m", module, text], proc.returncode, out.read(), err.read())
+            result = subprocess.CompletedProcess([sys.executable, "-m", module, text], proc.returncode, out.read_text(),
+                                                 err.read_text())
             result.seconds = ended.get(i)  # from the start of all the jobs to the end of this one
-            out.close()
-            err.close()
             if check and result.returncode != 0:
                 raise AssertionError(f"{module} exited with {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n"
                                      f"--- stderr\n{result.stderr[-8000:]}")
             done.append(result)
     return done
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group (session) ``proc`` leads, then reap ``proc``."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate()
 
 
 def processes_mentioning(text: str) -> list[str]:

@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.launch import load_rank, run_scripts
+from tests.launch import load_rank
 from tests.real_models import LMWrapper
 from tests.test_real_models import assert_matches, reference
 
@@ -66,16 +66,25 @@ def _chain_runs(tmp_path) -> list[dict]:
     return runs
 
 
+# For the shared jobs of tests/conftest.py (``real_model_jobs``): the weights the jobs load, then this
+# module's configurations by number of ranks.
+def write_weights(out) -> tuple[LMWrapper, LMWrapper]:
+    """Write the weights the jobs load into ``out``; return the eager Llama and chain they come from."""
+    return _llama_weights(out), _chain_weights(out)
+
+
+def two_rank_runs(out) -> list[dict]:
+    return _chain_runs(out)
+
+
+def four_rank_runs(out) -> list[dict]:
+    return _llama_runs(out)
+
+
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """Both jobs of this module side by side (they share nothing): the 4-rank Llama and the 2-rank chain
-    configurations (one after another, each with its own Trainer and model). Returns (out dir, eager Llama,
-    eager chain): the models whose weights the jobs load."""
-    out = tmp_path_factory.mktemp("big_models")
-    llama, chain = _llama_weights(out), _chain_weights(out)
-    run_scripts([("tests.workers.run_real", {"devices": 4, "runs": _llama_runs(out)}),
-                 ("tests.workers.run_real", {"devices": 2, "runs": _chain_runs(out)})], timeout=600)
-    return out, llama, chain
+def jobs(real_model_jobs):
+    """(this module's dir, eager Llama, eager chain) from the shared ``run_real`` jobs (tests/conftest.py)."""
+    return real_model_jobs.big, real_model_jobs.llama, real_model_jobs.chain
 
 
 def test_meta_model_in_four_stages_loads_its_weights_stage_locally(jobs):

@@ -1,9 +1,9 @@
 """fp32 pipelines reproduce single-process training: every parameter, every schedule.
 
 Each test checks one real multi-process job (Lightning re-launches the script per rank, gloo; the
-three jobs run side by side), which runs several configurations, and compares every parameter with a
-single-process Trainer trained on the same data with the same global batch for the same number of
-optimizer steps.
+jobs of 2, 3 and 4 ranks, shared with other modules, run side by side: tests/conftest.py), which runs
+several configurations, and compares every parameter with a single-process Trainer trained on the
+same data with the same global batch for the same number of optimizer steps.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launch import load_rank, merged_state, run_scripts
+from tests.launch import load_rank, merged_state
 from tests.reference import train_reference
 
 pytestmark = pytest.mark.slow
@@ -60,20 +60,24 @@ def _four_rank_runs() -> list[dict]:
     return runs
 
 
+# This module's configurations by number of ranks, for the shared ``run_hpp`` jobs of tests/conftest.py
+# (``hpp_jobs``): ``out / name`` holds each run's outputs.
+def two_rank_runs(out) -> list[dict]:
+    return [{**r, "out": str(out / r["name"])} for r in _two_rank_runs()]
+
+
+def three_rank_runs(out) -> list[dict]:
+    return [{**r, "out": str(out / r["name"])} for r in _three_rank_runs()]
+
+
+def four_rank_runs(out) -> list[dict]:
+    return [{**r, "out": str(out / r["name"])} for r in _four_rank_runs()]
+
+
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """The three jobs of this module side by side (they share nothing): 2, 3 and 4 ranks, each running its
-    configurations one after another (each with its own Trainer and model). ``out[n] / name``: the outputs of
-    the run ``name`` on ``n`` ranks."""
-    root = tmp_path_factory.mktemp("correctness")
-    out = {n: root / f"ranks{n}" for n in (2, 3, 4)}
-
-    def spec(n: int, runs: list[dict]) -> dict:
-        return {"devices": n, "runs": [{**r, "out": str(out[n] / r["name"])} for r in runs]}
-
-    run_scripts([("tests.workers.run_hpp", spec(2, _two_rank_runs())), ("tests.workers.run_hpp", spec(3, _three_rank_runs())),
-                 ("tests.workers.run_hpp", spec(4, _four_rank_runs()))])
-    return out
+def jobs(hpp_jobs):
+    """``jobs[n] / name``: the outputs of this module's run ``name`` on ``n`` ranks (tests/conftest.py)."""
+    return {n: hpp_jobs.correctness / f"ranks{n}" for n in (2, 3, 4)}
 
 
 def test_two_ranks_every_schedule(jobs):

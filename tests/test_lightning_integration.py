@@ -31,14 +31,14 @@ def jobs(tmp_path_factory):
     port = find_free_network_port()
     cfg = json.dumps({"devices": 1, "num_nodes": 2, "runs": [{"name": "tr", "stages": [["layers.0-3"], ["layers.4-6"]], "schedule": "1f1b", "n_micro": 4, "steps": 4, "batch": 16, "out": str(torchrun_dir)}]})
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    agents = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n),
-             "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "tests.workers.run_hpp", cfg],
-            cwd=ROOT, env=env, stdout=open(root / f"agent{n}.log", "w"), stderr=subprocess.STDOUT, text=True,
-        )
-        for n in (0, 1)
-    ]
+    agents = []
+    for n in (0, 1):
+        with open(root / f"agent{n}.log", "w") as log:  # the agent keeps its own copy
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n),
+                 "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "tests.workers.run_hpp", cfg],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+            ))
     try:
         fit = run_script("tests.workers.run_cases", {"case": "lightning_integration", "devices": 2, "out": str(fit_dir)})
         for p in agents:

@@ -9,7 +9,7 @@ from lightning_hpp.errors import PlacementError
 from lightning_hpp.planning.placement import kind_grid
 from lightning_hpp.planning.plan import StagePlan, StageSpec
 from lightning_hpp.planning.profile import CostProfile, ProfileEntry, UnitCost
-from tests.launch import load_rank, merged_state, run_script
+from tests.launch import load_rank, merged_state
 from tests.reference import train_reference
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,9 @@ def _synthetic_profile(path, names):
     prof.save(str(path))
 
 
-def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(tmp_path):
+def two_rank_runs(tmp_path) -> list[dict]:
+    """This module's configurations for the shared 2-rank ``run_hpp`` job of tests/conftest.py (``hpp_jobs``);
+    writes the synthetic profile they read into ``tmp_path``."""
     names = [f"layers.{i}" for i in range(11)]  # MLP(depth=6)
     _synthetic_profile(tmp_path / "profile.json", names)
     runs = [
@@ -41,7 +43,11 @@ def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(tmp_pat
     for r in runs:
         r.setdefault("steps", 4)
         r.update(batch=16, out=str(tmp_path / r["name"]))
-    run_script("tests.workers.run_hpp", {"devices": 2, "runs": runs})
+    return runs
+
+
+def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(hpp_jobs):
+    tmp_path = hpp_jobs.placement
     reference, _ = train_reference(steps=16, batch=16)
     got = merged_state(tmp_path / "measured", [0, 1])
     for k, v in reference.state_dict().items():

@@ -9,7 +9,7 @@ from lightning_hpp import StagePlan, StageSpec
 from lightning_hpp.errors import FP8Error
 from lightning_hpp.pipeline.stage import StageModule
 from lightning_hpp.precision.plugin import HPPPrecision, StageView
-from tests.launch import load_rank, merged_state, run_script
+from tests.launch import load_rank, merged_state
 from tests.models import MLP
 from tests.reference import train_reference
 
@@ -47,19 +47,20 @@ def _clip_runs() -> list[dict]:
     return runs
 
 
+def two_rank_runs(out) -> list[dict]:
+    """This module's configurations for the shared 2-rank ``run_hpp`` job of tests/conftest.py (``hpp_jobs``):
+    ``out / name`` holds each run's outputs."""
+    return [{**r, "out": str(out / r["name"])} for r in _mode_runs() + _clip_runs()]
+
+
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory):
-    """The 2-rank runs of this module, one configuration after another in one launch (each with its own
-    Trainer and model): ``out / name`` holds each run's outputs."""
-    out = tmp_path_factory.mktemp("precision_two_ranks")
-    runs = [{**r, "out": str(out / r["name"])} for r in _mode_runs() + _clip_runs()]
-    run_script("tests.workers.run_hpp", {"devices": 2, "runs": runs})
-    return out
+def two_rank_runs_dir(hpp_jobs):
+    return hpp_jobs.precision
 
 
 @pytest.mark.slow
-def test_each_mode_trains_close_to_fp32_and_overflow_skips_everywhere(two_rank_runs):
-    tmp_path, modes = two_rank_runs, MODES
+def test_each_mode_trains_close_to_fp32_and_overflow_skips_everywhere(two_rank_runs_dir):
+    tmp_path, modes = two_rank_runs_dir, MODES
     reference, _ = train_reference(steps=5, batch=16)
     ref = reference.state_dict()
     for m in modes:
@@ -86,8 +87,8 @@ def test_each_mode_trains_close_to_fp32_and_overflow_skips_everywhere(two_rank_r
 
 
 @pytest.mark.slow
-def test_clipping_per_stage_and_global_equal_hand_computed_reference(two_rank_runs):
-    tmp_path = two_rank_runs
+def test_clipping_per_stage_and_global_equal_hand_computed_reference(two_rank_runs_dir):
+    tmp_path = two_rank_runs_dir
 
     # hand-computed: the first batch of the (shuffled) reference order, one SGD step (momentum buffer = grad)
     import torch.nn.functional as F

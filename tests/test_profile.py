@@ -11,10 +11,9 @@ import torch
 from torch import nn
 
 from lightning_hpp.errors import ProfileError, ProfileMismatchError
-from lightning_hpp.planning.partition import partition
 from lightning_hpp.planning import profile as profile_module
+from lightning_hpp.planning.partition import partition
 from lightning_hpp.planning.profile import CostProfile, check_profile_matches, load_or_profile, profile_units
-
 
 LIBRARY_WINDOW_S = profile_module.MIN_WINDOW_S
 

@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.launch import load_rank, merged_state, run_scripts
+from tests.launch import load_rank, merged_state
 from tests.real_models import LMWrapper, loader
 
 pytestmark = pytest.mark.slow
@@ -80,29 +80,32 @@ GPT2_PP2_DP2 = {"name": "gpt2_pp2_dp2", "model": "gpt2", "points": ["model.trans
                 "n_micro": 2, "steps": 3, "batch": 4}
 
 
+def _into(out, runs: list[dict]) -> list[dict]:
+    return [{**r, "out": str(out / r["name"])} for r in runs]
+
+
+# The configurations of this module, by number of ranks, for the shared jobs of tests/conftest.py
+# (``real_model_jobs``): ``out / name`` holds each run's outputs.
+def two_rank_runs(out) -> list[dict]:
+    return _into(out, _traced_runs() + _batchnorm_runs())
+
+
+def three_rank_runs(out) -> list[dict]:
+    return _into(out, [LLAMA3])
+
+
+def four_rank_runs(out) -> list[dict]:
+    return _into(out, [GPT2_PP2_DP2])
+
+
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """Every job of this module, the three side by side (they share nothing): 2 ranks running the
-    traced models and the BatchNorm chain one configuration after another (each with its own Trainer
-    and model), Llama on 3 ranks, GPT-2 on 4 (pp=2 x dp=2). ``out / name`` holds each run's outputs."""
-    out = tmp_path_factory.mktemp("real_models")
-
-    def spec(devices: int, runs: list[dict]) -> dict:
-        return {"devices": devices, "runs": [{**r, "out": str(out / r["name"])} for r in runs]}
-
-    run_scripts([("tests.workers.run_real", spec(2, _traced_runs() + _batchnorm_runs())),
-                 ("tests.workers.run_real", spec(3, [LLAMA3])),
-                 ("tests.workers.run_real", spec(4, [GPT2_PP2_DP2]))], timeout=600)
-    return out
+def jobs(real_model_jobs):
+    """This module's outputs from the shared ``run_real`` jobs (tests/conftest.py)."""
+    return real_model_jobs.real
 
 
-@pytest.fixture(scope="module")
-def two_rank_runs(jobs):
-    return jobs
-
-
-def test_transformers_and_nanogpt_two_stages_traced(two_rank_runs):
-    tmp_path = two_rank_runs
+def test_transformers_and_nanogpt_two_stages_traced(jobs):
+    tmp_path = jobs
     runs = [{**r, "out": str(tmp_path / r["name"])} for r in _traced_runs()]
     for r in runs:
         out = load_rank(r["out"], 0)
@@ -128,8 +131,8 @@ def test_llama_three_stages_and_pp2_dp2(jobs):
     assert_matches(ref_model, None, tmp_path / "gpt2_pp2_dp2", [0, 1, 2, 3], compare_losses=False)
 
 
-def test_a_chain_with_batchnorm_logs_the_right_loss_from_the_first_step(two_rank_runs):
-    runs = [{**r, "out": str(two_rank_runs / r["name"])} for r in _batchnorm_runs()]
+def test_a_chain_with_batchnorm_logs_the_right_loss_from_the_first_step(jobs):
+    runs = _into(jobs, _batchnorm_runs())
     ref_model, ref_losses = reference("bn_mlp", 4, 8, 4)
     for r in runs:
         assert load_rank(r["out"], 0)["plan"]["meta"]["frontend"] == "sequential"

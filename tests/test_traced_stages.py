@@ -17,7 +17,7 @@ import torch
 
 from lightning_hpp.checkpoint.lightning_state import from_sharded, load_template, tensor_aliases, to_sharded
 from lightning_hpp.checkpoint.sharded import checkpoint_keys, load_sharded, save_sharded
-from tests.launch import load_rank, merged_state, run_script, run_scripts
+from tests.launch import load_rank, merged_state
 from tests.real_models import LMWrapper
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -165,34 +165,39 @@ def _v_runs(tmp_path: Path) -> list[dict]:
 REFUSED = {"gpt2_fp8_cpu": {}, "gpt2_fp8_te": {"fp8_capable": True}}
 
 
+def _resumed_three_runs(tmp_path: Path) -> list[dict]:
+    # GPT-2 saved with cut h.2 (2 stages, gpt2_saved) resumed with cuts h.1, h.3 (3 stages)
+    return [_gpt2_run("gpt2_resumed3", tmp_path, points=["model.transformer.h.1", "model.transformer.h.3"], steps=4,
+                      resume=f"{tmp_path / 'ckpt_gpt2'}/step-2")]
+
+
+# The configurations of this module, by number of ranks and kind, for the shared jobs of tests/conftest.py
+# (``real_model_jobs``), each in its own launch round: the 3-rank resume reads what a 2-rank run wrote.
+def two_rank_runs(out: Path) -> list[dict]:
+    """Every 2-rank training run: the tied-weight checkpoints, the per-stage precisions, the V schedules."""
+    return _tied_weight_runs(out) + _precision_runs(out) + _v_runs(out)
+
+
+def three_rank_runs(out: Path) -> list[dict]:
+    return _resumed_three_runs(out)
+
+
+def refused_runs(out: Path) -> list[dict]:
+    """The traced GPT-2s whose setup must fail, tried in turn by the ranks of one job (tests/workers/refusals.py)."""
+    return [{**_gpt2_run(name, out, precision=["32-true", "fp8"], **kw), "refused": True} for name, kw in REFUSED.items()]
+
+
 @pytest.fixture(scope="module")
-def two_rank_jobs(tmp_path_factory: pytest.TempPathFactory):
-    """The two 2-rank jobs of this module, side by side (they share nothing), each running its configurations
-    one after another (each with its own Trainer and model, seeded alike):
-
-    * every training run: the tied-weight checkpoints, the per-stage precisions, the V schedules;
-    * the traced GPT-2s whose setup must fail, tried in turn by the same ranks (tests/workers/refusals.py).
-
-    Returns (training dir, refusals dir, the refusal job's finished process)."""
-    out, refused = tmp_path_factory.mktemp("traced_two_ranks"), tmp_path_factory.mktemp("traced_refused")
-    runs = _tied_weight_runs(out) + _precision_runs(out) + _v_runs(out)
-    bad = [{**_gpt2_run(name, refused, precision=["32-true", "fp8"], **kw), "refused": True} for name, kw in REFUSED.items()]
-    training, refusals = run_scripts([("tests.workers.run_real", {"devices": 2, "runs": runs}),
-                                      ("tests.workers.run_real", {"devices": 2, "runs": bad})], timeout=600, check=False)
-    assert training.returncode == 0, f"--- stdout\n{training.stdout[-4000:]}\n--- stderr\n{training.stderr[-8000:]}"
-    return out, refused, refusals
-
-
-@pytest.fixture(scope="module")
-def two_rank_runs(two_rank_jobs) -> Path:
-    return two_rank_jobs[0]
+def two_rank_runs_dir(real_model_jobs) -> Path:
+    """This module's training outputs (both rounds) from the shared ``run_real`` jobs."""
+    return real_model_jobs.traced
 
 
 @pytest.mark.slow
-def test_tied_weights_saved_once_and_checkpoints_move_between_frontends_and_cuts(two_rank_runs):
+def test_tied_weights_saved_once_and_checkpoints_move_between_frontends_and_cuts(two_rank_runs_dir):
     from tests.test_real_models import assert_matches, reference
 
-    tmp_path = two_rank_runs
+    tmp_path = two_rank_runs_dir
     gpt2_ckpt = str(tmp_path / "ckpt_gpt2")
 
     # 1. the tied embedding / LM head is one checkpoint entry, under its first name, with its momentum once
@@ -218,10 +223,8 @@ def test_tied_weights_saved_once_and_checkpoints_move_between_frontends_and_cuts
         _assert_same_run(resumed, full)
     assert _ranks(tmp_path, "mlp_resumed_traced")[0]["plan"]["meta"]["cut_points"] == ["layers.4"]
 
-    # 2b. GPT-2 saved with cut h.2 (2 stages) resumes with cuts h.1, h.3 (3 stages) and equals single-process training
-    three = _gpt2_run("gpt2_resumed3", tmp_path, points=["model.transformer.h.1", "model.transformer.h.3"], steps=4,
-                      resume=f"{gpt2_ckpt}/step-2")
-    run_script("tests.workers.run_real", {"devices": 3, "runs": [three]}, timeout=300)
+    # 2b. GPT-2 saved with cut h.2 (2 stages) resumes with cuts h.1, h.3 (3 stages, a job of its own) and equals
+    # single-process training
     resumed = _ranks(tmp_path, "gpt2_resumed3", 3)
     assert resumed[0]["resumed_from"].endswith("step-2") and resumed[0]["global_step"] == 4
     ref_model, ref_losses = reference("gpt2", 4, 8, 4)
@@ -235,8 +238,8 @@ def test_tied_weights_saved_once_and_checkpoints_move_between_frontends_and_cuts
 
 
 @pytest.mark.slow
-def test_precision_per_traced_stage_trains_and_is_recorded(two_rank_runs):
-    tmp_path = two_rank_runs
+def test_precision_per_traced_stage_trains_and_is_recorded(two_rank_runs_dir):
+    tmp_path = two_rank_runs_dir
     ref = _ranks(tmp_path, "gpt2_fp32")
     want, ref_losses = merged_state(tmp_path / "gpt2_fp32", [0, 1]), ref[0]["losses"]
     assert ref[0]["plan"]["meta"]["precision"] == ["32-true", "32-true"]
@@ -278,15 +281,16 @@ def test_precision_per_traced_stage_trains_and_is_recorded(two_rank_runs):
 
 
 @pytest.fixture(scope="module")
-def refused_runs(two_rank_jobs):
-    return two_rank_jobs[2], two_rank_jobs[1]
+def refused_jobs(real_model_jobs):
+    """(the refusal job's finished process, its dir) from the shared ``run_real`` jobs."""
+    return real_model_jobs.refusals, real_model_jobs.refused
 
 
-def _refused(refused_runs, name: str) -> list[str]:
+def _refused(refused_jobs, name: str) -> list[str]:
     """Every rank's error (type: message) for the run ``name`` of :func:`refused_runs`."""
     from tests.workers import refusals
 
-    proc, out = refused_runs
+    proc, out = refused_jobs
     assert proc.returncode != 0  # ended, and not successfully (a hang would raise TimeoutExpired)
     records = refusals.read(out / name, 2)  # every rank raised itself; none was left waiting in a collective
     assert all(r["error"] is not None for r in records), records
@@ -295,24 +299,24 @@ def _refused(refused_runs, name: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_fp8_on_a_traced_stage_without_an_fp8_device_fails_at_setup_on_every_rank(refused_runs):
-    for error in _refused(refused_runs, "gpt2_fp8_cpu"):
+def test_fp8_on_a_traced_stage_without_an_fp8_device_fails_at_setup_on_every_rank(refused_jobs):
+    for error in _refused(refused_jobs, "gpt2_fp8_cpu"):
         assert error.startswith("FP8Error: Stage 1 has precision 'fp8' but runs on device 'cpu'"), error
         assert "fp8_backend='emulate'" in error, error
 
 
 @pytest.mark.slow
-def test_transformer_engine_fp8_on_a_traced_stage_is_refused_with_the_stage_on_every_rank(refused_runs):
+def test_transformer_engine_fp8_on_a_traced_stage_is_refused_with_the_stage_on_every_rank(refused_jobs):
     # fp8_capable: the worker makes every device count as an H100 with Transformer Engine
-    for error in _refused(refused_runs, "gpt2_fp8_te"):
+    for error in _refused(refused_jobs, "gpt2_fp8_te"):
         assert error.startswith("PlanError: Stage 1 runs in fp8 through Transformer Engine"), error
         assert "traced frontend runs stage 1 as a captured graph" in error and "fp8_backend='emulate'" in error, error
 
 
 @pytest.fixture(scope="module")
-def v_runs(two_rank_runs: Path) -> tuple[Path, list[dict]]:
+def v_runs(two_rank_runs_dir: Path) -> tuple[Path, list[dict]]:
     """The V-placement runs of :func:`two_rank_runs`."""
-    return two_rank_runs, _v_runs(two_rank_runs)
+    return two_rank_runs_dir, _v_runs(two_rank_runs_dir)
 
 
 def _check_v_run(out: Path, run: dict) -> None:

@@ -38,8 +38,9 @@ def _start(*args: str, cwd: Path = ROOT, exe: list[str] | None = None, env: dict
            logs: Path | None = None) -> subprocess.Popen:
     """Start the entry point in a session of its own, its output into ``logs``.out/.err."""
     cmd = (exe or [sys.executable, "-m", "lightning_hpp.hydra.train"]) + list(args)
-    proc = subprocess.Popen(cmd, cwd=cwd, env={**_env(), **(env or {})}, stdout=open(f"{logs}.out", "w"),
-                            stderr=open(f"{logs}.err", "w"), text=True, start_new_session=True)
+    with open(f"{logs}.out", "w") as out, open(f"{logs}.err", "w") as err:  # the child keeps its own copies
+        proc = subprocess.Popen(cmd, cwd=cwd, env={**_env(), **(env or {})}, stdout=out, stderr=err, text=True,
+                                start_new_session=True)
     proc.logs = logs
     return proc
 

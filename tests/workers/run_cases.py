@@ -7,6 +7,7 @@ python -m tests.workers.run_cases '<json: {"cases": [NAME, ...], "devices": N, "
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -59,7 +60,8 @@ def main_cases(cfg: dict) -> int:
     records = []
     for case in cfg["cases"]:
         trainer, model, train, val = _build({**cfg, "case": case})
-        records.append(try_case(os.path.join(cfg["out"], case), cfg["devices"], lambda: trainer.fit(model, train, val), trainer))
+        run = functools.partial(trainer.fit, model, train, val)
+        records.append(try_case(os.path.join(cfg["out"], case), cfg["devices"], run, trainer))
     return exit_status(records)
 
 

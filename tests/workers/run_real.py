@@ -126,13 +126,15 @@ def _run(cfg: dict, devices: int) -> None:
 
 
 if __name__ == "__main__":
+    import functools
+
     from tests.workers.refusals import exit_status, try_case
 
     spec = json.loads(sys.argv[1])
     records = []
     for cfg in spec["runs"]:
         if cfg.get("refused"):
-            records.append(try_case(cfg["out"], spec["devices"], lambda: run(cfg, spec["devices"])))
+            records.append(try_case(cfg["out"], spec["devices"], functools.partial(run, cfg, spec["devices"])))
         else:
             run(cfg, spec["devices"])
     sys.exit(exit_status(records))

@@ -7,6 +7,7 @@ python -m tests.workers.run_traced_cases '<json: {"cases": [NAME, ...], "out": D
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -48,13 +49,14 @@ def main_cases(cfg: dict) -> int:
     records = []
     for case in cfg["cases"]:
         trainer, model = _build({**cfg, "case": case})
-
-        def fit() -> None:
-            trainer.fit(model, loader("gpt2", 8))
-            print(f"TRAINED {case}")
-
-        records.append(try_case(os.path.join(cfg["out"], case), 2, fit, trainer))
+        run = functools.partial(_fit_and_say, trainer, model, case)
+        records.append(try_case(os.path.join(cfg["out"], case), 2, run, trainer))
     return exit_status(records)
+
+
+def _fit_and_say(trainer, model, case: str) -> None:
+    trainer.fit(model, loader("gpt2", 8))
+    print(f"TRAINED {case}")
 
 
 def _build(cfg: dict) -> tuple:

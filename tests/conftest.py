@@ -1,0 +1,80 @@
+"""Jobs shared by several test modules.
+
+Every ``tests.workers.run_real`` configuration of test_real_models, test_traced_stages and
+test_big_models runs in one of four jobs (one per number of ranks and kind) instead of eight, and
+every ``tests.workers.run_hpp`` configuration of test_correctness, test_precision and
+test_placement_strategy in one of three instead of five. A job runs its configurations one after
+another, each with its own Trainer and model; jobs that share nothing run side by side
+(:func:`tests.launch.run_scripts`). Each module keeps its own directory and its own assertions; its
+fixtures take what they need from :func:`real_model_jobs` or :func:`hpp_jobs`.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def real_model_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """The ``run_real`` jobs, started by the first test that needs one of them, in two rounds:
+
+    1. 2 ranks: real models traced and the BatchNorm chain (test_real_models), tied-weight checkpoints,
+       per-stage precisions and V schedules (test_traced_stages), the meta-device chain (test_big_models);
+       4 ranks: GPT-2 pp=2 x dp=2 (test_real_models), the meta-device Llama in 4 stages (test_big_models);
+    2. 3 ranks: Llama in 3 stages (test_real_models), the GPT-2 checkpoint of round 1 resumed under 3
+       stages (test_traced_stages); 2 ranks: the traced GPT-2s whose setup must fail, tried in turn by
+       the same ranks (test_traced_stages, tests/workers/refusals.py).
+
+    Returns the modules' directories (``real``, ``traced``, ``big``, ``refused``), the refusal job's
+    finished process (``refusals``) and what test_big_models wrote the weights of (``llama``, ``chain``).
+    """
+    from tests import test_big_models as big
+    from tests import test_real_models as real
+    from tests import test_traced_stages as traced
+    from tests.launch import run_scripts
+
+    root = tmp_path_factory.mktemp("real_model_jobs")
+    dirs = {name: root / name for name in ("real", "traced", "big", "refused")}
+    for d in dirs.values():
+        d.mkdir()
+    llama, chain = big.write_weights(dirs["big"])
+
+    def job(devices: int, runs: list[dict]) -> tuple[str, dict]:
+        return "tests.workers.run_real", {"devices": devices, "runs": runs}
+
+    run_scripts([
+        job(2, real.two_rank_runs(dirs["real"]) + traced.two_rank_runs(dirs["traced"]) + big.two_rank_runs(dirs["big"])),
+        job(4, real.four_rank_runs(dirs["real"]) + big.four_rank_runs(dirs["big"])),
+    ], timeout=900)
+    resumed, refusals = run_scripts([
+        job(3, real.three_rank_runs(dirs["real"]) + traced.three_rank_runs(dirs["traced"])),
+        job(2, traced.refused_runs(dirs["refused"])),
+    ], timeout=600, check=False)
+    assert resumed.returncode == 0, f"--- stdout\n{resumed.stdout[-4000:]}\n--- stderr\n{resumed.stderr[-8000:]}"
+    return SimpleNamespace(**dirs, refusals=refusals, llama=llama, chain=chain)
+
+
+@pytest.fixture(scope="session")
+def hpp_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """The ``run_hpp`` jobs, side by side, started by the first test that needs one of them: 2 ranks
+    (test_correctness, test_precision, test_placement_strategy), 3 and 4 ranks (test_correctness).
+    Returns the modules' directories: ``correctness / f"ranks{n}"``, ``precision``, ``placement``."""
+    from tests import test_correctness as correctness
+    from tests import test_placement_strategy as placement
+    from tests import test_precision as precision
+    from tests.launch import run_scripts
+
+    root = tmp_path_factory.mktemp("hpp_jobs")
+    dirs = {name: root / name for name in ("correctness", "precision", "placement")}
+    for d in dirs.values():
+        d.mkdir()
+    ranks = {n: dirs["correctness"] / f"ranks{n}" for n in (2, 3, 4)}
+    two = correctness.two_rank_runs(ranks[2]) + precision.two_rank_runs(dirs["precision"]) + placement.two_rank_runs(dirs["placement"])
+    run_scripts([
+        ("tests.workers.run_hpp", {"devices": 2, "runs": two}),
+        ("tests.workers.run_hpp", {"devices": 3, "runs": correctness.three_rank_runs(ranks[3])}),
+        ("tests.workers.run_hpp", {"devices": 4, "runs": correctness.four_rank_runs(ranks[4])}),
+    ], timeout=600)
+    return SimpleNamespace(**dirs)
