@@ -171,6 +171,21 @@ def test_nan_guard_names_the_stage_and_microbatch_and_sanitize_replaces():
         resolve(view)
 
 
+def test_nan_guard_checks_gradients_at_boundaries_only():
+    model = MLP()
+    plan, sms, view = _stage_modules(model, ["32-true", "32-true"])
+    HPPPrecision(nonfinite="raise").configure_stages(plan, view, "32-true", torch.device("cpu"), "cpu")
+    (guard,) = view.step_checks
+    out = sms[1](sms[0](torch.randn(4, 8)))
+    out.backward(torch.full_like(out, float("nan")))  # the loss's gradient is NaN: it reaches stage 0's boundary
+    kinds = [(where[0], where[1]) for where, _, _ in guard._events]
+    # both outputs are checked; the gradient only where it crosses a boundary (into stage 0, from stage 1): the last
+    # stage's gradient comes from the user's loss, not from another stage
+    assert kinds == [("forward", 0), ("forward", 1), ("gradient", 0)]
+    with pytest.raises(FloatingPointError, match=r"gradient arriving at stage 0 from stage 1 \(micro-batch 3"):
+        guard.resolve([float(guard.flag())])
+
+
 def test_bad_precision_options_are_refused():
     from lightning_hpp import PlanError
 

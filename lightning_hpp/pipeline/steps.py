@@ -44,16 +44,19 @@ def _bind_log(name: Any, value: Any, args: tuple, kwargs: dict) -> dict:
 
 @contextlib.contextmanager
 def redirected(module: nn.Module, forward: Callable[..., Any], log: Callable[..., None] | None) -> Iterator[None]:
-    """Replace ``module.forward`` (and ``module.log`` if given) on the instance for the duration."""
-    module.forward = forward
+    """Replace ``module.forward`` (and ``module.log`` if given) on the instance for the duration.
+
+    Plain instance attributes, set past ``nn.Module.__setattr__`` (which only adds its parameter, buffer and
+    submodule bookkeeping; this runs once per micro-batch on the last stage)."""
+    object.__setattr__(module, "forward", forward)
     if log is not None:
-        module.log = log
+        object.__setattr__(module, "log", log)
     try:
         yield
     finally:
-        del module.forward
+        object.__delattr__(module, "forward")
         if log is not None:
-            del module.log
+            object.__delattr__(module, "log")
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:

@@ -27,25 +27,35 @@ class BoundaryGuard:
         microbatch: The micro-batch a held stage is computing (``stage -> index``).
         step: The optimizer step being run.
         scaled: fp16 loss scaling is on; overflowing gradients are then the scaler's business.
+        last_stage: The pipeline's last stage: its output goes to the user's loss, not to another stage, so
+            the gradient coming back into it crosses no boundary and is not checked (a NaN there reaches
+            the previous stage's boundary, where it is).
     """
 
-    def __init__(self, policy: str, microbatch: Callable[[int], int], step: Callable[[], int], scaled: bool) -> None:
+    def __init__(self, policy: str, microbatch: Callable[[int], int], step: Callable[[], int], scaled: bool,
+                 last_stage: int | None = None) -> None:
         self.policy = policy
+        self._last_stage = last_stage
         self._microbatch = microbatch
         self._step = step
         self._scaled = scaled
         self._events: list[tuple[tuple, int, int]] = []  # (where, first and past-last index into _ends)
         self._ends: list[Tensor] = []  # min and max of every checked tensor of the step
+        self._now: int | None = None  # the step being checked (read at its first crossing)
 
     # ------------------------------------------------------------------ during the schedule
     def __call__(self, stage: int, x: Any) -> Any:
-        step, mb = self._step(), self._microbatch(stage)
+        if self._now is None:  # the step is the same for every crossing of it: asked once
+            self._now = self._step()
+        step, mb = self._now, self._microbatch(stage)
         tensors = x if isinstance(x, (tuple, list)) else (x,)
         checked = [t for t in tensors if isinstance(t, Tensor) and t.is_floating_point()]
         if checked:
             self._record(("forward", stage, mb, step), checked)
         if self.policy == "sanitize":
             x = _sanitize(x)
+        if stage == self._last_stage:
+            return x
         for t in (x if isinstance(x, (tuple, list)) else (x,)):
             if isinstance(t, Tensor) and t.requires_grad:
                 t.register_hook(lambda g, stage=stage, mb=mb, step=step: self._grad_guard(g, stage, mb, step))
@@ -69,7 +79,7 @@ class BoundaryGuard:
 
     # ------------------------------------------------------------------ once per step
     def reset(self) -> None:
-        self._events, self._ends = [], []
+        self._events, self._ends, self._now = [], [], None
 
     def flag(self) -> Tensor:
         """1.0 where a boundary on this rank saw a NaN/Inf in this step, else 0.0 (on the device)."""

@@ -173,9 +173,9 @@ class HPPPrecision(Precision):
         precs = self.stage_precisions(plan, trainer_precision)
         self._stage_precision = precs
         self._scaled = any(MODES[p].scaled for p in precs)
-        guard = BoundaryGuard(self.nonfinite, view.microbatch, view.step, self._scaled)
-        view.step_checks.append(guard)
         last = len(precs) - 1
+        guard = BoundaryGuard(self.nonfinite, view.microbatch, view.step, self._scaled, last_stage=last)
+        view.step_checks.append(guard)
         labels: list[str] = []
         captured = any(getattr(sm, "captured", False) for sm in view.stages.values())  # one frontend for all stages
         for k, p in enumerate(precs):  # every stage, on every rank: all ranks refuse the same plan alike
