@@ -389,6 +389,8 @@ def run_paired(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any)
 
     from lightning_hpp import HPPStrategy, StagePlan, StageSpec
 
+    # more steps than the other runs: single steps scatter +-20% here, and the median ratio is the figure read
+    job = {**job, "steps": job.get("paired_steps") or job["steps"]}
     n_stages = job["devices"] * (2 if cfg["schedule"] in MULTI else 1)
     plan = StagePlan([StageSpec(modules=u) for u in split(job["model"], size, n_stages)])
     memory = PeakMemory(device)
@@ -598,6 +600,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--schedules", nargs="+", default=PIPELINE_SCHEDULES)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    p.add_argument("--paired-steps", type=int, default=60,
+                   help="timed steps of the paired HPP/raw runs (the median of per-step ratios; 10 scatter by +-5%%)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per rank")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -616,7 +620,8 @@ def main(argv: list[str] | None = None) -> None:
         size = SIZES[model][args.size]
         job = {
             "model": model, "size": args.size, "accelerator": args.accelerator, "devices": args.devices,
-            "warmup": args.warmup, "steps": args.steps, "threads": args.threads, "out": str(out),
+            "warmup": args.warmup, "steps": args.steps, "paired_steps": args.paired_steps, "threads": args.threads,
+            "out": str(out),
             "configs": configs(args.m, args.sweep, args.schedules),
         }
         env = environment(job)
