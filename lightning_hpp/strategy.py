@@ -417,8 +417,9 @@ class HPPStrategy(ParallelStrategy):
         from lightning_hpp.planning.report import PlacementReport
         from lightning_hpp.telemetry.callback import PipelineTelemetry
 
-        only_for_report = self._telemetry is None and not any(isinstance(cb, PipelineTelemetry) for cb in trainer.callbacks)
-        if not any(isinstance(cb, PipelineTelemetry) for cb in trainer.callbacks):
+        has_telemetry = any(isinstance(cb, PipelineTelemetry) for cb in trainer.callbacks)
+        only_for_report = self._telemetry is None and not has_telemetry
+        if not has_telemetry:
             opts = self._telemetry or TelemetryOptions(every_n_steps=5)
             trainer.callbacks.append(PipelineTelemetry(every_n_steps=opts.every_n_steps, trace_step=opts.trace_step, trace_dir=opts.trace_dir))
         if auto and not any(isinstance(cb, PlacementReport) for cb in trainer.callbacks):

@@ -95,8 +95,7 @@ class GradHandover:
     def _reset(self) -> None:
         self._in_step = False
         self._ready = [0] * len(self._buckets)
-        self._next = 0  # the next bucket to start (buckets start in order)
-        self._early = 0
+        self._next = 0  # the next bucket to start (buckets start in order); at hand_over, those the backward started
         self._works: list[Any] = []
         self._flats: list[tuple[Tensor, list[Tensor]]] = []
         self._large: list[Tensor] = []
@@ -174,7 +173,6 @@ class GradHandover:
             while self._next < len(self._buckets) and self._ready[self._next] == len(self._buckets[self._next]):
                 self._start(self._next, [self.params[j].grad for j in self._buckets[self._next]])
                 self._next += 1
-                self._early += 1
 
         return hook
 
@@ -213,6 +211,7 @@ class GradHandover:
                 raise RuntimeError("internal: local norms asked for after buckets started without them; "
                                    "pass `local_norms` to `during_step`")
             self._want_norms = True
+        self.started_in_backward = self._next
         if self._reducing:
             while self._next < len(self._buckets):
                 self._start(self._next, [fresh[j] for j in self._buckets[self._next]])
@@ -222,14 +221,11 @@ class GradHandover:
             if self._large:
                 torch._foreach_div_(self._large, self._dp_size)
             for flat, present in self._flats:
-                flat.div_(self._dp_size)
-                for g, synced in zip(present, torch._utils._unflatten_dense_tensors(flat, present)):
-                    g.copy_(synced)
+                _unflatten_into(flat.div_(self._dp_size), present)
         norms = None
         if local_norms:
             norms = self._stage_norms(fresh) if not self._reducing else {
                 k: _combine(self._norms.get(k, [])) for k in self._stages}
-        self.started_in_backward = self._early
         self._reset()
         if self._observing and self._reducing:
             self._settle_observation()
@@ -307,8 +303,13 @@ def _all_reduce_sum(grads: list[Tensor], group: Any) -> None:
     for work in works:
         work.wait()
     for flat, present in flats:
-        for g, synced in zip(present, torch._utils._unflatten_dense_tensors(flat, present)):
-            g.copy_(synced)
+        _unflatten_into(flat, present)
+
+
+def _unflatten_into(flat: Tensor, tensors: list[Tensor]) -> None:
+    """Copy the parts of ``flat`` (``_flatten_dense_tensors(tensors)``) back into ``tensors``."""
+    for t, part in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+        t.copy_(part)
 
 
 def shared_gradient_groups(shared: dict[str, list[int]], params: dict[str, nn.Parameter], positions: list[list[int]],
