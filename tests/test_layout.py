@@ -13,6 +13,16 @@ A static scan: every module under ``lightning_hpp/`` is parsed with :mod:`ast`, 
   ``lightning.pytorch.trainer.states``) only by ``strategy.py``. ``TYPE_CHECKING`` imports count
   here. Attribute access such as ``pl.Trainer`` after ``import lightning.pytorch as pl`` is not an
   import and is not looked at.
+* Floors: each top-level module or subpackage of ``lightning_hpp`` is a *part*
+  (``lightning_hpp.planning.plan`` is in part ``planning``; the package's own ``__init__`` is the
+  part ``__init__``), and :data:`FLOORS` puts every part on a floor, lowest first. A part imports
+  its own part and parts on lower floors only: an import from a lower floor to a higher one fails,
+  and so does one between two parts of the same floor unless the pair is in
+  :data:`SIBLING_IMPORTS_ALLOWED`; :data:`FORBIDDEN_IMPORTS` rules out some downward imports too.
+  The edges are the import graph's (function-level imports count; ``if TYPE_CHECKING:`` imports
+  may go anywhere; an edge to a package ``__init__`` run on the way lands in the imported module's
+  part and is judged like the import itself). A module whose part is not in :data:`FLOORS` fails,
+  so a new part gets a floor when it is added; a declared part that does not exist is fine.
 """
 
 from __future__ import annotations
@@ -33,6 +43,33 @@ ALLOWED = {
     TRAINER_FN: ("lightning_hpp/strategy.py",),
 }
 """Which files may import Lightning's Trainer, and its ``trainer.states`` (``TrainerFn``)."""
+
+INIT = "__init__"
+"""The part of the package's own ``__init__.py`` in a floor table."""
+
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("errors", "validation", "_dist", "_git", "examples_data"),  # 0
+    ("checkpoint", "redaction", "launch"),  # 1
+    ("planning",),  # 2
+    ("model",),  # 3
+    ("pipeline",),  # 4
+    ("precision", "telemetry", "bias"),  # 5
+    ("options",),  # 6
+    ("assembly",),  # 7
+    ("strategy",),  # 8
+    ("hydra", INIT),  # 9
+)
+"""The parts of ``lightning_hpp`` (top-level modules and subpackages), floor by floor, lowest first."""
+
+SIBLING_IMPORTS_ALLOWED: tuple[tuple[str, str], ...] = (
+    # (importer, imported): two parts of one floor; each entry says why the import is needed.
+)
+"""Imports between two parts of the same floor that are allowed anyway (none so far)."""
+
+FORBIDDEN_IMPORTS: tuple[tuple[str, str], ...] = (
+    ("bias", "planning"),  # the bias guards look at data and ranks; they never depend on the planner
+)
+"""(importer, imported): downward imports the design rules out."""
 
 _LIGHTNING_TOPS = ("lightning", "lightning.pytorch", "pytorch_lightning")
 _TRAINER_PACKAGES = ("lightning.pytorch.trainer", "pytorch_lightning.trainer")
@@ -281,11 +318,75 @@ def trainer_offenders(modules: dict[str, Module], allowed: dict[str, tuple[str, 
     return out
 
 
+def part_of(name: str, package: str) -> str:
+    """The part a module of ``package`` belongs to: its top-level module or subpackage, or INIT."""
+    return INIT if name == package else name[len(package) + 1 :].split(".")[0]
+
+
+def floor_offenders(
+    modules: dict[str, Module],
+    package: str,
+    floors: tuple[tuple[str, ...], ...],
+    siblings_allowed: tuple[tuple[str, str], ...] = (),
+    forbidden: tuple[tuple[str, str], ...] = (),
+) -> list[str]:
+    """``path:line`` messages for imports that break the floor table, and for undeclared parts.
+
+    ``floors`` lists the parts floor by floor, lowest first; ``siblings_allowed`` and ``forbidden``
+    are (importer, imported) pairs of parts. Imports to or from an undeclared part are not judged:
+    the part itself is reported, once, at its first file.
+    """
+    floor: dict[str, int] = {}
+    for i, parts in enumerate(floors):
+        for part in parts:
+            assert part not in floor, f"part {part} is on floor {floor[part]} and on floor {i}"
+            floor[part] = i
+
+    out: list[str] = []
+    undeclared: dict[str, Module] = {}
+    for mod in modules.values():
+        undeclared.setdefault(part_of(mod.name, package), mod)
+    for part, mod in undeclared.items():
+        if part not in floor:
+            what = "subpackage" if mod.is_package and mod.name.count(".") == 1 else "module"
+            out.append(
+                f"{mod.rel}: {what} {package}.{part} is not in any floor: add `{part!r}` to FLOORS in "
+                f"tests/test_layout.py at the floor it belongs on (above every part it imports, below "
+                f"every part that imports it)"
+            )
+
+    seen: set[tuple[str, int, str]] = set()
+    judged: list[tuple[str, int, str]] = []
+    for e in import_edges(modules):  # via edges land in the imported module's part
+        a, b = part_of(e.src, package), part_of(e.dst, package)
+        if a == b or a not in floor or b not in floor or (e.rel, e.line, b) in seen:
+            continue
+        seen.add((e.rel, e.line, b))
+        fa, fb = floor[a], floor[b]
+        if fa < fb:
+            why = ""
+        elif fa == fb and (a, b) not in siblings_allowed:
+            why = " on the same floor"
+        elif (a, b) in forbidden:
+            why = ", which is ruled out (FORBIDDEN_IMPORTS)"
+        else:
+            continue
+        msg = f"{e.rel}:{e.line}: `{e.source}`: part {a} (floor {fa}) imports part {b} (floor {fb}){why}"
+        judged.append((e.rel, e.line, msg))
+    return out + [msg for *_, msg in sorted(judged)]
+
+
 # ------------------------------------------------------------------------------------------- tests
 _CYCLE_HINT = (
     "Break it: import the leaf module rather than the package `__init__`, or move the shared piece "
     "into a module both can import. Moving the import into a function does not break it here "
     "(function-level imports count); `if TYPE_CHECKING:` is fine for annotation-only imports."
+)
+_FLOOR_HINT = (
+    "Fix it: move the shared piece down to a floor both can import, pass the value in from the "
+    "layer above (an argument or attribute set by the caller), or hand a callback down. Moving the "
+    "import into a function does not hide it (function-level imports count); `if TYPE_CHECKING:` "
+    "is fine for annotation-only imports."
 )
 _TRAINER_HINT = (
     "Annotate with `pl.Trainer` after `import lightning.pytorch as pl` (or `Any`), and take what is "
@@ -306,6 +407,15 @@ def test_no_import_cycles_inside_lightning_hpp():
 def test_trainer_imported_only_by_strategy_and_hydra_entry():
     offenders = trainer_offenders(find_modules(ROOT, PACKAGE), ALLOWED)
     assert not offenders, "\n".join(offenders) + "\n" + _TRAINER_HINT
+
+
+def test_no_import_from_a_lower_floor_to_a_higher_one():
+    offenders = floor_offenders(
+        find_modules(ROOT, PACKAGE), PACKAGE, FLOORS, SIBLING_IMPORTS_ALLOWED, FORBIDDEN_IMPORTS
+    )
+    assert not offenders, (
+        f"{len(offenders)} import(s) against the floors of {PACKAGE}:\n" + "\n".join(offenders) + "\n" + _FLOOR_HINT
+    )
 
 
 def test_scan_finds_a_known_cycle_and_trainer_import(tmp_path):
@@ -367,3 +477,58 @@ def test_scan_finds_a_known_cycle_and_trainer_import(tmp_path):
         ("toypkg/f.py:2", TRAINER),
     ], "\n".join(offenders)
     assert any("under TYPE_CHECKING" in o and o.startswith("toypkg/c.py:5") for o in offenders)
+
+
+def test_floor_check_reports_upward_sibling_and_forbidden_imports(tmp_path):
+    files = {
+        "toypkg/__init__.py": "VERSION = '1'\n",
+        # upward at module level; upward under TYPE_CHECKING is allowed
+        "toypkg/base.py": textwrap.dedent(
+            """\
+            X = 1
+            from toypkg.mid import M
+            from typing import TYPE_CHECKING
+            if TYPE_CHECKING:
+                from toypkg.top import core
+            """
+        ),
+        # upward inside a function, into a subpackage: the via edge to toypkg/top/__init__.py
+        # is the same import, reported once
+        "toypkg/low/__init__.py": "",
+        "toypkg/low/inner.py": "def f():\n    from toypkg.top.core import T\n    return T\n",
+        # same floor: mid -> side is not allowed, side -> mid is (the allow-list);
+        # side -> the package __init__ is upward
+        "toypkg/mid.py": "from toypkg import side\nM = 1\n",
+        "toypkg/side.py": "import toypkg.mid\nfrom toypkg import VERSION\n",
+        # downward: top -> base is forbidden, top -> mid is fine
+        "toypkg/top/__init__.py": "",
+        "toypkg/top/core.py": "from toypkg.base import X\nfrom toypkg.mid import M\nT = X + M\n",
+        # a subpackage in no floor: reported once; its imports are not judged
+        "toypkg/extra/__init__.py": "",
+        "toypkg/extra/x.py": "from toypkg.top.core import T\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+
+    floors = (("base", "low", "ghost"), ("mid", "side"), ("top", INIT))  # "ghost" does not exist
+    siblings_allowed, forbidden = (("side", "mid"),), (("top", "base"),)
+    offenders = floor_offenders(find_modules(tmp_path, "toypkg"), "toypkg", floors, siblings_allowed, forbidden)
+    assert offenders == [
+        "toypkg/extra/__init__.py: subpackage toypkg.extra is not in any floor: add `'extra'` to FLOORS in "
+        "tests/test_layout.py at the floor it belongs on (above every part it imports, below every part "
+        "that imports it)",
+        "toypkg/base.py:2: `from toypkg.mid import M`: part base (floor 0) imports part mid (floor 1)",
+        "toypkg/low/inner.py:2: `from toypkg.top.core import T`: part low (floor 0) imports part top (floor 2)",
+        "toypkg/mid.py:1: `from toypkg import side`: part mid (floor 1) imports part side (floor 1) on the same floor",
+        "toypkg/side.py:2: `from toypkg import VERSION`: part side (floor 1) imports part __init__ (floor 2)",
+        "toypkg/top/core.py:1: `from toypkg.base import X`: part top (floor 2) imports part base (floor 0), "
+        "which is ruled out (FORBIDDEN_IMPORTS)",
+    ], "\n".join(offenders)
+
+    # a top-level module in no floor is named as a module
+    (tmp_path / "toypkg/stray.py").write_text("")
+    floors += (("extra",),)
+    offenders = floor_offenders(find_modules(tmp_path, "toypkg"), "toypkg", floors, siblings_allowed, forbidden)
+    assert offenders[0].startswith("toypkg/stray.py: module toypkg.stray is not in any floor: add `'stray'` to FLOORS")
+    assert len(offenders) == 6
