@@ -38,7 +38,8 @@ from typing_extensions import override
 
 from lightning_hpp.checkpoint.s3 import redact
 from lightning_hpp.checkpoint.sharded import wait_for_pending_save
-from lightning_hpp.errors import RankFailedError
+from lightning_hpp.errors import PlanError, RankFailedError
+from lightning_hpp.validation import is_number
 
 STORE_GRACE_S = 30.0
 """The longest that the rank hosting the store stays up after an error for the others to read it."""
@@ -47,6 +48,28 @@ _FIRST = "first_error"
 _COUNT = "errors"
 _LEFT = "left"
 _COMM_FAILURES = ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out", "gloo", "NCCL")
+
+
+BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+"""The ``torch.distributed`` backends ``HPPStrategy(process_group_backend=...)`` accepts."""
+
+
+def check_backend(value: Any) -> str | None:
+    """``HPPStrategy(process_group_backend=...)``: a backend name or ``None`` (gloo on CPU, nccl on CUDA)."""
+    if value is not None and value not in BACKENDS:
+        raise PlanError(f"`HPPStrategy(process_group_backend={value!r})` is not a torch.distributed backend; use one of "
+                        f"{', '.join(map(repr, BACKENDS))} or None (gloo on CPU, nccl on CUDA).")
+    return value
+
+
+def check_timeout(value: Any) -> timedelta:
+    """``HPPStrategy(timeout=...)`` as a ``timedelta``: a positive one, or a positive number of seconds."""
+    if isinstance(value, timedelta) and value.total_seconds() > 0:
+        return value
+    if is_number(value) and value > 0:
+        return timedelta(seconds=float(value))
+    raise PlanError(f"`HPPStrategy(timeout={value!r})`: use a positive number of seconds or a `datetime.timedelta`, "
+                    f"e.g. `timeout=600`.")
 
 
 class Launcher(_SubprocessScriptLauncher):

@@ -120,7 +120,7 @@ def check_strategy_hpp(tmp_path):
     assert run.strategy.schedule == "gpipe" and run.strategy.n_microbatches == 8
     precision = _stage_precision(run.strategy)
     assert precision.clip == "per-stage" and precision.fp8_backend is None
-    assert run.strategy._plan_arg is run.plan and run.plan.num_stages == 2
+    assert run.strategy.spec.plan is run.plan and run.plan.num_stages == 2
 
 
 def test_hpp_option_sections_from_the_command_line(tmp_path):

@@ -208,7 +208,7 @@ def test_a_well_formed_plan_file_is_taken_and_a_directory_is_refused(tmp_path):
             }
         )
     )
-    plan = HPPStrategy(plan=str(path))._plan_arg
+    plan = HPPStrategy(plan=str(path)).spec.plan
     assert isinstance(plan, StagePlan)
     assert [(s.modules, s.precision, s.clip_norm, s.device) for s in plan.stages] == [
         (["net.0-3"], "bf16-mixed", 1.0, None),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_hpp.errors import PlacementError
-from lightning_hpp.planning.placement import kind_grid
+from lightning_hpp.assembly.placement import kind_grid
 from lightning_hpp.planning.plan import StagePlan, StageSpec
 from lightning_hpp.planning.profile import CostProfile, ProfileEntry, UnitCost
 from tests.launch import load_rank, merged_state

@@ -69,6 +69,7 @@ from lightning_hpp.bias.fingerprint import (
     save_fingerprints,
 )
 from lightning_hpp.errors import BiasConfigError
+from lightning_hpp.pipeline.view import pipeline_view
 
 FINGERPRINT_FILENAME = "fingerprints.json"
 AUDIT_FILENAME = "bias_audit.json"
@@ -205,7 +206,7 @@ class BiasGuard(Callback):
             # fingerprints must load with torch.load(weights_only=True).
             "fingerprint": json.loads(json.dumps(collect_fingerprint(device=trainer.strategy.root_device), default=str)),
             "device_kind": _device_kind(trainer),
-            "stage": _first_stage(trainer.strategy),
+            "stage": _first_stage(trainer),
         }
         gathered = all_gather_object(mine, group=None)
         self.fingerprints = [g["fingerprint"] for g in gathered]
@@ -463,11 +464,10 @@ def _saved_ranks(saved: Any) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------- topology
 def _dp_topology(trainer: Any) -> tuple[Any, int, int]:
     """``(group, size, rank)`` of this rank's data-parallel group; the world without pipeline."""
-    s = trainer.strategy
-    size, rank = getattr(s, "dp_size", None), getattr(s, "dp_rank", None)
-    if size is None or rank is None:
+    view = pipeline_view(trainer)
+    if view is None:
         return None, trainer.world_size, trainer.global_rank
-    group = getattr(s, "dp_group", None)
+    group, size, rank = view.dp_group, view.dp_size, view.dp_rank
     if group is None and int(size) != trainer.world_size:
         raise BiasConfigError(
             f"The strategy reports dp_size={size!r} of world size {trainer.world_size} but no `dp_group`; "
@@ -476,15 +476,20 @@ def _dp_topology(trainer: Any) -> tuple[Any, int, int]:
     return group, int(size), int(rank)
 
 
-def _first_stage(strategy: Any) -> int:
-    stages = getattr(strategy, "stage_ids", None)
-    return min(stages) if stages else 0
+def _first_stage(trainer: Any) -> int:
+    view = pipeline_view(trainer)
+    return min(view.stage_ids) if view is not None and view.stage_ids else 0
 
 
 def _device_kind(trainer: Any) -> str:
-    from lightning_hpp.planning.devices import detect_device_kind
-
-    return detect_device_kind(trainer.strategy.root_device, rank=trainer.global_rank)
+    """The kind placement gave this rank; without a pipeline, the device's own name."""
+    view = pipeline_view(trainer)
+    if view is not None and view.device_kind:
+        return view.device_kind
+    device = trainer.strategy.root_device
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
 
 
 def _named_loaders(obj: Any, name: str) -> list[tuple[str, DataLoader]]:

@@ -58,6 +58,7 @@ from lightning_hpp._dist import all_gather_object, group_device, initialized
 from lightning_hpp.bias.baseline import SustainedLevel, SustainedShift
 from lightning_hpp.bias.fingerprint import CodedBiasWarning
 from lightning_hpp.errors import BiasConfigError
+from lightning_hpp.pipeline.view import pipeline_view
 
 _LIKELY_DATA = (
     "Likely cause: the ranks draw systematically different or identical data — a sampler without a "
@@ -159,17 +160,15 @@ class BiasMonitor(Callback):
     # ------------------------------------------------------------------ topology
     @staticmethod
     def _dp(trainer: Any) -> tuple[Any, int, int]:
-        s = trainer.strategy
-        group = getattr(s, "dp_group", None)
-        size = getattr(s, "dp_size", None)
-        rank = getattr(s, "dp_rank", None)
-        size = trainer.world_size if size is None else int(size)
-        return group, size, trainer.global_rank if rank is None else int(rank)
+        view = pipeline_view(trainer)
+        if view is None:
+            return None, trainer.world_size, trainer.global_rank
+        return view.dp_group, int(view.dp_size), int(view.dp_rank)
 
     @staticmethod
     def _step_stats(trainer: Any) -> Mapping[str, Any] | None:
-        stats = getattr(trainer.strategy, "step_stats", None)
-        return stats if isinstance(stats, Mapping) else None
+        view = pipeline_view(trainer)
+        return view.step_stats if view is not None else None
 
     @property
     def norm_source(self) -> str:
@@ -182,7 +181,7 @@ class BiasMonitor(Callback):
         self._loss_shift = self._new_loss_rule()
         self._norm_levels.clear()
         self._alarmed.clear()
-        if self._step_stats(trainer) is not None or hasattr(trainer.strategy, "step_stats"):
+        if pipeline_view(trainer) is not None:
             self._norm_source = "step_stats"
             return
         model = getattr(trainer.strategy, "model", None)

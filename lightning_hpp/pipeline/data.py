@@ -20,7 +20,6 @@ from typing import Any
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from lightning_hpp.bias.determinism import worker_init_fn
 from lightning_hpp.errors import MicroBatchError
 
 
@@ -71,10 +70,11 @@ def rebatch(dataloader: Any, parts: int) -> None:
     batch_sampler.batch_size = full // parts
 
 
-def seed_workers_per_replica(dataloader: Any, seed: int, replica: int) -> None:
-    """Seed the workers of ``dataloader`` per replica, unless the user set a ``worker_init_fn``."""
+def seed_workers_per_replica(dataloader: Any, init_fn: Any) -> None:
+    """Give the workers of ``dataloader`` the replica's ``init_fn`` (a ``worker_init_fn`` seeded by the
+    replica, e.g. :func:`lightning_hpp.bias.determinism.worker_init_fn`), unless the user set one."""
     if getattr(dataloader, "num_workers", 0) > 0 and getattr(dataloader, "worker_init_fn", False) is None:
-        dataloader.worker_init_fn = worker_init_fn(seed, replica)
+        dataloader.worker_init_fn = init_fn
 
 
 def first_loader(loaders: Any) -> Any:

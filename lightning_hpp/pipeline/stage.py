@@ -15,7 +15,6 @@ from torch.distributed.pipelining import PipelineStage
 from torch.utils.checkpoint import checkpoint
 
 from lightning_hpp.errors import PlanError
-from lightning_hpp.precision.fp8 import EmulatedFP8Mode
 
 
 class StageModule(nn.Module):
@@ -200,8 +199,10 @@ class _RecomputeContext:
         return self._stacks.pop().__exit__(*exc)
 
 
-def _fp8_emulation(context: Any) -> EmulatedFP8Mode | None:
-    return context if isinstance(context, EmulatedFP8Mode) else None
+def _fp8_emulation(context: Any) -> Any:
+    """A stage context that keeps per-weight state modules of its own in ``_states`` (the traced
+    frontend's fp8 emulation marks itself with ``holds_weight_states = True``), else ``None``."""
+    return context if getattr(context, "holds_weight_states", False) else None
 
 
 def _cast(x: Any, dtype: torch.dtype) -> Any:

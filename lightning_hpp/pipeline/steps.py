@@ -59,7 +59,7 @@ def redirected(module: nn.Module, forward: Callable[..., Any], log: Callable[...
             object.__delattr__(module, "log")
 
 
-def _no_log(*args: Any, **kwargs: Any) -> None:
+def no_log(*args: Any, **kwargs: Any) -> None:
     return None
 
 
@@ -69,7 +69,7 @@ def capture_input(module: nn.Module, step_fn: Callable[..., Any], batch: Any, *s
     def forward(*args: Any, **kwargs: Any) -> Any:
         raise _Captured(args, kwargs)
 
-    with redirected(module, forward, _no_log):
+    with redirected(module, forward, no_log):
         try:
             step_fn(batch, *step_args)
         except _Captured as c:
@@ -100,7 +100,7 @@ def count_forward_calls(module: nn.Module, step_fn: Callable[..., Any], batch: A
     was_training = module.training
     module.eval()
     try:
-        with torch.no_grad(), redirected(module, forward, _no_log):
+        with torch.no_grad(), redirected(module, forward, no_log):
             step_fn(batch, *step_args)
     except _Captured:
         pass

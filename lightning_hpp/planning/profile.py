@@ -352,17 +352,19 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def _as_args(x: Any) -> tuple:
+def as_args(x: Any) -> tuple:
+    """A unit's input as positional arguments: a tuple stays, anything else becomes a 1-tuple."""
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Tensors of a nested tuple / list / dict moved to ``device``."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_device(o, device) for o in obj)
+        return type(obj)(to_device(o, device) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
+        return {k: to_device(v, device) for k, v in obj.items()}
     return obj
 
 
@@ -385,7 +387,7 @@ def _boundary(out: Any, dtype: torch.dtype | None) -> tuple:
             return type(o)(conv(i) for i in o)
         return o
 
-    return _as_args(conv(out))
+    return as_args(conv(out))
 
 
 def _sync(device: torch.device) -> None:
@@ -546,12 +548,12 @@ def profile_units(
             "prepare=lambda m: convert_module_to_fp8(m, 'te') and context=lambda: fp8_autocast_context('te') "
             "(lightning_hpp.precision.fp8, on a GPU with compute capability >= 8.9), or add fp8 costs to the profile file."
         )
-    args = _as_args(example_input)
+    args = as_args(example_input)
     first_param = next((p for _, m in units for p in m.parameters()), None)
     home = first_param.device if first_param is not None else None
     if device is not None:
         device = torch.device(device)
-        args = _to_device(args, device)
+        args = to_device(args, device)
     else:
         device = home or next((t.device for t in _tensors(args)), torch.device("cpu"))
     true_dtype = _TRUE_DTYPES.get(precision)
@@ -587,7 +589,7 @@ def profile_units(
         model=model_name or "model",
         unit_names=[n for n, _ in units],
         param_counts=model_signature_counts(units),
-        input_shapes=_shapes(_as_args(example_input)),
+        input_shapes=_shapes(as_args(example_input)),
         entries=[ProfileEntry(device_kind, precision, costs, source=source)],
         meta={"torch": str(torch.__version__), "repeats": repeats, "warmup": warmup},
     )
@@ -656,7 +658,7 @@ def load_or_profile(
     wanted = {
         "model": model_name or "model",
         "units": [[n, c] for (n, _), c in zip(units, model_signature_counts(units))],
-        "input_shapes": _shapes(_as_args(example_input)),
+        "input_shapes": _shapes(as_args(example_input)),
     }
     cached = CostProfile.load(path) if os.path.exists(path) else None
     if cached is not None and cached.signature == wanted and cached.get(kind, prec) is not None:

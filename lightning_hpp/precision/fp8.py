@@ -439,6 +439,8 @@ class EmulatedFP8Mode(torch.overrides.TorchFunctionMode):
     GEMMs whose sizes are not multiples of 16 stay in high precision, as they do there.
     """
 
+    holds_weight_states = True  # a checkpointed stage's recompute replays ``_states`` (pipeline.stage)
+
     def __init__(self, recipe: str | FP8Recipe = "delayed") -> None:
         super().__init__()
         self.recipe = FP8Recipe.coerce(recipe)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 
 from lightning_hpp.errors import TelemetryError
+from lightning_hpp.pipeline.view import pipeline_view
 from lightning_hpp.telemetry.model import _now
 from lightning_hpp.telemetry.recorder import PipelineRecorder, StepMetrics, collect, mean_metrics
 
@@ -90,12 +91,12 @@ class PipelineTelemetry(Callback):
         return self._recorder
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        strategy = trainer.strategy
-        runner, mesh = getattr(strategy, "runner", None), getattr(strategy, "mesh", None)
+        view = pipeline_view(trainer)
+        runner, mesh = (view.runner, view.mesh) if view is not None else (None, None)
         if runner is None or mesh is None:
             raise TelemetryError(
                 f"`PipelineTelemetry` measures HPPStrategy pipelines, but the Trainer runs "
-                f"{type(strategy).__name__}. Use `Trainer(strategy=HPPStrategy(...), callbacks=[PipelineTelemetry()])` "
+                f"{type(trainer.strategy).__name__}. Use `Trainer(strategy=HPPStrategy(...), callbacks=[PipelineTelemetry()])` "
                 f"or remove the callback."
             )
         self._every = self._every_arg or max(1, trainer.log_every_n_steps)

@@ -78,7 +78,12 @@ STAGE_NORMS = {0: (1.0, 1.5), 1: (2.0, 2.0)}
 
 
 class ContractStrategy(DDPStrategy):
-    """DDP that exposes the attributes the pipeline strategy provides, with known stage norms."""
+    """DDP that implements :class:`~lightning_hpp.pipeline.view.PipelineView` (one stage, no pipeline
+    of its own), with known stage norms."""
+
+    plan = mesh = runner = device_kind = None
+    stage_ids: list = []
+    schedule, n_microbatches = "1f1b", 1
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,4 +1,5 @@
-"""Placing stages on ranks by device kind, and ``plan="auto"`` on a running job.
+"""Placing stages on ranks by device kind, and ``plan="auto"`` on a running job (moved here from
+``lightning_hpp.planning.placement``: it runs the user's step, so it sits above the pipeline layer).
 
 Both run on every rank at setup, before the model is cut:
 
@@ -16,14 +17,28 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_hpp import _dist
 from lightning_hpp._dist import all_gather_object
-from lightning_hpp.errors import PlacementError
+from lightning_hpp.errors import MicroBatchError, PlacementError
+from lightning_hpp.pipeline.microbatch import batch_size_of, split_batch
+from lightning_hpp.pipeline.steps import extract_loss, no_log, redirected, replay_forward
 from lightning_hpp.planning import calibrate
 from lightning_hpp.planning.devices import assign_ranks, detect_device_kind, precision_preference
+from lightning_hpp.planning.partition import DEFAULT_LINK_GBPS
 from lightning_hpp.planning.plan import StagePlan
+from lightning_hpp.planning.profile import (
+    CostProfile,
+    Overheads,
+    as_args,
+    to_device,
+    check_profile_matches,
+    fit_fixed_costs,
+    profile_units,
+)
+from lightning_hpp.planning.search import search_plan
 
 if TYPE_CHECKING:
     from lightning_hpp.planning.partition import PartitionResult
@@ -109,10 +124,6 @@ def auto_plan(
         The plan (with ``meta["predicted"]`` and the profile it was made from in ``meta["profile"]``), the rank grid ``grid[position][replica]``, a table
         of the result for the log, and the search's result (schedule, micro-batches, degrees).
     """
-    from lightning_hpp.planning.partition import DEFAULT_LINK_GBPS
-    from lightning_hpp.planning.profile import CostProfile, check_profile_matches
-    from lightning_hpp.planning.search import search_plan
-
     names = [n for n, _ in units]
     if profile_path is not None:
         profile = CostProfile.load(profile_path)
@@ -146,10 +157,6 @@ def auto_plan(
 def _measure(units: Sequence[tuple[str, nn.Module]], example_args: tuple, kind: str, device: torch.device, big: int,
              loss_probe: Callable[[int], Callable[[], Any]] | None):
     """This kind's profile entry at micro-batch ``big`` with fixed costs and overheads."""
-    from lightning_hpp.errors import MicroBatchError
-    from lightning_hpp.pipeline.microbatch import split_batch
-    from lightning_hpp.planning.profile import Overheads, fit_fixed_costs, profile_units
-
     precision = next(p for p in precision_preference(kind) if p != "fp8")
     profile = profile_units(list(units), example_args, kind, precision=precision, device=device)
     small = max(1, big // 16)
@@ -163,8 +170,6 @@ def _measure(units: Sequence[tuple[str, nn.Module]], example_args: tuple, kind: 
             profile.meta["fixed_ms"] = f"not measured: {err}"
     per_mb, per_step = 0.0, 0.0
     if _dist.initialized():  # torch pipelining needs a process group: this rank alone
-        import torch.distributed as dist
-
         alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
         per_mb, per_step = calibrate.schedule_overheads(device, alone)
     loss_ms, loss_fixed = calibrate.loss_costs(loss_probe, small, big, device) if loss_probe is not None else (0.0, 0.0)
@@ -183,25 +188,21 @@ def loss_probe(module: nn.Module, step_fn: Callable[..., Any], batch: Any, units
     This is what the last stage adds to its units per micro-batch: the loss, the metrics and logging
     of ``training_step`` (logging is discarded here).
     """
-    from lightning_hpp.pipeline.microbatch import batch_size_of, split_batch
-    from lightning_hpp.pipeline.steps import _no_log, extract_loss, redirected, replay_forward
-    from lightning_hpp.planning.profile import _as_args, _to_device
-
     size = batch_size_of(batch)
     name = getattr(step_fn, "__name__", "training_step")
 
     def probe(b: int) -> Callable[[], Any]:
         parts = size // b
-        micro = _to_device(split_batch(batch, parts)[0], device)
-        x = _as_args(split_batch(tuple(inputs), batch_size_of(inputs) // b)[0])
+        micro = to_device(split_batch(batch, parts)[0], device)
+        x = as_args(split_batch(tuple(inputs), batch_size_of(inputs) // b)[0])
         with torch.no_grad(), torch.random.fork_rng():
             for _, unit in units:
-                x = _as_args(unit(*x))
-        out = _to_device(x[0] if len(x) == 1 else x, device)
+                x = as_args(unit(*x))
+        out = to_device(x[0] if len(x) == 1 else x, device)
         out = out.detach().requires_grad_(out.is_floating_point()) if isinstance(out, torch.Tensor) else out
 
         def run() -> None:
-            with redirected(module, replay_forward(out, name), _no_log):
+            with redirected(module, replay_forward(out, name), no_log):
                 loss = extract_loss(step_fn(micro, 0), name)
             if loss.requires_grad:
                 loss.backward()

@@ -15,7 +15,10 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_hpp.errors import PlanError
+from lightning_hpp.errors import TelemetryError
+from lightning_hpp.pipeline.view import pipeline_view
+from lightning_hpp.telemetry.callback import PipelineTelemetry
+from lightning_hpp.validation import check_int
 
 
 class PlacementReport(Callback):
@@ -26,9 +29,7 @@ class PlacementReport(Callback):
     """
 
     def __init__(self, report_after: int = 10, stop_telemetry: bool = False) -> None:
-        if not isinstance(report_after, int) or report_after < 1:
-            raise PlanError(f"`report_after` must be a positive integer, got {report_after!r}.")
-        self.report_after = report_after
+        self.report_after = check_int(report_after, "PlacementReport(report_after=...)", error=TelemetryError)
         self.stop_telemetry = stop_telemetry  # the telemetry was started for this report alone: stop it after
         self.rows: list[tuple[int, float, float]] = []
         self.step: tuple[float, float] | None = None  # predicted, measured step ms
@@ -37,14 +38,13 @@ class PlacementReport(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         if self._done or trainer.global_step < self.report_after:
             return
-        from lightning_hpp.telemetry.callback import PipelineTelemetry
-
-        strategy = trainer.strategy
-        predicted = (strategy.plan.meta.get("predicted") or {}).get("stage_ms") if strategy.plan else None
+        view = pipeline_view(trainer)
+        plan = view.plan if view is not None else None
+        predicted = (plan.meta.get("predicted") or {}).get("stage_ms") if plan is not None else None
         telemetry = next((cb for cb in trainer.callbacks if isinstance(cb, PipelineTelemetry)), None)
         if not predicted or telemetry is None or not telemetry.history:
             return
-        m = strategy.n_microbatches
+        m = view.n_microbatches
         self.rows = []
         for k, pred in enumerate(predicted):
             per_step = [(h.stages[k].fwd_ms + h.stages[k].bwd_ms) for h in telemetry.history if k in h.stages]
@@ -55,7 +55,7 @@ class PlacementReport(Callback):
         self._done = True
         if self.stop_telemetry:  # same batch on every rank: the history it decides on is the exchanged one
             telemetry.stop()
-        meta = strategy.plan.meta["predicted"]
+        meta = plan.meta["predicted"]
         schedule_ms = (m + len(predicted) - 1) * max(predicted)  # the step without the update after it
         self.step = (float(schedule_ms), statistics.median(h.step_ms for h in telemetry.history))
         for k, pred, meas in self.rows:

@@ -1,0 +1,257 @@
+"""Assembling this rank's pipeline: :func:`build_pipeline`, one function from (module, spec, options,
+this rank) to a frozen :class:`Pipeline`.
+
+In order, on every rank together (the collectives are marked):
+
+1. the ranks' device kinds (collective) and the plan, resolved once (:func:`resolve_plan`): ``plan="auto"``
+   (profiled and searched, collective), the user's plan, the ``@stage`` decorators, or a balanced cut;
+2. the cut (sequential or traced frontend) on one real micro-batch of the step's ``self(...)`` call;
+3. the rank grid (:class:`~lightning_hpp.pipeline.mesh.Mesh`, collective) and this rank's stages; a meta
+   model's stages materialized; the shared parameters' gradient groups (collective);
+4. the stage modules, the runner, the precision plugin's per-stage set-up, the gradient hand-over.
+
+Nothing here reads Lightning's Trainer: what the running entry point supplies (the step, one loader
+batch) comes in :class:`SetupInputs`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.seed import isolate_rng
+from torch import nn
+
+from lightning_hpp.assembly.placement import auto_plan, gather_kinds, kind_grid, loss_probe
+from lightning_hpp.assembly.spec import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PipelineSpec, ResolvedPlan
+from lightning_hpp.errors import PlanError
+from lightning_hpp.model.frontend import balanced_plan, cut_model, planning_units
+from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, materialize_stages
+from lightning_hpp.options import InitOptions, PlacementOptions
+from lightning_hpp.pipeline.grads import GradHandover, shared_gradient_groups
+from lightning_hpp.pipeline.mesh import Mesh, stages_of_position
+from lightning_hpp.pipeline.microbatch import batch_size_of, split_batch
+from lightning_hpp.pipeline.runner import PipelineRunner
+from lightning_hpp.pipeline.schedules import check_schedule
+from lightning_hpp.pipeline.stage import StageModule
+from lightning_hpp.pipeline.steps import capture_input, count_forward_calls, second_call_error
+from lightning_hpp.precision.plugin import HPPPrecision, StageView
+
+
+@dataclass(frozen=True)
+class SetupInputs:
+    """What the running job hands the assembly.
+
+    Attributes:
+        world_size, rank: This job's size and this process's global rank.
+        device: This rank's device.
+        step_fn: The LightningModule's step of the running entry point (``training_step`` when fitting).
+        batch: One batch of that entry point's first loader, as loaded (``None``: no data).
+        fitting: Whether the entry point trains (the traced frontend then captures train and eval mode).
+        split_batches: Whether the train loader's batches can be made smaller (``plan="auto"``).
+        precision: The precision plugin; ``trainer_precision`` the Trainer's ``precision`` flag.
+        placement, init: The strategy's option sections.
+        global_step: The optimizer step being run (read by the precision guards).
+        default_seed: The initializers' seed when ``init.seed`` is unset.
+    """
+
+    world_size: int
+    rank: int
+    device: torch.device
+    step_fn: Callable[..., Any]
+    batch: Any
+    fitting: bool
+    precision: HPPPrecision
+    trainer_precision: str | None
+    placement: PlacementOptions = field(default_factory=PlacementOptions)
+    init: InitOptions = field(default_factory=InitOptions)
+    split_batches: bool = True
+    global_step: Callable[[], int] = lambda: -1
+    default_seed: int = 0
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """This rank's assembled pipeline (built once per LightningModule and setup).
+
+    Attributes:
+        module: The LightningModule it was cut from (holding only this rank's stages).
+        plan: The resolved plan (unit names expanded; ``meta`` says how it was made).
+        mesh: The pp × dp rank grid and its groups.
+        stage_ids: The stages this rank holds.
+        schedule, n_microbatches, split: As resolved (:class:`~lightning_hpp.assembly.spec.ResolvedPlan`).
+        frontend, reason: The frontend that cut the model, and why.
+        rank_kinds: Every rank's device kind.
+        runner: Runs batches through this rank's stages.
+        grads: Hands the schedule's gradients to Lightning's optimizer step.
+    """
+
+    module: nn.Module
+    plan: Any
+    mesh: Mesh
+    stage_ids: tuple[int, ...]
+    schedule: str
+    n_microbatches: int
+    split: int
+    frontend: str
+    reason: str
+    rank_kinds: tuple[str, ...]
+    runner: PipelineRunner
+    grads: GradHandover
+
+    @property
+    def device_kind(self) -> str:
+        """This rank's device kind."""
+        return self.rank_kinds[self.mesh.rank]
+
+
+def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -> Pipeline:
+    """Resolve the plan, cut ``module``, build the groups and keep only this rank's stages (collective).
+
+    Raises:
+        PlanError: a plan, schedule or layout that cannot run on this job (the same on every rank).
+    """
+    world, device = inputs.world_size, inputs.device
+    if spec.pp_degree is not None and spec.pp_degree > world:
+        raise PlanError(f"`HPPStrategy(pp_degree={spec.pp_degree})` needs at least {spec.pp_degree} processes, one per pipeline "
+                        f"position, but the job has {world}. Lower `pp_degree`, or start more processes "
+                        f"(`Trainer(devices=..., num_nodes=...)`).")
+    inputs.placement.check_world(world)
+    rank_kinds = gather_kinds(device, inputs.rank, inputs.placement.device_map)
+    meta = has_meta_parameters(module)
+    with fake_parameters(module, device) if meta else contextlib.nullcontext():
+        # the checks run the whole model, which stays where it is until it is cut (a meta model's stand-ins are on `device`)
+        home = next((p.device for p in module.parameters()), device)
+        batch = None if inputs.batch is None else move_data_to_device(inputs.batch, home)
+        resolved, example = resolve_plan(module, spec, inputs, batch, rank_kinds)
+        cut = cut_model(module, resolved.plan, example, frontend=spec.frontend,
+                        modes=("train", "eval") if inputs.fitting else ("eval",))
+    plan = cut.plan
+    pp = resolved.pp(plan)
+    if plan.num_stages > world * (2 if resolved.kind.multi else 1) or pp > world:
+        raise PlanError(
+            f"The plan has {plan.num_stages} stages (pp_degree={pp}) but the job has {world} processes. "
+            f"Use at least {pp} processes (`Trainer(devices=..., num_nodes=...)`), or a plan with fewer stages."
+        )
+    check_schedule(resolved.schedule, plan.num_stages, pp, resolved.n_microbatches)
+    positions = [stages_of_position(r, pp, plan.num_stages, resolved.kind.style) for r in range(pp)]
+    grid = resolved.grid if resolved.grid is not None else kind_grid(plan, positions, rank_kinds, pp, world // pp)
+    mesh = Mesh.build(world, pp, inputs.rank, grid=grid)
+    plan.meta["device_kinds"] = rank_kinds
+    mesh.init_groups()
+    stage_ids = positions[mesh.position]
+    cut.keep_only(module, stage_ids)
+    bodies = [b for mode in ("train", "eval") for k in stage_ids for b in cut.bodies[mode][k]]
+    if has_meta_parameters(module):
+        _materialize(module, bodies, inputs)
+    shared = shared_gradient_groups(cut.shared, dict(module.named_parameters()), positions, mesh)
+    traced = cut.frontend == "traced"
+    recompute = [spec.activation_checkpointing if s.activation_checkpointing is None else s.activation_checkpointing
+                 for s in plan.stages]
+    stages = {mode: {k: StageModule(plan.stages[k].modules, cut.bodies[mode][k], k, spread=cut.spread[k], captured=traced,
+                                    checkpoint_activations=recompute[k])
+                     for k in stage_ids} for mode in ("train", "eval")}
+    if cut.frontend == "sequential":
+        stages["eval"] = stages["train"]
+    module.to(device)
+    for body in bodies:
+        if hasattr(body, "place"):  # traced stages: ops that create tensors do so on this rank's device
+            body.place(device)
+    runner = PipelineRunner(module, stages["train"], plan.num_stages, mesh, resolved.schedule, resolved.n_microbatches,
+                            device, eval_stage_modules=stages["eval"], flatten=cut.flatten, unflatten=cut.unflatten)
+    view = StageView(stages["train"], eval_stages=stages["eval"], pp_group=mesh.pp_group if pp > 1 else None,
+                     dp_group=mesh.dp_group, microbatch=runner.current_microbatch, step=inputs.global_step,
+                     step_checks=runner.step_checks)
+    inputs.precision.configure_stages(plan, view, inputs.trainer_precision, device, rank_kinds[inputs.rank])
+    grads = GradHandover(stages["train"], mesh.dp_group, mesh.dp, shared=shared)
+    runner.last_backward_window = grads.last_backward
+    rank_zero_info(
+        f"HPPStrategy: {plan.num_stages} stages, frontend={cut.frontend} ({cut.reason}), schedule={resolved.schedule}, "
+        f"n_microbatches={resolved.n_microbatches}, pp={pp} × dp={mesh.dp}"
+        + (f", shared parameters {sorted(cut.shared)}" if cut.shared else "") + f"\n{plan.table()}"
+    )
+    return Pipeline(module=module, plan=plan, mesh=mesh, stage_ids=tuple(stage_ids), schedule=resolved.schedule,
+                    n_microbatches=resolved.n_microbatches, split=resolved.split, frontend=cut.frontend, reason=cut.reason,
+                    rank_kinds=tuple(rank_kinds), runner=runner, grads=grads)
+
+
+def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch: Any,
+                 rank_kinds: list[str]) -> tuple[ResolvedPlan, tuple[tuple, dict] | None]:
+    """The plan before the cut, once, and the example call the cut sees (one micro-batch of the chosen size).
+
+    ``plan="auto"`` (collective), the user's plan, the ``@stage`` decorators, or a cut balanced by
+    parameter count over the model's longest block list.
+    """
+    schedule = spec.schedule or DEFAULT_SCHEDULE
+    m = spec.n_microbatches or DEFAULT_MICROBATCHES
+    if spec.auto:
+        example = example_call(module, inputs.step_fn, batch, spec.n_microbatches or 1)
+        resolved = _auto_plan(module, spec, inputs, batch, example, rank_kinds)
+        if example is not None:  # the cut sees one micro-batch of the chosen size
+            example = example_call(module, inputs.step_fn, batch, resolved.split * resolved.n_microbatches)
+        return resolved, example
+    example = example_call(module, inputs.step_fn, batch, m)
+    if spec.plan is None:
+        plan = spec.decorated_plan(module)
+        if plan is None:
+            n = (spec.pp_degree or inputs.world_size) * (2 if spec.kind.multi else 1)
+            plan = balanced_plan(module, n)
+            rank_zero_info(f"HPPStrategy: no plan given; {plan.meta['balanced']}: cut at {plan.meta['cut_points']}.")
+    else:
+        plan = spec.plan
+    return ResolvedPlan(plan, schedule, m, pp_degree=spec.pp_degree), example
+
+
+def example_call(module: nn.Module, step_fn: Callable[..., Any], batch: Any, parts: int) -> tuple[tuple, dict] | None:
+    """``(args, kwargs)`` of the step's ``self(...)`` call on one micro-batch (``1 / parts`` of ``batch``), RNG untouched.
+
+    Raises:
+        PlanError: the step calls ``self(...)`` more than once.
+    """
+    if batch is None:
+        return None
+    with isolate_rng():
+        try:
+            batch = split_batch(batch, parts)[0]
+        except PlanError:
+            pass  # an indivisible batch is reported by the first step, with its size
+        if count_forward_calls(module, step_fn, batch, 0) > 1:
+            raise second_call_error(step_fn.__name__)
+        return capture_input(module, step_fn, batch, 0)
+
+
+def _auto_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch: Any, example: tuple | None,
+               rank_kinds: list[str]) -> ResolvedPlan:
+    if example is None:
+        raise PlanError("plan='auto' profiles the model on one real micro-batch, but the dataloader gave no batch.")
+    if spec.schedule not in (None, "gpipe", "1f1b"):
+        raise PlanError(f"plan='auto' plans 'gpipe' and '1f1b' schedules; got schedule={spec.schedule!r}. Leave "
+                        f"`schedule` unset to let it choose, or write the stage plan for {spec.schedule!r} by hand.")
+    if has_meta_parameters(module) and inputs.placement.profile is None:
+        raise PlanError("plan='auto' measures the model, but it was built on the meta device (no weights yet). Pass a "
+                        "cost profile (`HPPStrategy(placement=PlacementOptions(profile=...))`, see "
+                        "`python -m lightning_hpp.planning.cli`), or a plan (`StagePlan.split_at([...])`).")
+    units, unit_inputs, to_cut = planning_units(module, example)
+    groups = inputs.world_size // spec.pp_degree if spec.pp_degree else 1  # the global batch of the unsearched plan
+    probe = loss_probe(module, inputs.step_fn, batch, units, unit_inputs, inputs.device)
+    plan, grid, table, chosen = auto_plan(
+        units, unit_inputs, inputs.rank, rank_kinds, batch_size=batch_size_of(batch), device=inputs.device,
+        data_groups=groups, pp_degree=spec.pp_degree, schedule=spec.schedule, n_microbatches=spec.n_microbatches,
+        loss_probe=probe, profile_path=inputs.placement.profile, split_batches=inputs.split_batches and inputs.fitting)
+    rank_zero_info(f"HPPStrategy: plan='auto' chose\n{table}")
+    return ResolvedPlan(to_cut(plan), chosen.schedule, chosen.n_microbatches, split=chosen.dp_degree // groups, grid=grid,
+                        pp_degree=chosen.pp_degree)
+
+
+def _materialize(module: nn.Module, bodies: list[nn.Module], inputs: SetupInputs) -> None:
+    """This rank's stages out of the meta device: their own initializers, or their tensors read from disk."""
+    init = inputs.init
+    seed = init.seed if init.seed is not None else inputs.default_seed
+    n = materialize_stages(module, bodies, inputs.device, seed=seed, weights=init.weights, rename=init.rename)
+    rank_zero_info(f"HPPStrategy: rank {inputs.rank} materialized its {n} parameters "
+                   f"({'read from ' + init.weights if init.weights else 'their modules initializers'}).")

@@ -1,0 +1,54 @@
+"""What a pipeline adds to a Trainer and what it refuses of one: the callbacks the strategy's options
+ask for, and the setups whose Lightning behaviour a pipeline cannot keep (refused at setup, on every rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lightning.fabric.plugins import TorchCheckpointIO
+
+from lightning_hpp.errors import PlanError
+from lightning_hpp.options import TelemetryOptions
+from lightning_hpp.precision.plugin import HPPPrecision
+from lightning_hpp.telemetry.callback import PipelineTelemetry
+from lightning_hpp.telemetry.report import PlacementReport
+
+
+def pipeline_callbacks(callbacks: Sequence[Any], telemetry: TelemetryOptions | None, *, auto: bool) -> list[Any]:
+    """The callbacks to add beside ``callbacks``: ``PipelineTelemetry`` when ``telemetry`` asks for it or
+    ``plan="auto"`` (``auto``) reports on its plan, and that ``PlacementReport`` (each unless already there)."""
+    if telemetry is None and not auto:
+        return []
+    added: list[Any] = []
+    has_telemetry = any(isinstance(cb, PipelineTelemetry) for cb in callbacks)
+    only_for_report = telemetry is None and not has_telemetry
+    if not has_telemetry:
+        opts = telemetry or TelemetryOptions(every_n_steps=5)
+        added.append(PipelineTelemetry(every_n_steps=opts.every_n_steps, trace_step=opts.trace_step, trace_dir=opts.trace_dir))
+    if auto and not any(isinstance(cb, PlacementReport) for cb in callbacks):
+        added.append(PlacementReport(stop_telemetry=only_for_report))
+    return added
+
+
+def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fitting: bool, precision_flag: str | None) -> None:
+    """Refuse what a pipeline would silently ignore: a CheckpointIO plugin, manual optimization, two default precisions.
+
+    Raises:
+        PlanError: naming the setting and the fix.
+    """
+    if checkpoint_io is not None and type(checkpoint_io) is not TorchCheckpointIO:  # Lightning's default
+        raise PlanError(f"HPPStrategy writes sharded checkpoints itself; the CheckpointIO plugin {type(checkpoint_io).__name__} "
+                        f"would not be used. Remove it from `Trainer(plugins=...)`.")
+    if fitting and not module.automatic_optimization:
+        raise PlanError(
+            f"`{type(module).__name__}.automatic_optimization = False` cannot run under HPPStrategy: "
+            f"the pipeline schedule runs every micro-batch's forward and backward itself, so `manual_backward` and "
+            f"`optimizer.step()` inside `training_step` would act on nothing. Keep automatic optimization (return "
+            f"the loss from `training_step`) and put custom clipping in `configure_gradient_clipping` (called per "
+            f"stage), accumulation in `Trainer(accumulate_grad_batches=...)`, schedules in `configure_optimizers`."
+        )
+    if isinstance(precision, HPPPrecision) and precision.default not in (None, precision_flag) and precision_flag != "32-true":
+        raise PlanError(f"`Trainer(precision={precision_flag!r})` and `HPPPrecision(default={precision.default!r})` disagree on "
+                        f"the stages' default precision. Set it in one place.")
