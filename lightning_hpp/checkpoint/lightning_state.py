@@ -40,6 +40,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_hpp.checkpoint.sharded import checkpoint_keys, load_sharded, save_sharded
+from lightning_hpp.checkpoint.store import Retention
+
 _SPLIT = ("state_dict", "optimizer_states", "lr_schedulers")
 _TOP = ("epoch", "global_step", "hyper_parameters", "hparams_name", "pytorch-lightning_version")
 
@@ -253,9 +256,6 @@ def save_lightning_checkpoint(
             (``keep_last``) applies only to checkpoints written there.
         protect: Checkpoints retention must keep (the one the run resumed from).
     """
-    from lightning_hpp.checkpoint.sharded import save_sharded
-    from lightning_hpp.checkpoint.store import Retention
-
     state = to_sharded(checkpoint, module, optimizers, global_rank=global_rank, position=position, replica=replica)
     in_dir = step_dir is not None and url.rstrip("/").rsplit("/", 1)[0] == step_dir.rstrip("/")
     retention = Retention(keep_last=keep_last) if keep_last is not None and in_dir else None
@@ -267,7 +267,5 @@ def load_lightning_checkpoint(url: str, module: torch.nn.Module, optimizers: lis
                               global_rank: int, position: int) -> dict[str, Any]:
     """This rank's part of the sharded checkpoint at ``url``, as Lightning's checkpoint dict (collective);
     whatever plan, frontend, pp or dp degree wrote it."""
-    from lightning_hpp.checkpoint.sharded import checkpoint_keys, load_sharded
-
     template = load_template(module, optimizers, set(checkpoint_keys(url)))
     return from_sharded(load_sharded(url, template), module, optimizers, global_rank=global_rank, position=position)

@@ -36,6 +36,8 @@ import safetensors
 import torch
 from torch import nn
 
+from lightning_hpp.checkpoint.sharded import _failure, _index, _NoBytesLoadPlanner, _quiet_single_process, _read_index, _Reader, parse_key
+from lightning_hpp.checkpoint.store import METADATA_FILE, RetryPolicy, read_metadata
 from lightning_hpp.errors import CheckpointError
 
 __all__ = ["load_stage_weights"]
@@ -272,9 +274,6 @@ class _Sharded:
     """A checkpoint of this project: model entries ``state["model"][name]``, read with DCP."""
 
     def __init__(self, url: str) -> None:
-        from lightning_hpp.checkpoint.sharded import _index, _read_index, parse_key
-        from lightning_hpp.checkpoint.store import RetryPolicy, read_metadata
-
         self.url = url
         self.retry = RetryPolicy()
         whole = self.retry.for_url(url)
@@ -302,8 +301,6 @@ class _Sharded:
             return
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
-
-        from lightning_hpp.checkpoint.sharded import _failure, _NoBytesLoadPlanner, _quiet_single_process, _Reader
 
         # the template holds the wanted entries only; DCP copies each into its destination
         # (cast to its dtype, moved to its device). no_dist: this rank alone, no collective.
@@ -352,8 +349,6 @@ def _open_source(source: str, stack: ExitStack) -> _Safetensors | _Sharded:
             f"{source!r} does not exist. Pass a .safetensors file, a transformers checkpoint directory "
             f"(save_pretrained) or a lightning_hpp checkpoint directory (holding metadata.json)."
         )
-    from lightning_hpp.checkpoint.store import METADATA_FILE
-
     if os.path.isfile(os.path.join(path, METADATA_FILE)):
         return _Sharded(source)
     entries = sorted(os.listdir(path))

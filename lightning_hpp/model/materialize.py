@@ -25,6 +25,7 @@ import torch
 from lightning.fabric.utilities.init import _EmptyInit
 from torch import nn
 
+from lightning_hpp.checkpoint.weights import load_stage_weights
 from lightning_hpp.errors import PlanError
 
 
@@ -149,8 +150,6 @@ def materialize_stages(module: nn.Module, bodies: list[nn.Module], device: torch
     tensors. Returns how many parameters were materialized."""
     names = materialize(module, device, seed=seed, initialize=weights is None)
     if weights is not None:
-        from lightning_hpp.checkpoint.weights import load_stage_weights
-
         load_stage_weights(module, weights, names=names, rename=rename)
     for body in bodies:
         if hasattr(body, "repoint"):

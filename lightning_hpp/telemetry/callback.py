@@ -15,6 +15,7 @@ from lightning_hpp.errors import TelemetryError
 from lightning_hpp.pipeline.view import pipeline_view
 from lightning_hpp.telemetry.model import _now
 from lightning_hpp.telemetry.recorder import PipelineRecorder, StepMetrics, collect, mean_metrics
+from lightning_hpp.telemetry.render import render_timeline_png, write_chrome_trace
 
 
 # --------------------------------------------------------------------------------------------- callback
@@ -156,8 +157,6 @@ class PipelineTelemetry(Callback):
         return out
 
     def _write_pictures(self, trainer: Any, metrics: StepMetrics) -> None:
-        from lightning_hpp.telemetry.render import render_timeline_png, write_chrome_trace
-
         base = self._trace_dir or trainer.log_dir or trainer.default_root_dir  # every rank asks: collective
         if trainer.global_rank != 0:
             return
