@@ -21,7 +21,9 @@ from lightning_hpp.pipeline.schedules import SCHEDULES, check_schedule
 _now = time.perf_counter_ns
 
 COMM_KINDS = ("SEND_F", "SEND_B", "RECV_F", "RECV_B")
-ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
+# the schedules that split the backward into I and W (torch says so only in their action orders)
+_SPLIT_BACKWARD = (_S.ScheduleInterleavedZeroBubble, _S.ScheduleZBVZeroBubble, _S.ScheduleDualPipeV)
+ZERO_BUBBLE = tuple(name for name, kind in SCHEDULES.items() if issubclass(kind.cls, _SPLIT_BACKWARD))
 
 
 # --------------------------------------------------------------------------------------------- theory
