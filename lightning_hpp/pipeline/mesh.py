@@ -144,7 +144,8 @@ class Mesh:
 
         self._check_pipelines_ascend()
         if not dist.is_initialized():
-            raise PlanError("Mesh.init_groups() needs the default process group; call torch.distributed.init_process_group first.")
+            raise PlanError("Mesh.init_groups() needs the default process group: call "
+                            "torch.distributed.init_process_group first.")
         # every rank passes the same tensor; DeviceMesh creates the groups of each dimension in turn
         # (new_group / split_group, both collective, both ordering a group's ranks by global rank) and
         # reuses the default group for a dimension that spans the world
