@@ -17,6 +17,7 @@ from torch.distributed.pipelining import schedules as _S
 
 from lightning_hpp.errors import TelemetryError
 from lightning_hpp.pipeline.schedules import SCHEDULES, check_schedule
+from lightning_hpp.validation import check_int
 
 _now = time.perf_counter_ns
 
@@ -52,8 +53,7 @@ def theoretical_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
     if schedule not in SCHEDULES:
         raise TelemetryError(f"Unknown schedule {schedule!r}. Valid schedules: {', '.join(SCHEDULES)}.")
     for name, value in (("p", p), ("m", m), ("v", v)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise TelemetryError(f"`{name}` must be a positive integer, got {value!r} (schedule {schedule!r}).")
+        check_int(value, f"theoretical_bubble({schedule!r}, {name}=...)", error=TelemetryError)
     kind = SCHEDULES[schedule]
     if not kind.multi and v != 1:
         raise TelemetryError(f"Schedule {schedule!r} runs one stage per rank; got v={v!r}. Use v=1.")
