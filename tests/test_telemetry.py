@@ -121,7 +121,7 @@ def test_analyze_splits_waits_at_the_peer_post():
 def test_bad_input():
     with pytest.raises(TelemetryError, match="'pipedream'"):
         theoretical_bubble("pipedream", 2, 4)
-    with pytest.raises(TelemetryError, match="`m` must be a positive integer, got 0"):
+    with pytest.raises(TelemetryError, match=r"`theoretical_bubble\('gpipe', m=0\)`: must be a positive integer"):
         theoretical_bubble("gpipe", 2, 0)
     with pytest.raises(TelemetryError, match="v=2"):
         theoretical_bubble("1f1b", 2, 4, 2)

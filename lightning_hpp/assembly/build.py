@@ -40,6 +40,7 @@ from lightning_hpp.pipeline.runner import PipelineRunner
 from lightning_hpp.pipeline.schedules import check_schedule
 from lightning_hpp.pipeline.stage import StageModule
 from lightning_hpp.pipeline.steps import capture_input, count_forward_calls, second_call_error
+from lightning_hpp.planning.partition import MODELLED_SCHEDULES
 from lightning_hpp.precision.plugin import HPPPrecision, StageView
 
 
@@ -143,7 +144,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     grid = resolved.grid if resolved.grid is not None else kind_grid(plan, positions, rank_kinds, pp, world // pp)
     mesh = Mesh.build(world, pp, inputs.rank, grid=grid)
     plan.meta["device_kinds"] = rank_kinds
-    mesh.init_groups()
+    mesh.init_groups(device_type=device.type)
     stage_ids = positions[mesh.position]
     cut.keep_only(module, stage_ids)
     bodies = [b for mode in ("train", "eval") for k in stage_ids for b in cut.bodies[mode][k]]
@@ -229,8 +230,9 @@ def _auto_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch
                rank_kinds: list[str]) -> ResolvedPlan:
     if example is None:
         raise PlanError("plan='auto' profiles the model on one real micro-batch, but the dataloader gave no batch.")
-    if spec.schedule not in (None, "gpipe", "1f1b"):
-        raise PlanError(f"plan='auto' plans 'gpipe' and '1f1b' schedules; got schedule={spec.schedule!r}. Leave "
+    if spec.schedule is not None and spec.schedule not in MODELLED_SCHEDULES:
+        raise PlanError(f"plan='auto' plans {' and '.join(map(repr, MODELLED_SCHEDULES))} schedules; got "
+                        f"schedule={spec.schedule!r}. Leave "
                         f"`schedule` unset to let it choose, or write the stage plan for {spec.schedule!r} by hand.")
     if has_meta_parameters(module) and inputs.placement.profile is None:
         raise PlanError("plan='auto' measures the model, but it was built on the meta device (no weights yet). Pass a "

@@ -23,7 +23,7 @@ from lightning_hpp._dist import group_device
 from lightning_hpp.errors import PlanError
 from lightning_hpp.pipeline.mesh import Mesh
 from lightning_hpp.pipeline.microbatch import batch_size_of, largest_divisor_at_most, split_batch
-from lightning_hpp.pipeline.schedules import SCHEDULES
+from lightning_hpp.pipeline.schedules import schedule_kind
 from lightning_hpp.pipeline.stage import StageModule, _Stage
 from lightning_hpp.pipeline.steps import (
     StepLogs,
@@ -58,7 +58,7 @@ class PipelineRunner:
         stage_modules: This rank's stages, by stage index.
         num_stages: Stages in the whole pipeline.
         mesh: The world layout (pipeline group used for sends and the log broadcast).
-        schedule: A name from :data:`SCHEDULES`.
+        schedule: A name of :data:`lightning_hpp.pipeline.schedules.SCHEDULE_NAMES`.
         n_microbatches: Micro-batches per training batch.
         device: This rank's device.
         eval_stage_modules: The stages for forward-only passes (the traced frontend captures the model
@@ -88,7 +88,7 @@ class PipelineRunner:
         self._unflatten = unflatten or (lambda out: out)
         self.num_stages = num_stages
         self.mesh = mesh
-        self.kind = SCHEDULES[schedule]
+        self.kind = schedule_kind(schedule)
         self.schedule_name = schedule
         self.n_microbatches = n_microbatches
         self.device = device

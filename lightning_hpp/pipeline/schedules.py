@@ -1,56 +1,84 @@
 """The pipeline schedules of ``torch.distributed.pipelining`` by name, how each places its stages on
 ranks, and the checks a plan must pass to run under one.
+
+:data:`SCHEDULE_NAMES` is the one list of schedule names: each of ours with torch's name for it. The
+class comes from torch's registry (``get_schedule_class``); whether a rank holds several stages from
+its base class (``PipelineScheduleMulti``); the placement style is the one fact torch keeps inside the
+V schedules' ``__init__`` (``generate_stage_to_rank_mapping(..., style="v")``), so :data:`_V_STYLE`
+says it here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from torch.distributed.pipelining import schedules as S
 
 from lightning_hpp.errors import ScheduleError
 
+SCHEDULE_NAMES: tuple[tuple[str, str], ...] = (
+    ("gpipe", "GPipe"),
+    ("1f1b", "1F1B"),
+    ("interleaved1f1b", "Interleaved1F1B"),
+    ("looped_bfs", "LoopedBFS"),
+    ("interleaved_zb", "InterleavedZeroBubble"),
+    ("zbv", "ZBVZeroBubble"),
+    ("dualpipev", "DualPipeV"),
+)
+"""``(our name, torch's name)`` of every schedule, in the order they are listed to users."""
+
+# torch has no data for the placement style: ZBVZeroBubble and DualPipeV set style="v" in __init__
+_V_STYLE = frozenset({"ZBVZeroBubble", "DualPipeV"})
+
 
 @dataclass(frozen=True)
 class ScheduleKind:
-    """A schedule name and how its stages are placed on ranks."""
+    """A schedule's class and how its stages are placed on ranks."""
 
     cls: type
     multi: bool  # several stages per rank
     style: str  # "loop" or "v" placement
 
 
-SCHEDULES: dict[str, ScheduleKind] = {
-    "gpipe": ScheduleKind(S.ScheduleGPipe, False, "loop"),
-    "1f1b": ScheduleKind(S.Schedule1F1B, False, "loop"),
-    "interleaved1f1b": ScheduleKind(S.ScheduleInterleaved1F1B, True, "loop"),
-    "looped_bfs": ScheduleKind(S.ScheduleLoopedBFS, True, "loop"),
-    "interleaved_zb": ScheduleKind(S.ScheduleInterleavedZeroBubble, True, "loop"),
-    "zbv": ScheduleKind(S.ScheduleZBVZeroBubble, True, "v"),
-    "dualpipev": ScheduleKind(S.ScheduleDualPipeV, True, "v"),
-}
+def _kind(torch_name: str) -> ScheduleKind:
+    cls = S.get_schedule_class(torch_name)
+    return ScheduleKind(cls, issubclass(cls, S.PipelineScheduleMulti), "v" if torch_name in _V_STYLE else "loop")
+
+
+SCHEDULES: Mapping[str, ScheduleKind] = MappingProxyType({name: _kind(torch) for name, torch in SCHEDULE_NAMES})
+"""Our name → :class:`ScheduleKind`, read-only, in the order of :data:`SCHEDULE_NAMES`."""
+
+
+def schedule_kind(name: str) -> ScheduleKind:
+    """The :class:`ScheduleKind` of schedule ``name``; :class:`ScheduleError` listing the valid names if unknown."""
+    kind = SCHEDULES.get(name) if isinstance(name, str) else None
+    if kind is None:
+        raise ScheduleError(f"Unknown schedule {name!r}. Valid schedules: {', '.join(SCHEDULES)}.")
+    return kind
 
 
 def check_schedule(name: str, num_stages: int, pp: int, n_microbatches: int) -> ScheduleKind:
     """Validate a schedule against the plan before any process group or step exists."""
-    if name not in SCHEDULES:
-        raise ScheduleError(f"Unknown schedule {name!r}. Valid schedules: {', '.join(SCHEDULES)}.")
-    kind = SCHEDULES[name]
+    kind = schedule_kind(name)
     if not isinstance(n_microbatches, int) or n_microbatches < 1:
         raise ScheduleError(f"`n_microbatches` must be a positive integer, got {n_microbatches!r}.")
     if kind.multi:
         if num_stages % pp or num_stages // pp < 2:
+            single = ", ".join(repr(n) for n, k in SCHEDULES.items() if not k.multi)
             raise ScheduleError(
                 f"Schedule {name!r} runs several stages per rank: the plan's {num_stages} stages must be a "
                 f"multiple (>= 2x) of pp_degree={pp}. Use pp_degree={max(1, num_stages // 2)} or a plan with "
-                f"{2 * pp} stages, or a single-stage schedule ('gpipe', '1f1b')."
+                f"{2 * pp} stages, or a single-stage schedule ({single})."
             )
         if kind.style == "v" and num_stages != 2 * pp:
             raise ScheduleError(
                 f"Schedule {name!r} needs exactly 2 stages per rank (V placement); the plan has {num_stages} "
                 f"stages for pp_degree={pp}. Use pp_degree={num_stages // 2} or a plan with {2 * pp} stages."
             )
-        if name in ("interleaved1f1b", "interleaved_zb"):
+        # torch's interleaved schedules run the micro-batches in rounds of pp (checked again at construction)
+        if issubclass(kind.cls, (S.ScheduleInterleaved1F1B, S.ScheduleInterleavedZeroBubble)):
             rounds = max(1, n_microbatches // pp)
             if n_microbatches % rounds:
                 raise ScheduleError(
@@ -62,7 +90,7 @@ def check_schedule(name: str, num_stages: int, pp: int, n_microbatches: int) -> 
             f"Schedule {name!r} runs one stage per rank, but the plan has {num_stages} stages and "
             f"pp_degree={pp}. Set pp_degree={num_stages}, or use 'interleaved1f1b' for several stages per rank."
         )
-    if name in ("1f1b", "dualpipev") and n_microbatches < num_stages:
+    if issubclass(kind.cls, (S.Schedule1F1B, S.ScheduleDualPipeV)) and n_microbatches < num_stages:
         raise ScheduleError(
             f"Schedule {name!r} needs at least as many micro-batches as stages: n_microbatches={n_microbatches} "
             f"< {num_stages} stages. Set `n_microbatches` >= {num_stages}, or use 'gpipe'."

@@ -16,7 +16,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lightning_hpp.errors import PartitionError, PlacementError, PlanError, ProfileError
-from lightning_hpp.planning.partition import Cluster, DeviceGroup, PartitionResult, partition, uniform_partition
+from lightning_hpp.planning.partition import (
+    MODELLED_SCHEDULES,
+    Cluster,
+    DeviceGroup,
+    PartitionResult,
+    partition,
+    uniform_partition,
+)
 from lightning_hpp.planning.profile import CostProfile
 
 
@@ -213,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", required=True, help="devices, e.g. '128xa100,128xh100' or '2xa100:40' (40 GB)")
     p.add_argument("--global-batch", type=int, help="samples per step over all replicas")
     p.add_argument("--global-microbatches", type=int, help="micro-batches per step over all replicas")
-    p.add_argument("--schedule", default="1f1b", help="gpipe or 1f1b (default 1f1b)")
+    p.add_argument("--schedule", default="1f1b", help=f"{' or '.join(MODELLED_SCHEDULES)} (default 1f1b)")
     p.add_argument("--dp", default="auto", help="data-parallel degree, or 'auto' (default)")
     p.add_argument("--pp", type=int, help="pipeline degree (default: searched)")
     p.add_argument("--precision", help="one precision for all stages, or per kind: 'a100=bf16-mixed,h100=fp8'")

@@ -33,8 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
 
 from lightning_hpp.errors import PartitionError, PlacementError
+from lightning_hpp.pipeline.schedules import SCHEDULES
 from lightning_hpp.planning.devices import (
     DEVICE_SPECS,
     assign_ranks,
@@ -46,10 +48,12 @@ from lightning_hpp.planning.devices import (
 from lightning_hpp.planning.plan import StagePlan, StageSpec, normalize_precision
 from lightning_hpp.planning.profile import CostProfile, Overheads
 
-SCHEDULES = ("gpipe", "1f1b")
-"""Schedules the partitioner models: one stage per rank, bubble (p - 1) / (m + p - 1)."""
+MODELLED_SCHEDULES = tuple(name for name, kind in SCHEDULES.items() if kind.cls in (ScheduleGPipe, Schedule1F1B))
+"""Schedules the partitioner models (torch's GPipe and 1F1B): one stage per rank, bubble (p - 1) / (m + p - 1)."""
 
-_SCHEDULE_ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "schedulegpipe": "gpipe", "schedule1f1b": "1f1b"}
+# our names and torch's class names, lower case: "1f1b" and "schedule1f1b" are the same schedule
+_SCHEDULE_ALIASES = {alias: name for name in MODELLED_SCHEDULES
+                     for alias in (name, SCHEDULES[name].cls.__name__.lower())}
 
 DEFAULT_LINK_GBPS = 25.0
 """Assumed link speed per device for stage boundaries and gradient all-reduce (200 Gb/s InfiniBand)."""
@@ -494,7 +498,8 @@ def _schedule(schedule: str) -> str:
     key = str(schedule).lower().replace("_", "").replace("-", "")
     if key not in _SCHEDULE_ALIASES:
         raise PartitionError(
-            f"The partitioner models schedules {', '.join(SCHEDULES)} (one stage per rank); got {schedule!r}. "
+            f"The partitioner models schedules {', '.join(MODELLED_SCHEDULES)} (one stage per rank); "
+            f"got {schedule!r}. "
             f"For interleaved or zero-bubble schedules write the stage plan by hand, or plan with '1f1b'."
         )
     return _SCHEDULE_ALIASES[key]

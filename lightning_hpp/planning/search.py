@@ -49,7 +49,7 @@ from lightning_hpp.planning.partition import (
     _INF,
     _SCHEDULE_ALIASES,
     DEFAULT_LINK_GBPS,
-    SCHEDULES,
+    MODELLED_SCHEDULES,
     DeviceGroup,
     KindCosts,
     PartitionResult,
@@ -226,12 +226,13 @@ def search_plan(
         key = str(schedule).lower()
         if _SCHEDULE_ALIASES.get(key) is None:
             raise PartitionError(
-                f"plan='auto' models the schedules {', '.join(SCHEDULES)} (one stage per rank); schedule={schedule!r} "
-                f"was fixed. Leave `schedule` unset to let the search choose, or write the stage plan by hand."
+                f"plan='auto' models the schedules {', '.join(MODELLED_SCHEDULES)} (one stage per rank); "
+                f"schedule={schedule!r} was fixed. Leave `schedule` unset to let the search choose, or write the "
+                f"stage plan by hand."
             )
         schedules = [_SCHEDULE_ALIASES[key]]
     else:
-        schedules = list(SCHEDULES)
+        schedules = list(MODELLED_SCHEDULES)
     have = [normalize_kind(k, f"rank {r} kind") for r, k in enumerate(rank_kinds)]
     kinds = sorted(set(have))
     mem = dict(memory_bytes or {})

@@ -17,11 +17,14 @@ from torch.distributed.pipelining import schedules as _S
 
 from lightning_hpp.errors import TelemetryError
 from lightning_hpp.pipeline.schedules import SCHEDULES, check_schedule
+from lightning_hpp.validation import check_int
 
 _now = time.perf_counter_ns
 
 COMM_KINDS = ("SEND_F", "SEND_B", "RECV_F", "RECV_B")
-ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
+# the schedules that split the backward into I and W (torch says so only in their action orders)
+_SPLIT_BACKWARD = (_S.ScheduleInterleavedZeroBubble, _S.ScheduleZBVZeroBubble, _S.ScheduleDualPipeV)
+ZERO_BUBBLE = tuple(name for name, kind in SCHEDULES.items() if issubclass(kind.cls, _SPLIT_BACKWARD))
 
 
 # --------------------------------------------------------------------------------------------- theory
@@ -50,8 +53,7 @@ def theoretical_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
     if schedule not in SCHEDULES:
         raise TelemetryError(f"Unknown schedule {schedule!r}. Valid schedules: {', '.join(SCHEDULES)}.")
     for name, value in (("p", p), ("m", m), ("v", v)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise TelemetryError(f"`{name}` must be a positive integer, got {value!r} (schedule {schedule!r}).")
+        check_int(value, f"theoretical_bubble({schedule!r}, {name}=...)", error=TelemetryError)
     kind = SCHEDULES[schedule]
     if not kind.multi and v != 1:
         raise TelemetryError(f"Schedule {schedule!r} runs one stage per rank; got v={v!r}. Use v=1.")

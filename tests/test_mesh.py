@@ -1,0 +1,70 @@
+"""The pp × dp layout on torch's ``DeviceMesh``: four real gloo processes build every layout below, and
+each rank's place, its groups (what an all-reduce over each reaches) and the ``("pp", "dp")`` mesh are
+checked against the grid; a grid whose pipeline does not ascend is refused on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.bias_workers.launch import run_ranks
+
+WORLD = 4
+CASES = [
+    {"name": "default pp=2", "pp": 2},  # grid [[0, 1], [2, 3]]
+    {"name": "replicas interleaved", "pp": 2, "grid": [[0, 2], [1, 3]], "device_type": "cpu"},
+    {"name": "a row out of rank order", "pp": 2, "grid": [[0, 1], [3, 2]]},
+    {"name": "pp=1", "pp": 1},
+    {"name": "dp=1", "pp": 4, "position_sets": [[0, 3], [1, 2]]},
+    {"name": "pipeline descends", "pp": 2, "grid": [[1, 3], [0, 2]]},
+]
+
+
+def _grid(case: dict) -> list[list[int]]:
+    pp = case["pp"]
+    dp = WORLD // pp
+    return case.get("grid") or [[r * dp + d for d in range(dp)] for r in range(pp)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[list[dict]]:
+    out = tmp_path_factory.mktemp("mesh")
+    (out / "cases.json").write_text(json.dumps(CASES))
+    per_rank = run_ranks(Path(__file__).parent / "workers" / "mesh_worker.py", WORLD, out, timeout=120)
+    return [[per_rank[rank][i] for rank in range(WORLD)] for i in range(len(CASES))]
+
+
+@pytest.mark.parametrize("i", [i for i, c in enumerate(CASES) if c["name"] != "pipeline descends"],
+                         ids=[c["name"] for c in CASES if c["name"] != "pipeline descends"])
+def test_every_rank_sees_its_place_and_groups(results, i):
+    case, grid = CASES[i], _grid(CASES[i])
+    pp = len(grid)
+    for rank, got in enumerate(results[i]):
+        assert "error" not in got, got
+        position = next(r for r, row in enumerate(grid) if rank in row)
+        replica = grid[position].index(rank)
+        assert (got["position"], got["replica"]) == (position, replica)
+        pipeline = [grid[r][replica] for r in range(pp)]
+        assert got["pp_reached"] == sorted(pipeline)
+        assert got["dp_reached"] == sorted(grid[position])
+        # torch pipelining addresses peers by group rank: the pipeline group's rank is the position
+        assert got["pp_group_ranks"] == pipeline
+        assert got["pp_group_rank"] == position
+        assert got["dim_names"] == ["pp", "dp"]
+        assert got["mesh"] == grid
+        assert got["device_type"] == "cpu"  # gloo's default, or given
+        assert got["coordinate"] == [position, replica]
+        assert got["dp_slice_is_dp_group"] and got["pp_slice_is_pp_group"]
+        if "position_sets" in case:
+            expected = [sorted(grid[r][replica] for r in s) for s in case["position_sets"]]
+            assert got["over_positions"] == [e if rank in e else None for e in expected]
+
+
+def test_a_descending_pipeline_is_refused_on_every_rank(results):
+    i = next(i for i, c in enumerate(CASES) if c["name"] == "pipeline descends")
+    for got in results[i]:
+        assert got["error"] == "PlanError"
+        assert "out of order" in got["message"] and "must ascend" in got["message"]
