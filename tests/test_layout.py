@@ -52,9 +52,9 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("validation", "_dist", "_git", "examples_data"),  # 1
     ("checkpoint",),  # 2
     ("redaction", "launch"),  # 3
-    ("planning",),  # 4
-    ("model",),  # 5
-    ("pipeline",),  # 6
+    ("pipeline",),  # 4
+    ("planning",),  # 5
+    ("model",),  # 6
     ("precision", "telemetry", "bias"),  # 7
     ("options",),  # 8
     ("assembly",),  # 9
