@@ -41,3 +41,20 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src, group=group, device=group_device(group))
     return box[0]
+
+
+_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # what DDP uses for its start-up broadcast
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0, group: Any = None) -> None:
+    """Overwrite ``tensors`` in place with global rank ``src``'s (collective; every rank passes tensors
+    of the same shapes and dtypes in the same order), bucketed as DDP's start-up broadcast is."""
+    if not initialized() or not tensors or dist.get_world_size(group) == 1:
+        return
+    device = group_device(group)
+    moved = [t if t.device == device else t.detach().to(device) for t in tensors]
+    dist._broadcast_coalesced(group or dist.group.WORLD, moved, _BROADCAST_BUCKET_BYTES, src)
+    with torch.no_grad():
+        for t, m in zip(tensors, moved):
+            if m is not t:
+                t.copy_(m)

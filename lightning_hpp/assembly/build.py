@@ -3,7 +3,8 @@ this rank) to a frozen :class:`Pipeline`.
 
 In order, on every rank together (the collectives are marked):
 
-1. the ranks' device kinds (collective) and the plan, resolved once (:func:`resolve_plan`): ``plan="auto"``
+1. rank 0's parameters and buffers on every rank (collective, as DDP starts; a meta model's stages are
+   initialised alike on every rank instead), the ranks' device kinds (collective) and the plan, resolved once (:func:`resolve_plan`): ``plan="auto"``
    (profiled and searched, collective), the user's plan, the ``@stage`` decorators, or a balanced cut;
 2. the cut (sequential or traced frontend) on one real micro-batch of the step's ``self(...)`` call;
 3. the rank grid (:class:`~lightning_hpp.pipeline.mesh.Mesh`, collective) and this rank's stages; a meta
@@ -27,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
 
+from lightning_hpp._dist import broadcast_tensors
 from lightning_hpp.assembly.placement import auto_plan, gather_kinds, kind_grid, loss_probe
 from lightning_hpp.assembly.spec import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PipelineSpec, ResolvedPlan
 from lightning_hpp.errors import PlanError
@@ -125,6 +127,8 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     inputs.placement.check_world(world)
     rank_kinds = gather_kinds(device, inputs.rank, inputs.placement.device_map)
     meta = has_meta_parameters(module)
+    if not meta:  # as DDP does: every replica (and every stage's copy of a shared weight) starts from rank 0's model
+        broadcast_tensors([t for t in (*module.parameters(), *module.buffers()) if t is not None], src=0)
     with fake_parameters(module, device) if meta else contextlib.nullcontext():
         # the checks run the whole model, which stays where it is until it is cut (a meta model's stand-ins are on `device`)
         home = next((p.device for p in module.parameters()), device)
