@@ -438,9 +438,13 @@ def consumed_batches(checkpoint: dict[str, Any]) -> int:
     """Batches of the current epoch already trained on when ``checkpoint`` was written.
 
     A checkpoint saved in ``on_train_batch_end`` has processed the batch before Lightning counts it
-    completed, so ``processed`` is the count.
+    completed, so ``processed`` is the count. One saved on the epoch's last batch, or after it (at the
+    epoch's end, after its validation), finished the epoch: Lightning resumes at the next epoch's first
+    batch, so none are to be skipped.
     """
     progress = (checkpoint.get("loops") or {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
+    if progress.get("is_last_batch"):  # saved on or after the epoch's last batch: Lightning starts the next epoch
+        return 0
     return int((progress.get("current") or {}).get("processed", 0) or 0)
 
 
