@@ -52,9 +52,9 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0, group: Any = No
     if not initialized() or not tensors or dist.get_world_size(group) == 1:
         return
     device = group_device(group)
-    moved = [t if t.device == device else t.detach().to(device) for t in tensors]
+    moved = [t.detach() if t.device == device else t.detach().to(device) for t in tensors]  # detached: same storage
     dist._broadcast_coalesced(group or dist.group.WORLD, moved, _BROADCAST_BUCKET_BYTES, src)
     with torch.no_grad():
         for t, m in zip(tensors, moved):
-            if m is not t:
+            if m.data_ptr() != t.data_ptr():
                 t.copy_(m)

@@ -49,6 +49,7 @@ from lightning_hpp.options import BiasOptions, CheckpointOptions, InitOptions, P
 from lightning_hpp.options import moved_option_hint, section
 from lightning_hpp.pipeline.data import can_rebatch, first_loader, peek_batch, rebatch, resume_mid_epoch
 from lightning_hpp.pipeline.data import seed_workers_per_replica, shard_over_replicas
+from lightning_hpp.pipeline.steps import REDUCED
 from lightning_hpp.planning.plan import PLAN_FILENAME, StagePlan
 from lightning_hpp.precision.plugin import HPPPrecision
 from lightning_hpp.redaction import redact_loggers
@@ -334,7 +335,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, Tensor):
+        if isinstance(tensor, Tensor) and group is not REDUCED:  # REDUCED: a replayed value, equal on every replica
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 

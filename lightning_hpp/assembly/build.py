@@ -55,7 +55,7 @@ class SetupInputs:
         device: This rank's device.
         step_fn: The LightningModule's step of the running entry point (``training_step`` when fitting).
         batch: One batch of that entry point's first loader, as loaded (``None``: no data).
-        fitting: Whether the entry point trains (the traced frontend then captures train and eval mode).
+        fitting: Whether the entry point trains.
         split_batches: Whether the train loader's batches can be made smaller (``plan="auto"``).
         precision: The precision plugin; ``trainer_precision`` the Trainer's ``precision`` flag.
         placement, init: The strategy's option sections.
@@ -134,8 +134,8 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         home = next((p.device for p in module.parameters()), device)
         batch = None if inputs.batch is None else move_data_to_device(inputs.batch, home)
         resolved, example = resolve_plan(module, spec, inputs, batch, rank_kinds)
-        cut = cut_model(module, resolved.plan, example, frontend=spec.frontend,
-                        modes=("train", "eval") if inputs.fitting else ("eval",))
+        # both modes whatever the entry point: a pipeline built by `validate()` is the one a later `fit()` trains
+        cut = cut_model(module, resolved.plan, example, frontend=spec.frontend, modes=("train", "eval"))
     plan = cut.plan
     pp = resolved.pp(plan)
     if plan.num_stages > world * (2 if resolved.kind.multi else 1) or pp > world:

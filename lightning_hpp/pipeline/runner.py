@@ -26,6 +26,7 @@ from lightning_hpp.pipeline.microbatch import batch_size_of, largest_divisor_at_
 from lightning_hpp.pipeline.schedules import schedule_kind
 from lightning_hpp.pipeline.stage import StageModule, _Stage
 from lightning_hpp.pipeline.steps import (
+    REDUCED,
     StepLogs,
     _LogRecorder,
     capture_input,
@@ -316,9 +317,10 @@ class PipelineRunner:
 
     def _over_replicas(self, logs: StepLogs, flags: list[torch.Tensor], loss: torch.Tensor | None = None) -> tuple:
         """Reduce the ``sync_dist=True`` values over the data-parallel replicas with their ``reduce_fx``, and the
-        check flags (max); replayed with ``sync_dist=False`` afterwards (Lightning would reduce over the world,
-        where each replica's value sits on every one of its pipeline ranks)."""
-        schema = [(name, {**kw, "sync_dist": False}) if kw.get("sync_dist") else (name, kw) for name, kw in logs.schema]
+        check flags (max); replayed with ``sync_dist_group=REDUCED`` afterwards: Lightning still sees the user's
+        ``sync_dist=True`` (no warning to add it), and the strategy's ``reduce`` returns such values as they are
+        (Lightning would reduce over the world, where each replica's value sits on every one of its pipeline ranks)."""
+        schema = [(name, {**kw, "sync_dist_group": REDUCED}) if kw.get("sync_dist") else (name, kw) for name, kw in logs.schema]
         if self.mesh.dp > 1:
             group, device = self.mesh.dp_group, group_device(self.mesh.dp_group)
             by_op: dict[str, list[int]] = {}

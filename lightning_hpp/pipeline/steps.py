@@ -154,6 +154,17 @@ class _LogRecorder:
         self.calls.append((name, value, kw))
 
 
+class _Reduced:
+    """The ``sync_dist_group`` of a replayed value already reduced over the data-parallel replicas."""
+
+    def __repr__(self) -> str:
+        return "REDUCED"
+
+
+REDUCED = _Reduced()
+"""Replayed ``self.log(..., sync_dist=True)`` values carry it as their ``sync_dist_group``: the strategy's
+``reduce`` hands them back unchanged (they are equal on every replica already)."""
+
 REDUCE_FX = ("mean", "sum", "max", "min")
 _TORCH_FX = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
 
