@@ -34,6 +34,7 @@ from lightning_hpp.assembly.spec import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, 
 from lightning_hpp.errors import PlanError
 from lightning_hpp.model.frontend import balanced_plan, cut_model, planning_units
 from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, materialize_stages
+from lightning_hpp.model.units import find_units
 from lightning_hpp.options import InitOptions, PlacementOptions
 from lightning_hpp.pipeline.grads import GradHandover, shared_gradient_groups
 from lightning_hpp.pipeline.mesh import Mesh, stages_of_position
@@ -43,6 +44,7 @@ from lightning_hpp.pipeline.schedules import check_schedule
 from lightning_hpp.pipeline.stage import StageModule
 from lightning_hpp.pipeline.steps import capture_input, count_forward_calls, second_call_error
 from lightning_hpp.planning.partition import MODELLED_SCHEDULES
+from lightning_hpp.planning.plan import StagePlan, StageSpec
 from lightning_hpp.precision.plugin import HPPPrecision, StageView
 
 
@@ -195,7 +197,7 @@ def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, bat
     schedule = spec.schedule or DEFAULT_SCHEDULE
     m = spec.n_microbatches or DEFAULT_MICROBATCHES
     if spec.auto:
-        example = example_call(module, inputs.step_fn, batch, spec.n_microbatches or 1)
+        example = example_call(module, inputs.step_fn, batch, spec.n_microbatches or 1, at_least_two=False)  # profiled as is
         resolved = _auto_plan(module, spec, inputs, batch, example, rank_kinds)
         if example is not None:  # the cut sees one micro-batch of the chosen size
             example = example_call(module, inputs.step_fn, batch, resolved.split * resolved.n_microbatches)
@@ -205,21 +207,35 @@ def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, bat
         plan = spec.decorated_plan(module)
         if plan is None:
             n = (spec.pp_degree or inputs.world_size) * (2 if spec.kind.multi else 1)
-            plan = balanced_plan(module, n)
-            rank_zero_info(f"HPPStrategy: no plan given; {plan.meta['balanced']}: cut at {plan.meta['cut_points']}.")
+            if n == 1:  # one process, or pp_degree=1: the whole model is one stage, data parallel over the ranks
+                plan = StagePlan([StageSpec(modules=[name for name, _ in find_units(module)])])
+            else:
+                plan = balanced_plan(module, n)
+                rank_zero_info(f"HPPStrategy: no plan given; {plan.meta['balanced']}: cut at {plan.meta['cut_points']}.")
     else:
         plan = spec.plan
     return ResolvedPlan(plan, schedule, m, pp_degree=spec.pp_degree), example
 
 
-def example_call(module: nn.Module, step_fn: Callable[..., Any], batch: Any, parts: int) -> tuple[tuple, dict] | None:
+def example_call(module: nn.Module, step_fn: Callable[..., Any], batch: Any, parts: int,
+                 at_least_two: bool = True) -> tuple[tuple, dict] | None:
     """``(args, kwargs)`` of the step's ``self(...)`` call on one micro-batch (``1 / parts`` of ``batch``), RNG untouched.
+
+    With ``at_least_two`` a micro-batch of one sample is taken two samples large (the whole batch where
+    its size is odd): ``torch.export`` fixes a dimension of size 1, and the traced stages would then
+    refuse every other batch size.
 
     Raises:
         PlanError: the step calls ``self(...)`` more than once.
     """
     if batch is None:
         return None
+    try:
+        size = batch_size_of(batch)
+    except PlanError:
+        size = None  # reported by the first step, with what the batch holds
+    if at_least_two and size is not None and size >= 2 and size // parts < 2:
+        parts = size // 2 if size % 2 == 0 else 1
     with isolate_rng():
         try:
             batch = split_batch(batch, parts)[0]

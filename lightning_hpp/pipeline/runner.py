@@ -154,6 +154,8 @@ class PipelineRunner:
                 cls = self.kind.cls
                 if not train and self.kind.style == "loop":
                     cls = S.ScheduleLoopedBFS
+                elif not train and cls is S.ScheduleDualPipeV and n < self.num_stages:
+                    cls = S.ScheduleZBVZeroBubble  # the same V placement, forward-only with fewer micro-batches than stages
                 sched = cls(stages, n, loss_fn=loss_fn, scale_grads=False)
             else:
                 cls = self.kind.cls if train else S.ScheduleGPipe

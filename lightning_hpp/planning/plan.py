@@ -222,7 +222,9 @@ class StagePlan:
         unit_names = list(unit_names)
         index = {n: i for i, n in enumerate(unit_names)}
         if self.meta.get("cut_points"):
-            points = list(self.meta["cut_points"])
+            # a container of units (a top-level `nn.Sequential` whose children are units) is cut before its first unit
+            points = [p if p in index else next((u for u in unit_names if u.startswith(p + ".")), p)
+                      for p in self.meta["cut_points"]]
             absent = [p for p in points if p not in index]
             if absent:
                 raise PlanError(f"Cut points {absent} are not units of the model (units: {', '.join(unit_names)}).")

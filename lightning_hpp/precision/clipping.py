@@ -60,41 +60,50 @@ def stage_norm(grads: list[Tensor]) -> Tensor:
 def clip_stages(
     per_stage: Mapping[int, list[Tensor]],
     norms: Mapping[int, Tensor] | Tensor,
-    limits: Mapping[int, float | None],
+    stage_limits: Mapping[int, float | None],
     algorithm: str,
     mode: str,
     clip_val: float | None,
 ) -> None:
     """Clip the given stages' gradients in place, without reading a norm on the host.
 
-    The rule is torch's ``clip_grad_norm_``: multiply by ``min(1, limit / (norm + 1e-6))``.
+    The rule is torch's ``clip_grad_norm_``: multiply by ``min(1, limit / (norm + 1e-6))``. A stage
+    with its own limit (the plan's ``clip_norm``) always clips its own norm at it. ``clip_val`` (the
+    Trainer's ``gradient_clip_val``, or the value handed to ``clip_gradients``) is, with
+    ``mode="global"``, a limit on the one norm over every stage of the pipeline after that
+    (Lightning's meaning: the norm over all the model's parameters), and with ``mode="per-stage"``
+    the limit of every stage without a limit of its own.
 
     Args:
-        per_stage: Gradients by stage.
-        norms: Each stage's norm, by stage index; for ``mode="global"`` every stage's (a tensor of
-            all the pipeline's stage norms).
-        limits: Each stage's limit: its ``clip_norm``, else the requested value.
-        algorithm: ``"norm"`` or ``"value"``.
-        mode: ``"per-stage"`` (each stage against its own limit) or ``"global"`` (one norm over all
-            stages against ``clip_val``).
-        clip_val: The requested value (the Trainer's ``gradient_clip_val`` or the hook's).
+        per_stage: Gradients by stage (the stages to clip).
+        norms: Each stage's norm by stage index: for ``mode="global"`` every stage's (a tensor of all
+            the pipeline's stage norms, after the data-parallel reduction).
+        stage_limits: Each stage's own limit (``None``: none); for ``mode="global"`` every stage's.
+        algorithm: ``"norm"`` or ``"value"`` (element-wise: each stage's limit, else ``clip_val``).
+        mode: ``"global"`` or ``"per-stage"``.
+        clip_val: The requested value.
     """
     if algorithm == "value":
         for k, grads in per_stage.items():
-            limit = limits[k]
+            limit = stage_limits.get(k) or clip_val
             if limit and grads:
                 torch._foreach_clamp_min_(grads, -limit)
                 torch._foreach_clamp_max_(grads, limit)
     elif mode == "global":
+        stacked = torch.as_tensor(norms).double()
+        limits = torch.tensor([stage_limits.get(k) or float("inf") for k in range(stacked.numel())],
+                              dtype=torch.float64, device=stacked.device)
+        own = (limits / (stacked + 1e-6)).clamp(max=1.0)  # each stage at its own limit first
+        coef = own
         if clip_val:
-            total = torch.as_tensor(norms).double().pow(2).sum().sqrt()
-            coef = (clip_val / (total + 1e-6)).clamp(max=1.0)
-            for grads in per_stage.values():
-                if grads:
-                    torch._foreach_mul_(grads, coef.to(grads[0].device))
+            total = (stacked * own).pow(2).sum().sqrt()
+            coef = own * (clip_val / (total + 1e-6)).clamp(max=1.0)
+        for k, grads in per_stage.items():
+            if grads and (clip_val or stage_limits.get(k)):
+                torch._foreach_mul_(grads, coef[k].to(grads[0].device))
     else:
         for k, grads in per_stage.items():
-            limit = limits[k]
+            limit = stage_limits.get(k) or clip_val
             if limit and grads:
                 torch._foreach_mul_(grads, (limit / (norms[k] + 1e-6)).clamp(max=1.0).to(grads[0].device))
 

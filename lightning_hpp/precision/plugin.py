@@ -101,8 +101,10 @@ class HPPPrecision(Precision):
     Args:
         default: Precision of stages whose spec leaves it unset (default: the Trainer's ``precision``;
             giving both, different, is an error).
-        clip: ``"per-stage"`` (each stage clips its own norm with its ``clip_norm``, default the
-            Trainer's ``gradient_clip_val``) or ``"global"`` (one norm over all stages).
+        clip: What the Trainer's ``gradient_clip_val`` limits: ``"global"`` (default, Lightning's
+            meaning: the one norm over every stage's parameters) or ``"per-stage"`` (each stage's own
+            norm, for stages without a ``clip_norm``). A stage's ``clip_norm`` in the plan always clips
+            that stage's own norm (first, under ``"global"``).
         fp8_backend: ``"te"`` (Transformer Engine, compute capability >= 8.9) or ``"emulate"``.
         fp8_recipe: ``"delayed"`` or ``"current"`` scaling.
         nonfinite: What a NaN/Inf at a stage boundary does: ``"raise"``, ``"warn"`` or
@@ -115,7 +117,7 @@ class HPPPrecision(Precision):
     def __init__(
         self,
         default: str | None = None,
-        clip: Literal["per-stage", "global"] = "per-stage",
+        clip: Literal["global", "per-stage"] = "global",
         fp8_backend: Literal["te", "emulate"] | None = None,
         fp8_recipe: Literal["delayed", "current"] = "delayed",
         nonfinite: Literal["raise", "warn", "sanitize"] = "raise",
@@ -273,7 +275,7 @@ class HPPPrecision(Precision):
                 stage_opt = StageOptimizer(optimizer, k, view.stage_params[k], plan.stages[k].clip_norm)
                 self._call_clipping_hook(model, stage_opt, clip_val, gradient_clip_algorithm)
         else:
-            limits = {k: plan.stages[k].clip_norm or clip_val for k in per_stage}
+            limits = {k: s.clip_norm for k, s in enumerate(plan.stages)}
             clip_stages(per_stage, norms, limits, algorithm_name(gradient_clip_algorithm), self.clip, clip_val)
         for k in range(num):
             model.log(f"grad_norm/stage_{k}", norms[k].float(), on_step=True, on_epoch=False)
@@ -310,9 +312,9 @@ class HPPPrecision(Precision):
         """What ``LightningModule.clip_gradients`` calls (from a ``configure_gradient_clipping`` override).
 
         With a :class:`~lightning_hpp.precision.clipping.StageOptimizer` it clips that stage, else every
-        stage of this rank. A stage with ``clip_norm`` in the plan clips at it, the others at ``clip_val``;
-        ``clip="global"`` scales by the pipeline's norm taken before the hook ran (no collective here, so
-        a hook that clips only on some steps cannot leave a rank waiting).
+        stage of this rank. A stage with ``clip_norm`` in the plan clips at it; ``clip_val`` limits, with
+        ``clip="global"``, the pipeline's norm taken before the hook ran (no collective here, so a hook that
+        clips only on some steps cannot leave a rank waiting), with ``clip="per-stage"`` each other stage's own.
         """
         view, plan = self._view, self._plan
         if view is None:
@@ -328,7 +330,7 @@ class HPPPrecision(Precision):
             norms: Any = self._grad_norms
         else:
             norms = {k: stage_norm(g) for k, g in per_stage.items()}
-        limits = {k: plan.stages[k].clip_norm or clip_val for k in stages}
+        limits = {k: s.clip_norm for k, s in enumerate(plan.stages)}
         clip_stages(per_stage, norms, limits, algorithm_name(gradient_clip_algorithm), self.clip, clip_val)
 
     def state_dict(self) -> dict[str, Any]:
