@@ -34,6 +34,16 @@ def llama(layers: int = 3) -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
+def bert(layers: int = 2) -> nn.Module:
+    """A masked LM whose attention blocks hold a module named ``self`` (``encoder.layer.N.attention.self``)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    return BertForMaskedLM(cfg)
+
+
 def vit(layers: int = 4) -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -93,7 +103,7 @@ def deep_mlp(blocks: int = 8, width: int = 64) -> nn.Module:
                          nn.Linear(width, 4))
 
 
-BUILDERS = {"gpt2": gpt2, "llama": llama, "vit": vit, "nanogpt": NanoGPT, "bn_mlp": bn_mlp, "deep_mlp": deep_mlp}
+BUILDERS = {"gpt2": gpt2, "bert": bert, "llama": llama, "vit": vit, "nanogpt": NanoGPT, "bn_mlp": bn_mlp, "deep_mlp": deep_mlp}
 IMAGE_LIKE = ("vit", "bn_mlp", "deep_mlp")  # batches of (x, y)
 
 

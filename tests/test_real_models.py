@@ -1,4 +1,5 @@
-"""Real models, unchanged, under HPPStrategy: transformers GPT-2 (tied embeddings, attention mask),
+"""Real models, unchanged, under HPPStrategy: transformers GPT-2 (tied embeddings, attention mask), BERT
+cut inside its encoder (a module named ``self`` in every attention block),
 Llama in 3 stages (RoPE, grouped-query attention, tied embeddings), a ViT classifier and a nanoGPT
 written here, cut at modules inside the user's model by the traced frontend.
 
@@ -56,6 +57,8 @@ def _traced_runs() -> list[dict]:
         {"name": "gpt2_1f1b", "model": "gpt2", "points": ["model.transformer.h.2"], "schedule": "1f1b",
          "strategy": {"telemetry": {"every_n_steps": 1}}},  # telemetry times traced stages like any others
         {"name": "vit_gpipe", "model": "vit", "points": ["model.vit.layers.2"], "schedule": "gpipe"},
+        # a module named `self` (attention.self) inside the traced stages, and BERT's tied decoder
+        {"name": "bert_1f1b", "model": "bert", "points": ["model.bert.encoder.layer.1"], "schedule": "1f1b"},
         {"name": "nanogpt_balanced", "model": "nanogpt", "points": None, "schedule": "1f1b"},
         {"name": "gpt2_interleaved", "model": "gpt2", "points": ["model.transformer.h.1", "model.transformer.h.2",
                                                                  "model.transformer.h.3"], "schedule": "interleaved1f1b"},

@@ -212,12 +212,30 @@ def trace(module: nn.Module, args: tuple, kwargs: dict, points: list[str], *, tr
             f"`forward` never calls, calls more than once, or reaches out of order. Give the cut points in the order "
             f"`forward` runs them, each a module called exactly once."
         )
+    for stage_module in pipe.split_gm.children():
+        _unshadow_self(stage_module)
     traced = _chain(pipe)
     traced.in_spec, traced.out_spec = ep.call_spec.in_spec, ep.call_spec.out_spec
     flat = pytree.tree_leaves((tuple(args), dict(kwargs)))
     traced.constants = {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
     _point_at_user_tensors(module, traced)
     return traced
+
+
+def _unshadow_self(root: nn.Module) -> None:
+    """Rename graph values called ``self`` (a submodule named ``self``, as BERT's ``attention.self``, names the
+    value of its call so), which the generated ``forward`` would bind over its own ``self``."""
+    for mod in root.modules():
+        graph = getattr(mod, "graph", None)
+        if not isinstance(graph, torch.fx.Graph) or not any(n.name == "self" for n in graph.nodes):
+            continue
+        for node in graph.nodes:
+            if node.name == "self":
+                node._rename("self_value")
+        if isinstance(mod, torch.fx.GraphModule):
+            mod.recompile()
+        elif hasattr(mod, "finalize"):  # torch.export's unflattened InterpreterModule
+            mod.finalize()
 
 
 def _batch_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
