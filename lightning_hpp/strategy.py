@@ -49,7 +49,7 @@ from lightning_hpp.options import BiasOptions, CheckpointOptions, InitOptions, P
 from lightning_hpp.options import moved_option_hint, section
 from lightning_hpp.pipeline.data import can_rebatch, first_loader, peek_batch, rebatch, resume_mid_epoch
 from lightning_hpp.pipeline.data import seed_workers_per_replica, shard_over_replicas
-from lightning_hpp.pipeline.steps import REDUCED
+from lightning_hpp.pipeline.steps import REDUCED, replay_logs
 from lightning_hpp.planning.plan import PLAN_FILENAME, StagePlan
 from lightning_hpp.precision.plugin import HPPPrecision
 from lightning_hpp.redaction import redact_loggers
@@ -269,7 +269,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         window_start = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
         with self._pipeline.grads.during_step(keep_held=not window_start, local_norms=self._wants_local_norms()):
             loss, logs = self._pipeline.runner.train_step(self.lightning_module.training_step, *args, loss_scale=scale, **kwargs)
-        self._replay(logs)
+        replay_logs(self.lightning_module, logs)
         self._step_stats = {"loss": loss.detach()}
         return loss
 
@@ -298,14 +298,8 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
     def _eval(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         assert self._pipeline is not None
         output, logs = self._pipeline.runner.eval_step(getattr(self.lightning_module, hook), *args, **kwargs)
-        self._replay(logs)
+        replay_logs(self.lightning_module, logs)
         return output
-
-    def _replay(self, logs: Any) -> None:
-        """Log on this rank what the last stage logged (so rank 0's loggers and callbacks see it)."""
-        module = self.lightning_module
-        for (name, kw), value in zip(logs.schema, logs.values.unbind(0)):
-            module.log(name, value, **kw)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

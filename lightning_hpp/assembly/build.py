@@ -36,6 +36,7 @@ from lightning_hpp.model.frontend import balanced_plan, cut_model, planning_unit
 from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, materialize_stages
 from lightning_hpp.model.units import find_units
 from lightning_hpp.options import InitOptions, PlacementOptions
+from lightning_hpp.pipeline.epoch_end import replay_epoch_ends
 from lightning_hpp.pipeline.grads import GradHandover, shared_gradient_groups
 from lightning_hpp.pipeline.mesh import Mesh, stages_of_position
 from lightning_hpp.pipeline.microbatch import batch_size_of, split_batch
@@ -177,6 +178,8 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     inputs.precision.configure_stages(plan, view, inputs.trainer_precision, device, rank_kinds[inputs.rank])
     grads = GradHandover(stages["train"], mesh.dp_group, mesh.dp, shared=shared)
     runner.last_backward_window = grads.last_backward
+    replay_epoch_ends(module, holds_last=runner.holds_last, pp_group=mesh.pp_group if pp > 1 else None,
+                      last_position=runner.last_position, dp_group=mesh.dp_group)
     rank_zero_info(
         f"HPPStrategy: {plan.num_stages} stages, frontend={cut.frontend} ({cut.reason}), schedule={resolved.schedule}, "
         f"n_microbatches={resolved.n_microbatches}, pp={pp} × dp={mesh.dp}"

@@ -227,7 +227,9 @@ class PipelineRunner:
             except PlanError as e:
                 error = str(e)
         self._recorders, self._losses = [], []
+        metrics = logs.metrics if logs is not None else {}
         loss, logs = self._exchange(loss, logs, error)
+        logs.metrics = metrics
         return loss, logs
 
     def eval_step(self, step_fn: Callable[..., Any], batch: Any, *step_args: Any) -> tuple[Any, StepLogs]:
@@ -244,13 +246,14 @@ class PipelineRunner:
         self._reset_counters()
         with torch.no_grad():
             out = sched.step(*args)
-        payload = None
+        payload, metrics = None, {}
         if self.holds_last:
             rec = _LogRecorder()
             with redirected(self.module, replay_forward(self._unflatten(out), getattr(step_fn, "__name__", "step")), rec):
                 result = step_fn(batch, *step_args)
             try:
                 logs = reduce_logs([rec], self.device)
+                metrics = logs.metrics
                 payload = ("logs", _to_cpu(result), logs.schema, logs.values.tolist())
             except PlanError as e:
                 payload = ("error", str(e))
@@ -265,6 +268,7 @@ class PipelineRunner:
         logs = StepLogs(schema, torch.tensor(values, dtype=torch.float32, device=self.device))
         _, logs, flags = self._over_replicas(logs, self._flags_over_pp(self._check_flags()))
         self._resolve_checks(flags)
+        logs.metrics = metrics if self.holds_last else {}
         return output, logs
 
     # ----------------------------------------------------------------- the step's one collective

@@ -144,11 +144,13 @@ class _LogRecorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any, dict]] = []
         self.metrics: set[str] = set()  # names logged with a torchmetrics Metric
+        self.metric_objects: dict[str, Any] = {}
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         kw = _bind_log(name, value, args, kwargs)
         if hasattr(value, "compute") and hasattr(value, "_forward_cache"):  # a torchmetrics Metric
             self.metrics.add(name)
+            self.metric_objects[name] = value
             if value._forward_cache is not None:  # this micro-batch's value, before the next one replaces it
                 value = value._forward_cache.detach()
         self.calls.append((name, value, kw))
@@ -193,10 +195,13 @@ class StepLogs:
     Attributes:
         schema: ``(name, self.log keyword arguments)`` per value, in first-logged order.
         values: One float32 value per entry of ``schema``, on the pipeline's device.
+        metrics: On the last stage, the torchmetrics ``Metric`` logged under a name (``{}`` elsewhere): replayed
+            as the object, so Lightning computes its epoch value and resets it as it does without a pipeline.
     """
 
     schema: list[tuple[str, dict]] = field(default_factory=list)
     values: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
@@ -232,7 +237,21 @@ def reduce_logs(recorders: list[_LogRecorder], device: torch.device) -> StepLogs
         fx = "mean" if any(n in rec.metrics for rec in recorders) else reduce_fx_name(n, kwargs[n].get("reduce_fx", "mean"))
         stacked = torch.stack(values[n])
         reduced.append(getattr(torch, fx)(stacked) if fx != "mean" else stacked.mean())
-    return StepLogs([(n, kwargs[n]) for n in order], torch.stack(reduced))
+    metrics = {n: m for rec in recorders for n, m in rec.metric_objects.items()}
+    return StepLogs([(n, kwargs[n]) for n in order], torch.stack(reduced), metrics)
+
+
+def replay_logs(module: nn.Module, logs: StepLogs) -> None:
+    """Log on this rank what the last stage logged (so rank 0's loggers and callbacks see it), inside the
+    strategy's step hook. On the last stage a torchmetrics ``Metric`` is logged as itself, its step value the
+    micro-batches' reduced one: Lightning computes its epoch value and resets it as without a pipeline."""
+    for (name, kw), value in zip(logs.schema, logs.values.unbind(0)):
+        metric = logs.metrics.get(name)
+        if metric is None:
+            module.log(name, value, **kw)
+        else:
+            metric._forward_cache = value
+            module.log(name, metric, **{k: v for k, v in kw.items() if k not in ("sync_dist", "sync_dist_group")})
 
 
 def extract_loss(output: Any, fn_name: str) -> torch.Tensor:
