@@ -113,10 +113,19 @@ def processes_mentioning(text: str) -> list[str]:
 
 
 def merged_state(out_dir: str | Path, ranks: list[int]) -> dict[str, torch.Tensor]:
-    """The union of what the given ranks saved (their stages' parameters)."""
+    """The union of what the given ranks saved (their stages' parameters).
+
+    A name several ranks hold (data-parallel replicas of a stage, a tied weight on two stages) must hold
+    the same values on each of them (1e-6): every copy is compared, not only the last rank's."""
     state: dict[str, torch.Tensor] = {}
+    holder: dict[str, int] = {}
     for r in ranks:
-        state.update(torch.load(Path(out_dir) / f"rank{r}.pt")["state"])
+        for name, value in torch.load(Path(out_dir) / f"rank{r}.pt")["state"].items():
+            if name in state:
+                torch.testing.assert_close(value, state[name], rtol=1e-6, atol=1e-6,
+                                           msg=lambda m, n=name, a=holder[name], b=r: f"{n} differs between rank {a} and rank {b}: {m}")
+            else:
+                state[name], holder[name] = value, r
     return state
 
 

@@ -36,13 +36,14 @@ def test_logged_values_reduce_fx_metrics_and_collective_devices(tmp_path):
     run_script("tests.workers.run_logging", {"out": str(tmp_path), "devices": 4}, timeout=300)
     ranks = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(4)]
     ref_steps, ref_final = _reference()
+    for rank, got in enumerate(ranks):  # every rank logs what one process logs, not only rank 0
+        assert len(got["steps"]) == len(ref_steps) == 6
+        for step, (mine, ref) in enumerate(zip(got["steps"], ref_steps)):
+            for key in STEP_KEYS:
+                assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), f"rank {rank}, step {step}: {key}"
+        for key in FINAL_KEYS:
+            assert got["final"][key] == pytest.approx(ref_final[key], rel=1e-5, abs=1e-6), f"rank {rank}: {key}"
     got = ranks[0]
-    assert len(got["steps"]) == len(ref_steps) == 6
-    for step, (mine, ref) in enumerate(zip(got["steps"], ref_steps)):
-        for key in STEP_KEYS:
-            assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), f"step {step}: {key}"
-    for key in FINAL_KEYS:
-        assert got["final"][key] == pytest.approx(ref_final[key], rel=1e-5, abs=1e-6), key
     # the sums really add both replicas' micro-batches: 16 samples per step
     assert all(s["count"] == 16 for s in got["steps"])
     # without sync_dist each rank logs its own replica's value, as under DDP: ranks 0 and 1 are replicas 0 and 1

@@ -130,8 +130,13 @@ def test_llama_three_stages_and_pp2_dp2(jobs):
     assert_matches(ref_model, ref_losses, tmp_path / "llama3", [0, 1, 2])
     assert load_rank(tmp_path / "llama3", 1)["stage_ids"] == [1]
 
-    ref_model, _ = reference("gpt2", 3, 8, 4)  # two replicas of batch 4 = one batch of 8 (token-mean loss)
+    ref_model, ref_losses = reference("gpt2", 3, 8, 4)  # two replicas of batch 4 = one batch of 8 (token-mean loss)
     assert_matches(ref_model, None, tmp_path / "gpt2_pp2_dp2", [0, 1, 2, 3], compare_losses=False)
+    # each replica logs its own loss (no sync_dist), on both its ranks; their mean is the one process's
+    losses = {r: torch.tensor(load_rank(tmp_path / "gpt2_pp2_dp2", r)["losses"]) for r in range(4)}
+    for a, b in ((0, 2), (1, 3)):  # ranks a and b: positions 0 and 1 of one replica
+        torch.testing.assert_close(losses[a], losses[b], rtol=0, atol=0)
+    torch.testing.assert_close((losses[0] + losses[1]) / 2, torch.tensor(ref_losses), **TOL)
 
 
 def test_a_chain_with_batchnorm_logs_the_right_loss_from_the_first_step(jobs):
