@@ -28,7 +28,7 @@ from lightning_hpp.checkpoint import (
 )
 from lightning_hpp.checkpoint.resume import PendingResume, check_checkpoint_dir, check_run, select_and_load
 from lightning_hpp.checkpoint.store import CORRUPT_DIR, CheckpointInfo, scan, step_dirs
-from lightning_hpp.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError, PlanError
+from lightning_hpp.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 from lightning_hpp.options import CheckpointOptions
 from tests.ckpt_workers.damage import (
     delete_metadata_json,
@@ -343,9 +343,9 @@ def test_resume_prefers_the_run_that_saved_last_and_fresh_runs_refuse_other_runs
     elsewhere = _save(tmp_path / "elsewhere", 3)
     with pytest.raises(CheckpointError, match=r"holds 4 checkpoint\(s\) of another run .*resumed from"):
         check_run(str(tmp_path), None, resumed_from=elsewhere, new_run=False)
-    with pytest.raises(PlanError, match="new_run"):
+    with pytest.raises(CheckpointError, match="new_run"):
         CheckpointOptions(dir=str(tmp_path), new_run="yes")
-    with pytest.raises(PlanError, match=r"new_run=True.*`dir` is not set"):
+    with pytest.raises(CheckpointError, match=r"new_run=True.*`dir` is not set"):
         CheckpointOptions(new_run=True)
 
 
