@@ -55,12 +55,12 @@ def test_timeout_in_seconds_or_as_timedelta_is_taken():
         ),
         (
             lambda: DistributedWeightedSampler([1.0, 2.0], replacement="false"),
-            r"`replacement` is 'false'; it must be True or False",
+            r"`DistributedWeightedSampler\(replacement='false'\)`: must be True or False \(not a str\)",
             SamplerError,
         ),
         (
             lambda: DistributedWeightedSampler([1.0, 2.0], drop_last="no"),
-            r"`drop_last` is 'no'; it must be True or False",
+            r"`DistributedWeightedSampler\(drop_last='no'\)`: must be True or False \(not a str\)",
             SamplerError,
         ),
         (lambda: HPPPrecision(init_scale="1024"), r"`HPPPrecision\(init_scale='1024'\)`: must be a positive number", PlanError),
@@ -86,7 +86,7 @@ def test_timeout_in_seconds_or_as_timedelta_is_taken():
         ),
         (
             lambda: HPPStrategy(placement={"device_map": {"0": "a100"}}),
-            r"device_map key '0' is not a rank",
+            r"`device_map` key \('0'\): must be an integer >= 0\. Keys are ranks",
             PlacementError,
         ),
     ],
