@@ -196,7 +196,7 @@ def test_save_applies_retention_after_commit(tmp_path: Path) -> None:
     [
         ({"keep_best": 2}, "needs `monitor=`"),
         ({"keep_last": 0}, "keep_last"),
-        ({"keep_last": 2, "mode": "avg"}, "'min' or 'max'"),
+        ({"keep_last": 2, "mode": "avg"}, r"`Retention\(mode='avg'\)` is not supported; use one of 'min', 'max'"),
     ],
 )
 def test_retention_rejects_bad_settings(kwargs: dict, match: str) -> None:
@@ -293,8 +293,8 @@ def test_failed_async_save_is_reported_once(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"step": -1}, "`step` is -1"),
-        ({"step": 1, "on_error": "ignore"}, "`on_error` is 'ignore'"),
+        ({"step": -1}, r"`save_sharded\(step=-1\)`: must be an integer >= 0"),
+        ({"step": 1, "on_error": "ignore"}, r"`save_sharded\(on_error='ignore'\)` is not supported; use one of 'raise', 'warn'"),
     ],
 )
 def test_save_rejects_bad_arguments(tmp_path: Path, kwargs: dict, match: str) -> None:
