@@ -69,7 +69,7 @@ from lightning_hpp.bias.fingerprint import (
     save_fingerprints,
 )
 from lightning_hpp.errors import BiasConfigError
-from lightning_hpp.validation import check_int
+from lightning_hpp.validation import check_bool, check_int
 
 FINGERPRINT_FILENAME = "fingerprints.json"
 AUDIT_FILENAME = "bias_audit.json"
@@ -123,8 +123,8 @@ class BiasGuard(Callback):
                 f"`BiasGuard(filename={filename!r})`: use a plain file name such as {FINGERPRINT_FILENAME!r}; "
                 f"the file is written to `trainer.log_dir`."
             )
-        if deterministic not in (None, True, False):
-            raise BiasConfigError(f"`BiasGuard(deterministic={deterministic!r})`: use True, False or None (follow torch).")
+        check_bool(deterministic, "BiasGuard(deterministic=...)", optional=True, error=BiasConfigError,
+                   hint="None follows torch.")
         self.max_indices = max_indices
         self.filename = filename
         self.deterministic = deterministic
