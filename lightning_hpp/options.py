@@ -18,28 +18,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
-from lightning_hpp.errors import PlacementError, PlanError
+from lightning_hpp.errors import BiasConfigError, CheckpointError, PlacementError, TelemetryError
 from lightning_hpp.planning.devices import ENV_VAR as DEVICE_KIND_ENV
 from lightning_hpp.planning.devices import parse_device_map
+from lightning_hpp.validation import check_bool, check_choice, check_int, check_path
 
 POLICIES = ("warn", "error", "off")
-
-
-def _positive_int(section: str, name: str, value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise PlanError(f"`{section}({name}={value!r})`: must be a positive integer or None.")
-
-
-def _bool(section: str, name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise PlanError(f"`{section}({name}={value!r})`: must be True or False (not a {type(value).__name__}).")
-
-
-def _choice(section: str, name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise PlanError(f"`{section}({name}={value!r})` is not supported; use one of {', '.join(map(repr, allowed))}.")
 
 
 @dataclass(frozen=True)
@@ -63,27 +49,27 @@ class CheckpointOptions:
     """Start a new run in a ``dir`` that holds another run's checkpoints (refused otherwise); ``resume="auto"``
     then prefers the checkpoints of the run that saved last."""
 
+    error: ClassVar[type[ValueError]] = CheckpointError
+    """The error class of this section's checks."""
+
     def __post_init__(self) -> None:
-        name = "CheckpointOptions"
-        if self.dir is not None:
-            if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir):
-                raise PlanError(f"`{name}(dir={self.dir!r})`: must be a path or URL.")
-            object.__setattr__(self, "dir", os.fspath(self.dir))
-        _positive_int(name, "every_n_steps", self.every_n_steps)
-        _positive_int(name, "keep_last", self.keep_last)
-        _bool(name, "async_save", self.async_save)
-        _bool(name, "new_run", self.new_run)
-        _choice(name, "on_error", self.on_error, ("raise", "warn"))
+        name, error = "CheckpointOptions", self.error
+        object.__setattr__(self, "dir", check_path(self.dir, f"{name}(dir=...)", optional=True, error=error))
+        check_int(self.every_n_steps, f"{name}(every_n_steps=...)", optional=True, error=error)
+        check_int(self.keep_last, f"{name}(keep_last=...)", optional=True, error=error)
+        check_bool(self.async_save, f"{name}(async_save=...)", error=error)
+        check_bool(self.new_run, f"{name}(new_run=...)", error=error)
+        check_choice(self.on_error, f"{name}(on_error=...)", ("raise", "warn"), error=error)
         if self.resume is not None and not isinstance(self.resume, str):
-            raise PlanError(f"`{name}(resume={self.resume!r})`: must be None, 'auto' or a checkpoint path/URL.")
+            raise error(f"`{name}(resume={self.resume!r})`: must be None, 'auto' or a checkpoint path/URL.")
         if self.dir is None:
             for field in ("every_n_steps", "keep_last"):
                 if getattr(self, field) is not None:
-                    raise PlanError(f"`{name}({field}=...)` applies to the checkpoints in `dir`, but `dir` is not set; set `dir=`.")
+                    raise error(f"`{name}({field}=...)` applies to the checkpoints in `dir`, but `dir` is not set; set `dir=`.")
             if self.resume == "auto":
-                raise PlanError(f"`{name}(resume='auto')` looks for checkpoints in `dir`, but `dir` is not set; set `dir=`.")
+                raise error(f"`{name}(resume='auto')` looks for checkpoints in `dir`, but `dir` is not set; set `dir=`.")
             if self.new_run:
-                raise PlanError(f"`{name}(new_run=True)` applies to the checkpoints in `dir`, but `dir` is not set; set `dir=`.")
+                raise error(f"`{name}(new_run=True)` applies to the checkpoints in `dir`, but `dir` is not set; set `dir=`.")
 
 
 @dataclass(frozen=True)
@@ -99,13 +85,15 @@ class BiasOptions:
     seed: int | None = None
     """Seed used by ``deterministic`` (default: ``PL_GLOBAL_SEED`` from ``seed_everything``)."""
 
+    error: ClassVar[type[ValueError]] = BiasConfigError
+    """The error class of this section's checks."""
+
     def __post_init__(self) -> None:
-        name = "BiasOptions"
-        _choice(name, "audit", self.audit, POLICIES)
-        _choice(name, "fingerprint", self.fingerprint, POLICIES)
-        _bool(name, "deterministic", self.deterministic)
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise PlanError(f"`{name}(seed={self.seed!r})`: must be an integer or None.")
+        name, error = "BiasOptions", self.error
+        check_choice(self.audit, f"{name}(audit=...)", POLICIES, error=error)
+        check_choice(self.fingerprint, f"{name}(fingerprint=...)", POLICIES, error=error)
+        check_bool(self.deterministic, f"{name}(deterministic=...)", error=error)
+        check_int(self.seed, f"{name}(seed=...)", minimum=None, optional=True, error=error)
 
 
 @dataclass(frozen=True)
@@ -120,10 +108,12 @@ class TelemetryOptions:
     trace_dir: str | None = None
     """Where the pictures go; default the Trainer's ``log_dir``."""
 
+    error: ClassVar[type[ValueError]] = TelemetryError
+    """The error class of this section's checks."""
+
     def __post_init__(self) -> None:
-        _positive_int("TelemetryOptions", "every_n_steps", self.every_n_steps)
-        if self.trace_step is not None and (not isinstance(self.trace_step, int) or isinstance(self.trace_step, bool) or self.trace_step < 0):
-            raise PlanError(f"`TelemetryOptions(trace_step={self.trace_step!r})`: must be an integer >= 0 or None.")
+        check_int(self.every_n_steps, "TelemetryOptions(every_n_steps=...)", optional=True, error=self.error)
+        check_int(self.trace_step, "TelemetryOptions(trace_step=...)", minimum=0, optional=True, error=self.error)
 
 
 @dataclass(frozen=True)
@@ -136,9 +126,12 @@ class PlacementOptions:
     profile: str | None = None
     """A cost-profile JSON for ``plan="auto"`` instead of measuring the units."""
 
+    error: ClassVar[type[ValueError]] = PlacementError
+    """The error class of this section's checks."""
+
     def __post_init__(self) -> None:
         if self.device_map is not None and not isinstance(self.device_map, (str, dict, list, tuple)):
-            raise PlanError(
+            raise PlacementError(
                 f"`PlacementOptions(device_map={self.device_map!r})`: use a string such as '0:a100,1:h100', "
                 f"a dict {{rank: kind}} or a list of kinds."
             )
@@ -146,8 +139,8 @@ class PlacementOptions:
             parse_device_map(self.device_map)
         except PlacementError as err:
             raise PlacementError(f"`PlacementOptions(device_map={self.device_map!r})`: {err}") from None
-        if self.profile is not None and not isinstance(self.profile, (str, os.PathLike)):
-            raise PlanError(f"`PlacementOptions(profile={self.profile!r})`: must be the path of a cost-profile JSON.")
+        check_path(self.profile, "PlacementOptions(profile=...)", optional=True, error=PlacementError,
+                   kind="the path of a cost-profile JSON")
 
     def check_world(self, world_size: int) -> None:
         """Refuse a ``device_map`` (or ``$HPP_DEVICE_KIND`` map) whose ranks do not match a job of ``world_size``.
@@ -195,22 +188,28 @@ class InitOptions:
     seed: int | None = None
     """Base seed of the initializers (each module seeded by it and its name); default ``PL_GLOBAL_SEED`` or 0."""
 
+    error: ClassVar[type[ValueError]] = CheckpointError
+    """The error class of this section's checks (it names the weights to load)."""
+
     def __post_init__(self) -> None:
         for field in ("weights", "rename"):
             value = getattr(self, field)
             if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise PlanError(f"`InitOptions({field}={value!r})`: must be a path / string or None.")
+                raise self.error(f"`InitOptions({field}={value!r})`: must be a path / string or None.")
         if self.weights is not None:
             object.__setattr__(self, "weights", os.fspath(self.weights))
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise PlanError(f"`InitOptions(seed={self.seed!r})`: must be an integer or None.")
+        check_int(self.seed, "InitOptions(seed=...)", minimum=None, optional=True, error=self.error)
 
 
 Section = TypeVar("Section", CheckpointOptions, BiasOptions, TelemetryOptions, PlacementOptions, InitOptions)
 
 
 def section(cls: type[Section], value: Any, arg: str) -> Section:
-    """``value`` as a ``cls``: an instance, a dict of its fields, or ``None`` (the defaults)."""
+    """``value`` as a ``cls``: an instance, a dict of its fields, or ``None`` (the defaults).
+
+    Raises:
+        ``cls.error``: unknown keys in the dict, or a value that is none of these.
+    """
     if value is None:
         return cls()
     if isinstance(value, cls):
@@ -224,9 +223,9 @@ def section(cls: type[Section], value: Any, arg: str) -> Section:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields)
         if unknown:
-            raise PlanError(f"`HPPStrategy({arg}=...)` has unknown keys {unknown}; `{cls.__name__}` takes {sorted(fields)}.")
+            raise cls.error(f"`HPPStrategy({arg}=...)` has unknown keys {unknown}; `{cls.__name__}` takes {sorted(fields)}.")
         return cls(**data)
-    raise PlanError(f"`HPPStrategy({arg}={value!r})`: pass a `{cls.__name__}(...)`, a dict of its fields, or None.")
+    raise cls.error(f"`HPPStrategy({arg}={value!r})`: pass a `{cls.__name__}(...)`, a dict of its fields, or None.")
 
 
 # the flat options of the first release, and where each one lives now

@@ -32,34 +32,44 @@ def _label(what: str, value: Any) -> str:
     return f"`{what}={value!r}`" if "`" not in what else f"{what} ({value!r})"
 
 
-def check_int(value: Any, what: str, *, minimum: int | None = 1, optional: bool = False, error: type[Exception] = PlanError,
-              hint: str = "") -> Any:
-    """``value`` if it is an integer ``>= minimum`` (``None`` too when ``optional``); else ``error``.
+def _tail(optional: bool, hint: str) -> str:
+    return f"{' or None' if optional else ''}." + (f" {hint}" if hint else "")
+
+
+def check_int(value: Any, what: str, *, minimum: int | None = 1, maximum: int | None = None, optional: bool = False,
+              error: type[Exception] = PlanError, hint: str = "") -> Any:
+    """``value`` if it is an integer in ``[minimum, maximum]`` (``None`` too when ``optional``); else ``error``.
 
     Args:
         value: The value given.
         what: How the user wrote it: ``"CheckpointOptions(keep_last=...)"`` or a plain name.
-        minimum: The smallest value allowed (``None``: any integer).
+        minimum: The smallest value allowed (``None``: no lower bound).
+        maximum: The largest value allowed (``None``: no upper bound).
         optional: ``None`` is allowed (and returned).
         error: The error class of the caller's concern.
         hint: A sentence appended to the message (the fix, an example).
     """
     if value is None and optional:
         return None
-    if not is_int(value) or (minimum is not None and value < minimum):
-        if minimum == 1:
+    if not is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        if minimum is not None and maximum is not None:
+            kind = f"an integer in [{minimum}, {maximum}]"
+        elif maximum is not None:
+            kind = f"an integer <= {maximum}"
+        elif minimum == 1:
             kind = "a positive integer"
         elif minimum is None:
             kind = "an integer"
         else:
             kind = f"an integer >= {minimum}"
-        raise error(f"{_label(what, value)}: must be {kind}{' or None' if optional else ''}." + (f" {hint}" if hint else ""))
+        raise error(f"{_label(what, value)}: must be {kind}{_tail(optional, hint)}")
     return value
 
 
-def check_number(value: Any, what: str, *, minimum: float | None = 0.0, strict: bool = True, optional: bool = False,
-                 error: type[Exception] = PlanError, hint: str = "") -> Any:
-    """``value`` if it is a number above ``minimum`` (``>=`` when not ``strict``; ``None`` when ``optional``).
+def check_number(value: Any, what: str, *, minimum: float | None = 0.0, strict: bool = True, maximum: float | None = None,
+                 optional: bool = False, error: type[Exception] = PlanError, hint: str = "") -> Any:
+    """``value`` if it is a number above ``minimum`` (``>=`` when not ``strict``) and at most ``maximum``
+    (``None`` too when ``optional``); else ``error``. Arguments as for :func:`check_int`.
 
     Infinite and NaN values are refused unless ``minimum`` is ``None`` (then only NaN is).
     """
@@ -68,29 +78,36 @@ def check_number(value: Any, what: str, *, minimum: float | None = 0.0, strict: 
     ok = is_number(value) and value == value
     if ok and minimum is not None:
         ok = (value > minimum if strict else value >= minimum) and value != float("inf")
+    if ok and maximum is not None:
+        ok = value <= maximum
     if not ok:
-        if minimum is None:
+        if minimum is not None and maximum is not None:
+            kind = f"a number in {'(' if strict else '['}{minimum}, {maximum}]"
+        elif maximum is not None:
+            kind = f"a number <= {maximum}"
+        elif minimum is None:
             kind = "a number"
         elif minimum == 0:
             kind = "a positive number" if strict else "a number >= 0"
         else:
             kind = f"a number {'>' if strict else '>='} {minimum}"
-        raise error(f"{_label(what, value)}: must be {kind}{' or None' if optional else ''}." + (f" {hint}" if hint else ""))
+        raise error(f"{_label(what, value)}: must be {kind}{_tail(optional, hint)}")
     return value
 
 
-def check_bool(value: Any, what: str, *, optional: bool = False, error: type[Exception] = PlanError) -> Any:
-    """``value`` if it is ``True`` or ``False`` (or ``None`` when ``optional``)."""
+def check_bool(value: Any, what: str, *, optional: bool = False, error: type[Exception] = PlanError, hint: str = "") -> Any:
+    """``value`` if it is ``True`` or ``False`` (or ``None`` when ``optional``); arguments as for :func:`check_int`."""
     if value is None and optional:
         return None
     if not isinstance(value, bool):
-        raise error(f"{_label(what, value)}: must be True or False{' or None' if optional else ''} (not a {type(value).__name__}).")
+        kind = "True, False or None" if optional else "True or False"
+        raise error(f"{_label(what, value)}: must be {kind} (not a {type(value).__name__})." + (f" {hint}" if hint else ""))
     return value
 
 
 def check_choice(value: Any, what: str, choices: Iterable[Any], *, optional: bool = False,
-                 error: type[Exception] = PlanError) -> Any:
-    """``value`` if it is one of ``choices`` (or ``None`` when ``optional``)."""
+                 error: type[Exception] = PlanError, hint: str = "") -> Any:
+    """``value`` if it is one of ``choices`` (or ``None`` when ``optional``); arguments as for :func:`check_int`."""
     allowed = tuple(choices)
     if value is None and optional:
         return None
@@ -100,15 +117,19 @@ def check_choice(value: Any, what: str, choices: Iterable[Any], *, optional: boo
         ok = False
     if not ok:
         raise error(f"{_label(what, value)} is not supported; use one of {', '.join(map(repr, allowed))}"
-                    f"{' or None' if optional else ''}.")
+                    f"{_tail(optional, hint)}")
     return value
 
 
 def check_path(value: Any, what: str, *, optional: bool = False, error: type[Exception] = PlanError,
-               kind: str = "a path or URL") -> Any:
-    """``value`` as a string if it is a non-empty ``str`` or ``os.PathLike`` (or ``None`` when ``optional``)."""
+               kind: str = "a path or URL", hint: str = "") -> Any:
+    """``value`` as a string if it is a non-empty ``str`` or ``os.PathLike`` (or ``None`` when ``optional``).
+
+    ``kind`` says what the path names (``"the path of a cost-profile JSON"``); the other arguments as for
+    :func:`check_int`.
+    """
     if value is None and optional:
         return None
     if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-        raise error(f"{_label(what, value)}: must be {kind}{' or None' if optional else ''}.")
+        raise error(f"{_label(what, value)}: must be {kind}{_tail(optional, hint)}")
     return os.fspath(value)

@@ -290,7 +290,7 @@ def test_bad_input():
     loader = DataLoader(DS)
     with pytest.raises(BiasConfigError, match=r"`rank=2` is out of range for `world_size=2`"):
         audit_dataloader(loader, rank=2, world_size=2, use_distributed_sampler=True)
-    with pytest.raises(BiasConfigError, match=r"`max_indices` is 0"):
+    with pytest.raises(BiasConfigError, match=r"`max_indices=0`: must be a positive integer"):
         audit_dataloader(loader, rank=0, world_size=1, use_distributed_sampler=True, max_indices=0)
     with pytest.raises(BiasConfigError, match="torch.distributed is not initialised"):
         audit_dataloader(loader, rank=0, world_size=2, use_distributed_sampler=True)

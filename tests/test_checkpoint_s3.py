@@ -230,9 +230,9 @@ def test_s3_options_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     assert s3_storage_options({"AWS_ENDPOINT_URL": "http://a:1"})["client_kwargs"]["endpoint_url"] == "http://a:1"
     with pytest.raises(S3ConfigError, match=r"AWS_ENDPOINT_URL='localhost:9000' is not an endpoint URL"):
         s3_storage_options({"AWS_ENDPOINT_URL": "localhost:9000"})
-    with pytest.raises(S3ConfigError, match="retry mode is 'legacy'"):
+    with pytest.raises(S3ConfigError, match=r"`s3_storage_options\(retry_mode='legacy'\)` is not supported; use one of 'standard'"):
         s3_storage_options({}, retry_mode="legacy")
-    with pytest.raises(S3ConfigError, match="`max_attempts` is 0"):
+    with pytest.raises(S3ConfigError, match=r"`s3_storage_options\(max_attempts=0\)`: must be a positive integer"):
         s3_storage_options({}, max_attempts=0)
     # the filesystem every read and write goes through carries the RetryPolicy's botocore retries
     # (explicit, so AWS_MAX_ATTEMPTS in the environment does not turn them off) and s3fs's own count

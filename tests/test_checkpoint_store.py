@@ -28,7 +28,7 @@ from lightning_hpp.checkpoint import (
 )
 from lightning_hpp.checkpoint.resume import PendingResume, check_checkpoint_dir, check_run, select_and_load
 from lightning_hpp.checkpoint.store import CORRUPT_DIR, CheckpointInfo, scan, step_dirs
-from lightning_hpp.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError, PlanError
+from lightning_hpp.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 from lightning_hpp.options import CheckpointOptions
 from tests.ckpt_workers.damage import (
     delete_metadata_json,
@@ -196,7 +196,7 @@ def test_save_applies_retention_after_commit(tmp_path: Path) -> None:
     [
         ({"keep_best": 2}, "needs `monitor=`"),
         ({"keep_last": 0}, "keep_last"),
-        ({"keep_last": 2, "mode": "avg"}, "'min' or 'max'"),
+        ({"keep_last": 2, "mode": "avg"}, r"`Retention\(mode='avg'\)` is not supported; use one of 'min', 'max'"),
     ],
 )
 def test_retention_rejects_bad_settings(kwargs: dict, match: str) -> None:
@@ -293,8 +293,8 @@ def test_failed_async_save_is_reported_once(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"step": -1}, "`step` is -1"),
-        ({"step": 1, "on_error": "ignore"}, "`on_error` is 'ignore'"),
+        ({"step": -1}, r"`save_sharded\(step=-1\)`: must be an integer >= 0"),
+        ({"step": 1, "on_error": "ignore"}, r"`save_sharded\(on_error='ignore'\)` is not supported; use one of 'raise', 'warn'"),
     ],
 )
 def test_save_rejects_bad_arguments(tmp_path: Path, kwargs: dict, match: str) -> None:
@@ -343,9 +343,9 @@ def test_resume_prefers_the_run_that_saved_last_and_fresh_runs_refuse_other_runs
     elsewhere = _save(tmp_path / "elsewhere", 3)
     with pytest.raises(CheckpointError, match=r"holds 4 checkpoint\(s\) of another run .*resumed from"):
         check_run(str(tmp_path), None, resumed_from=elsewhere, new_run=False)
-    with pytest.raises(PlanError, match="new_run"):
+    with pytest.raises(CheckpointError, match="new_run"):
         CheckpointOptions(dir=str(tmp_path), new_run="yes")
-    with pytest.raises(PlanError, match=r"new_run=True.*`dir` is not set"):
+    with pytest.raises(CheckpointError, match=r"new_run=True.*`dir` is not set"):
         CheckpointOptions(new_run=True)
 
 

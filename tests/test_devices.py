@@ -86,7 +86,7 @@ def test_device_map_wins_over_env(monkeypatch):
     [
         ("0=a100", "is not 'RANK:KIND'"),
         ("0:a100,0:h100", "rank 0 twice"),
-        ({-1: "a100"}, "not a rank"),
+        ({-1: "a100"}, r"`device_map` key \(-1\): must be an integer >= 0\. Keys are ranks"),
         (["a100", ""], "not a device kind"),
         (3.5, "must be a dict"),
     ],

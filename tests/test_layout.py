@@ -49,17 +49,18 @@ INIT = "__init__"
 
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("errors",),  # 0
-    ("validation", "_dist", "_git", "examples_data"),  # 1
-    ("checkpoint",),  # 2
-    ("redaction", "launch"),  # 3
-    ("pipeline",),  # 4
-    ("planning",),  # 5
-    ("model",),  # 6
-    ("precision", "telemetry", "bias"),  # 7
-    ("options",),  # 8
-    ("assembly",),  # 9
-    ("strategy",),  # 10
-    ("hydra", INIT),  # 11
+    ("validation",),  # 1
+    ("_dist", "_git", "examples_data"),  # 2
+    ("checkpoint",),  # 3
+    ("redaction", "launch"),  # 4
+    ("pipeline",),  # 5
+    ("planning",),  # 6
+    ("model",),  # 7
+    ("precision", "telemetry", "bias"),  # 8
+    ("options",),  # 9
+    ("assembly",),  # 10
+    ("strategy",),  # 11
+    ("hydra", INIT),  # 12
 )
 """The parts of ``lightning_hpp`` (top-level modules and subpackages), floor by floor, lowest first."""
 

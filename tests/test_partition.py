@@ -164,7 +164,7 @@ def test_fewer_units_than_stages():
     [
         ({"schedule": "interleaved1f1b"}, "models schedules gpipe, 1f1b"),
         ({"dp_degree": "auto"}, "needs `global_microbatches`"),
-        ({"n_microbatches": 0}, "`n_microbatches` must be an integer >= 1"),
+        ({"n_microbatches": 0}, "`n_microbatches=0`: must be a positive integer"),
         ({"precision": {"h100": "bf16-mixed"}}, "no 'h100' devices"),
     ],
 )

@@ -98,7 +98,7 @@ def test_bad_fields_are_refused():
         StageSpec(modules=["a"], precision="fp4")
     with pytest.raises(PlanError, match="must be > 0"):
         StageSpec(modules=["a"], clip_norm=0)
-    with pytest.raises(PlanError, match="stage id >= 0"):
+    with pytest.raises(PlanError, match=r"`@stage\(stage_id=-1\)`: must be an integer >= 0"):
         stage(-1)
     with pytest.raises(PlanError, match="unknown keys \\['precison'\\]"):
         StagePlan.from_dict({"stages": [{"modules": ["a"], "precison": "fp8"}]})

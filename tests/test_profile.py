@@ -196,7 +196,7 @@ def test_mismatch_names_missing_and_extra_units():
     [
         ({"precision": "fp8"}, "cannot measure precision 'fp8' by itself: pass the fp8 backend's hooks"),
         ({"precision": "int4"}, "precision 'int4' is not supported"),
-        ({"repeats": 0}, "repeats >= 1"),
+        ({"repeats": 0}, r"`profile_units\(repeats=0\)`: must be a positive integer"),
         ({"device_kind": "a 100"}, "is not a device kind"),
     ],
 )

@@ -38,15 +38,16 @@ def test_old_flat_options_name_their_new_home(old, value, home):
 
 
 def test_option_sections_refuse_unknown_keys_and_wrong_types():
+    from lightning_hpp.errors import BiasConfigError, CheckpointError
     from lightning_hpp.options import CheckpointOptions
 
-    with pytest.raises(PlanError, match=r"`HPPStrategy\(checkpoint=...\)` has unknown keys \['every_n_step'\]; `CheckpointOptions` takes"):
+    with pytest.raises(CheckpointError, match=r"`HPPStrategy\(checkpoint=...\)` has unknown keys \['every_n_step'\]; `CheckpointOptions` takes"):
         HPPStrategy(checkpoint={"dir": "x", "every_n_step": 5})
-    with pytest.raises(PlanError, match=r"`CheckpointOptions\(async_save='false'\)`: must be True or False \(not a str\)"):
+    with pytest.raises(CheckpointError, match=r"`CheckpointOptions\(async_save='false'\)`: must be True or False \(not a str\)"):
         CheckpointOptions(async_save="false")
-    with pytest.raises(PlanError, match=r"`CheckpointOptions\(async_save='false'\)`"):  # also as a dict
+    with pytest.raises(CheckpointError, match=r"`CheckpointOptions\(async_save='false'\)`"):  # also as a dict
         HPPStrategy(checkpoint={"dir": "x", "async_save": "false"})
-    with pytest.raises(PlanError, match=r"`HPPStrategy\(bias='error'\)`: pass a `BiasOptions\(...\)`"):
+    with pytest.raises(BiasConfigError, match=r"`HPPStrategy\(bias='error'\)`: pass a `BiasOptions\(...\)`"):
         HPPStrategy(bias="error")
     # well-formed sections are taken as instances or as dicts of their fields
     HPPStrategy(checkpoint=CheckpointOptions(dir="x", every_n_steps=5), bias={"audit": "error", "deterministic": False})

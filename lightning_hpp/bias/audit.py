@@ -65,6 +65,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from lightning_hpp.bias.fingerprint import HASH_PROBE, CodedBiasWarning, check_policy, format_ranks
 from lightning_hpp.errors import BiasConfigError, CodedBiasError
+from lightning_hpp.validation import check_int
 
 IDENTICAL_SAMPLING = "identical_sampling_across_ranks"
 SEED_EQUAL = "seed_equal_across_ranks"
@@ -245,8 +246,7 @@ def collect_audit_record(
         BiasConfigError: invalid ``rank``, ``world_size`` or ``max_indices``.
     """
     for label, value, low in (("world_size", world_size, 1), ("max_indices", max_indices, 1), ("rank", rank, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise BiasConfigError(f"`{label}` is {value!r}; it must be an int >= {low}.")
+        check_int(value, label, minimum=low, error=BiasConfigError)
     if rank >= world_size:
         raise BiasConfigError(
             f"`rank={rank}` is out of range for `world_size={world_size}`; use [0, {world_size - 1}]."

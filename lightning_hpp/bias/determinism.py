@@ -41,6 +41,7 @@ import torch
 
 from lightning_hpp.bias.fingerprint import HASH_PROBE, CodedBiasWarning
 from lightning_hpp.errors import BiasConfigError
+from lightning_hpp.validation import check_int
 
 HASH_SEED_VAR = "PYTHONHASHSEED"
 CUBLAS_VAR = "CUBLAS_WORKSPACE_CONFIG"
@@ -54,12 +55,8 @@ _warned_hash_seed = False
 
 
 def _check_seed(seed: Any, where: str) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise BiasConfigError(
-            f"`{where}(seed={seed!r})`: the seed must be a non-negative int, the same on every rank "
-            f"(e.g. `{where}(seed=42)`)."
-        )
-    return seed
+    return check_int(seed, f"{where}(seed=...)", minimum=0, error=BiasConfigError,
+                     hint=f"Give the same seed on every rank, e.g. `{where}(seed=42)`.")
 
 
 def hash_seed_for(seed: int) -> str:
@@ -235,8 +232,7 @@ class WorkerSeeder:
 
     def __init__(self, seed: int, rank: int) -> None:
         _check_seed(seed, "worker_init_fn")
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise BiasConfigError(f"`worker_init_fn(rank={rank!r})`: the rank must be a non-negative int.")
+        check_int(rank, "worker_init_fn(rank=...)", minimum=0, error=BiasConfigError)
         self.seed = seed
         self.rank = rank
 

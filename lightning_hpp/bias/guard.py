@@ -70,6 +70,7 @@ from lightning_hpp.bias.fingerprint import (
 )
 from lightning_hpp.errors import BiasConfigError
 from lightning_hpp.pipeline.view import pipeline_view
+from lightning_hpp.validation import check_bool, check_int
 
 FINGERPRINT_FILENAME = "fingerprints.json"
 AUDIT_FILENAME = "bias_audit.json"
@@ -117,15 +118,14 @@ class BiasGuard(Callback):
     ) -> None:
         self.fingerprint_policy = check_policy(fingerprint, "`BiasGuard(fingerprint=...)`")
         self.audit_policy = check_policy(audit, "`BiasGuard(audit=...)`")
-        if isinstance(max_indices, bool) or not isinstance(max_indices, int) or max_indices < 1:
-            raise BiasConfigError(f"`BiasGuard(max_indices={max_indices!r})`: use a positive int (e.g. 256).")
+        check_int(max_indices, "BiasGuard(max_indices=...)", error=BiasConfigError, hint="For example 256.")
         if not isinstance(filename, str) or not filename or "/" in filename:
             raise BiasConfigError(
                 f"`BiasGuard(filename={filename!r})`: use a plain file name such as {FINGERPRINT_FILENAME!r}; "
                 f"the file is written to `trainer.log_dir`."
             )
-        if deterministic not in (None, True, False):
-            raise BiasConfigError(f"`BiasGuard(deterministic={deterministic!r})`: use True, False or None (follow torch).")
+        check_bool(deterministic, "BiasGuard(deterministic=...)", optional=True, error=BiasConfigError,
+                   hint="None follows torch.")
         self.max_indices = max_indices
         self.filename = filename
         self.deterministic = deterministic

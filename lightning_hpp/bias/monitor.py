@@ -59,6 +59,7 @@ from lightning_hpp.bias.baseline import SustainedLevel, SustainedShift
 from lightning_hpp.bias.fingerprint import CodedBiasWarning
 from lightning_hpp.errors import BiasConfigError
 from lightning_hpp.pipeline.view import pipeline_view
+from lightning_hpp.validation import check_int, check_number
 
 _LIKELY_DATA = (
     "Likely cause: the ranks draw systematically different or identical data — a sampler without a "
@@ -126,14 +127,12 @@ class BiasMonitor(Callback):
                                   ("agreement_threshold", agreement_threshold, 0.0),
                                   ("min_coverage", min_coverage, 0.0),
                                   ("mad_factor", mad_factor, 0.0)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < low):
-                raise BiasConfigError(f"`BiasMonitor({label}={value!r})`: use a number >= {low}, or None to disable.")
+            check_number(value, f"BiasMonitor({label}=...)", minimum=low, strict=False, optional=True, error=BiasConfigError,
+                         hint="None disables it.")
         for label, value in (("baseline_steps", baseline_steps), ("log_every_n_steps", log_every_n_steps),
                              ("max_agreement_positions", max_agreement_positions), ("sustain_steps", sustain_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise BiasConfigError(f"`BiasMonitor({label}={value!r})`: use a positive int.")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise BiasConfigError(f"`BiasMonitor(warmup_steps={warmup_steps!r})`: use an int >= 0.")
+            check_int(value, f"BiasMonitor({label}=...)", error=BiasConfigError)
+        check_int(warmup_steps, "BiasMonitor(warmup_steps=...)", minimum=0, error=BiasConfigError)
         self.grad_norm_std_threshold = grad_norm_std_threshold
         self.loss_std_jump = loss_std_jump
         self.baseline_steps = baseline_steps

@@ -32,6 +32,7 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_hpp.errors import SamplerError
+from lightning_hpp.validation import check_bool, check_int
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -75,25 +76,21 @@ class DistributedWeightedSampler(DistributedSampler):
         # DistributedSampler.__init__ is not called: it requires an initialised process group at
         # construction, and this sampler resolves rank and replica count when it is used.
         for name, flag in (("replacement", replacement), ("drop_last", drop_last)):
-            if not isinstance(flag, bool):
-                raise SamplerError(f"`{name}` is {flag!r}; it must be True or False (not a {type(flag).__name__}).")
+            check_bool(flag, f"DistributedWeightedSampler({name}=...)", error=SamplerError)
         self.weights = _as_weights(weights)
         self.replacement = replacement
         nonzero = int((self.weights > 0).sum())
         if num_samples is None:
             num_samples = len(self.weights) if self.replacement else nonzero
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
-            raise SamplerError(
-                f"`num_samples` is {num_samples!r}; it must be a positive integer (samples per epoch "
-                f"across all replicas), or None for len(weights)."
-            )
+        check_int(num_samples, "DistributedWeightedSampler(num_samples=...)", error=SamplerError,
+                  hint="It counts the samples per epoch across all replicas; None takes len(weights).")
         if not self.replacement and num_samples > nonzero:
             raise SamplerError(
                 f"`num_samples={num_samples}` without replacement exceeds the {nonzero} indices with a "
                 f"non-zero weight; lower `num_samples` or pass `replacement=True`."
             )
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise SamplerError(f"`seed` is {seed!r}; it must be an int, the same on every rank.")
+        check_int(seed, "DistributedWeightedSampler(seed=...)", minimum=None, error=SamplerError,
+                  hint="Give the same seed on every rank.")
         self.total_size = num_samples
         self.seed = seed
         self.drop_last = drop_last
@@ -137,12 +134,8 @@ class DistributedWeightedSampler(DistributedSampler):
         self._check_topology()
 
     def _check_topology(self) -> None:
-        r = self._num_replicas
-        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
-            raise SamplerError(f"`num_replicas` is {r!r}; it must be a positive int or None.")
-        k = self._rank
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-            raise SamplerError(f"`rank` is {k!r}; it must be a non-negative int or None.")
+        r = check_int(self._num_replicas, "DistributedWeightedSampler(num_replicas=...)", optional=True, error=SamplerError)
+        k = check_int(self._rank, "DistributedWeightedSampler(rank=...)", minimum=0, optional=True, error=SamplerError)
         if r is not None and k is not None and k >= r:
             raise SamplerError(
                 f"`rank={k}` is out of range for `num_replicas={r}`; use a rank in [0, {r - 1}]."

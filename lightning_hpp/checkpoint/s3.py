@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from lightning_hpp.errors import S3ConfigError
+from lightning_hpp.validation import check_choice, check_int
 
 ENDPOINT_ENV_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 """Endpoint variables, most specific first (the names botocore itself understands)."""
@@ -77,10 +78,8 @@ def s3_storage_options(
             retry setting botocore does not accept.
     """
     env = os.environ if env is None else env
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-        raise S3ConfigError(f"S3 `max_attempts` is {max_attempts!r}; use an int >= 1 (1 = no retry).")
-    if retry_mode not in RETRY_MODES:
-        raise S3ConfigError(f"S3 retry mode is {retry_mode!r}; use one of {list(RETRY_MODES)}.")
+    check_int(max_attempts, "s3_storage_options(max_attempts=...)", error=S3ConfigError, hint="1 means no retry.")
+    check_choice(retry_mode, "s3_storage_options(retry_mode=...)", RETRY_MODES, error=S3ConfigError)
     # total_max_attempts counts the first try (botocore's own `max_attempts` key counts retries)
     options: dict[str, Any] = {"config_kwargs": {"retries": {"total_max_attempts": max_attempts, "mode": retry_mode}}}
     client_kwargs: dict[str, Any] = {}

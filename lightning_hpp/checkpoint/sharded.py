@@ -75,6 +75,7 @@ from lightning_hpp.checkpoint.store import (
     write_metadata,
 )
 from lightning_hpp.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
+from lightning_hpp.validation import check_choice, check_int, check_path, is_int
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def _component(key: Any, container: Any, where: str) -> str:
     if isinstance(container, dict):
         if isinstance(key, str):
             return quote(key, safe="") if key else "''"
-        if isinstance(key, int) and not isinstance(key, bool):
+        if is_int(key):
             return f"#{key}"
         raise CheckpointError(
             f"state{where} has the key {key!r} ({type(key).__name__}) next to tensors; dicts that "
@@ -711,14 +712,11 @@ def save_sharded(
             values under one key.
         CheckpointSaveError: storage failed after the retries (``on_error="raise"``).
     """
-    if on_error not in ("raise", "warn"):
-        raise CheckpointError(f"`on_error` is {on_error!r}; use 'raise' or 'warn'.")
-    if not isinstance(url, str) or not url:
-        raise CheckpointError(
-            f"checkpoint url is {url!r}; pass a path or fsspec URL such as 's3://bucket/run/step-10'."
-        )
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"`step` is {step!r}; pass the number of optimizer steps completed (int >= 0).")
+    check_choice(on_error, "save_sharded(on_error=...)", ("raise", "warn"), error=CheckpointError)
+    url = check_path(url, "save_sharded(url=...)", error=CheckpointError, kind="a path or fsspec URL",
+                     hint="For example 's3://bucket/run/step-10'.")
+    check_int(step, "save_sharded(step=...)", minimum=0, error=CheckpointError,
+              hint="Pass the number of optimizer steps completed.")
     group = process_group
 
     wait_for_pending_save()  # at most one save in flight, also against a synchronous save

@@ -68,6 +68,7 @@ from fsspec.core import url_to_fs
 
 from lightning_hpp.checkpoint.s3 import DEFAULT_MAX_ATTEMPTS, RETRY_MODES, redact, s3_storage_options
 from lightning_hpp.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from lightning_hpp.validation import check_bool, check_choice, check_int, check_number
 
 log = logging.getLogger(__name__)
 
@@ -190,8 +191,7 @@ def join_url(base: str, *parts: str) -> str:
 
 def checkpoint_url(root: str, step: int) -> str:
     """The URL of the checkpoint for ``step`` completed steps under ``root``."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"checkpoint step is {step!r}; it must be an int >= 0 (steps completed).")
+    check_int(step, "checkpoint_url(step=...)", minimum=0, error=CheckpointError, hint="It counts the steps completed.")
     return join_url(root, f"{STEP_PREFIX}{step}")
 
 
@@ -266,18 +266,12 @@ class RetryPolicy:
     s3_per_request: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
-            raise CheckpointError(f"`RetryPolicy.attempts` is {self.attempts!r}; use an int >= 1 (1 = no retry).")
-        if self.s3_mode not in RETRY_MODES:
-            raise CheckpointError(f"`RetryPolicy.s3_mode` is {self.s3_mode!r}; use one of {list(RETRY_MODES)}.")
+        check_int(self.attempts, "RetryPolicy(attempts=...)", error=CheckpointError, hint="1 means no retry.")
+        check_choice(self.s3_mode, "RetryPolicy(s3_mode=...)", RETRY_MODES, error=CheckpointError)
         for name in ("base_delay", "max_delay", "jitter"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise CheckpointError(f"`RetryPolicy.{name}` is {value!r}; use a number >= 0.")
-        if not isinstance(self.multiplier, (int, float)) or self.multiplier < 1:
-            raise CheckpointError(f"`RetryPolicy.multiplier` is {self.multiplier!r}; use a number >= 1.")
-        if not isinstance(self.s3_per_request, bool):
-            raise CheckpointError(f"`RetryPolicy.s3_per_request` is {self.s3_per_request!r}; use True or False.")
+            check_number(getattr(self, name), f"RetryPolicy({name}=...)", strict=False, error=CheckpointError)
+        check_number(self.multiplier, "RetryPolicy(multiplier=...)", minimum=1, strict=False, error=CheckpointError)
+        check_bool(self.s3_per_request, "RetryPolicy(s3_per_request=...)", error=CheckpointError)
 
     def for_url(self, url: str) -> RetryPolicy:
         """The whole-operation policy for ``url``: one try where botocore retries each request
@@ -810,13 +804,9 @@ class Retention:
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_best"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise CheckpointError(
-                    f"`Retention.{name}` is {value!r}; use an int >= 1, or None to not apply this rule."
-                )
-        if self.mode not in ("min", "max"):
-            raise CheckpointError(f"`Retention.mode` is {self.mode!r}; use 'min' or 'max'.")
+            check_int(getattr(self, name), f"Retention({name}=...)", optional=True, error=CheckpointError,
+                      hint="None does not apply this rule.")
+        check_choice(self.mode, "Retention(mode=...)", ("min", "max"), error=CheckpointError)
         if self.keep_best is not None and not self.monitor:
             raise CheckpointError(
                 f"`Retention(keep_best={self.keep_best!r})` needs `monitor=` (a metric name passed in "

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_hpp.validation import check_int
+
 NUM_CLASSES = 10
 NUM_IMAGES = 1797
 PIXEL_MAX = 16.0
@@ -63,8 +65,7 @@ class DigitsDataModule(L.LightningDataModule):
             ("val_batch_size", val_batch_size),
             ("n_microbatches", n_microbatches),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise DigitsDataError(f"`DigitsDataModule({name}=...)` got {value!r}; it must be an integer >= 1.")
+            check_int(value, f"DigitsDataModule({name}=...)", error=DigitsDataError)
         for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
             if value % n_microbatches:
                 fix = value - value % n_microbatches or n_microbatches
@@ -74,17 +75,11 @@ class DigitsDataModule(L.LightningDataModule):
                     f"Use a multiple of {n_microbatches}, e.g. {name}={fix}."
                 )
         max_val = NUM_IMAGES - batch_size
-        if isinstance(val_size, bool) or not isinstance(val_size, int) or not NUM_CLASSES <= val_size <= max_val:
-            raise DigitsDataError(
-                f"`DigitsDataModule(val_size={val_size!r})` must be an integer between {NUM_CLASSES} (one "
-                f"image per class) and {max_val} (leaving one training batch of "
-                f"{batch_size}) out of {NUM_IMAGES} images."
-            )
-        if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 8:
-            raise DigitsDataError(
-                f"`DigitsDataModule(image_size={image_size!r})` must be an integer >= 8 (the digits "
-                f"images are 8x8; larger sizes upsample them)."
-            )
+        check_int(val_size, "DigitsDataModule(val_size=...)", minimum=NUM_CLASSES, maximum=max_val, error=DigitsDataError,
+                  hint=f"{NUM_CLASSES}: one image per class; {max_val}: one training batch of {batch_size} "
+                       f"left out of {NUM_IMAGES} images.")
+        check_int(image_size, "DigitsDataModule(image_size=...)", minimum=8, error=DigitsDataError,
+                  hint="The digits images are 8x8; larger sizes upsample them.")
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size
         self.val_size = val_size

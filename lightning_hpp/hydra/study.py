@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_hpp.errors import SweepError
 from lightning_hpp.hydra.storage import check_url, default_url, open_storage, public_url
 from lightning_hpp.hydra.trial import TRIAL_ENV, TrialLink, build_pruner
+from lightning_hpp.validation import check_int, check_number
 
 log = logging.getLogger(__name__)
 
@@ -122,15 +123,11 @@ class StudySweeper(Sweeper):
             )
         o["direction"] = direction
         for key, low in (("n_trials", 1), ("heartbeat_interval", 1), ("max_retry", 0)):
-            value = o.get(key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise SweepError(f"`hydra.sweeper.{key}={value!r}` must be an integer >= {low}.")
-        grace = o.get("grace_period")
-        if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int) or grace < 1):
-            raise SweepError(f"`hydra.sweeper.grace_period={grace!r}` must be a positive integer or null.")
-        rate = o.get("max_failure_rate")
-        if not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
-            raise SweepError(f"`hydra.sweeper.max_failure_rate={rate!r}` must be a number in [0, 1].")
+            check_int(o.get(key), f"hydra.sweeper.{key}", minimum=low, error=SweepError)
+        check_int(o.get("grace_period"), "hydra.sweeper.grace_period", optional=True, error=SweepError,
+                  hint="None (null in YAML) takes 2 x heartbeat_interval.")
+        check_number(o.get("max_failure_rate"), "hydra.sweeper.max_failure_rate", minimum=0, strict=False, maximum=1,
+                     error=SweepError)
         if not o.get("study_name"):
             raise SweepError("`hydra.sweeper.study_name` is empty; name the study (it is how a sweep is resumed).")
         o["storage"] = self._storage_url(o.get("storage"))

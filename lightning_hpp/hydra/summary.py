@@ -33,6 +33,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from lightning_hpp.errors import SweepError
+from lightning_hpp.validation import check_choice
 
 log = logging.getLogger(__name__)
 
@@ -361,8 +362,7 @@ class SweepSummary(Callback):
     """
 
     def __init__(self, metric: str, mode: str = "min") -> None:
-        if mode not in MODES:
-            raise SweepError(f"`SweepSummary(mode={mode!r})` is not valid; use 'min' or 'max'.")
+        check_choice(mode, "SweepSummary(mode=...)", MODES, error=SweepError)
         self.metric = metric
         self.mode = mode
 

@@ -48,6 +48,7 @@ from omegaconf.errors import InterpolationResolutionError
 from lightning_hpp.errors import PlanError, TrainConfigError
 from lightning_hpp.hydra.trial import StudyReporter, TrialLink, follow_driver
 from lightning_hpp.planning.plan import StagePlan, StageSpec
+from lightning_hpp.validation import check_int
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,7 @@ def uniform_plan(
         PlanError: ``num_stages`` is not a positive int or exceeds the number of units.
     """
     names = list(unit_names)
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise PlanError(f"`plan.num_stages` is {num_stages!r}; it must be a positive integer.")
+    check_int(num_stages, "plan.num_stages", error=PlanError)
     if num_stages > len(names):
         raise PlanError(
             f"`plan.num_stages={num_stages}` but the model has only {len(names)} units "

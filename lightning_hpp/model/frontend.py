@@ -31,6 +31,7 @@ from lightning_hpp.model import traced as _traced
 from lightning_hpp.model.sequential import check_sequential_forward
 from lightning_hpp.model.units import find_units, keep_stages, keep_tensors
 from lightning_hpp.planning.plan import StagePlan
+from lightning_hpp.validation import check_choice
 
 FRONTENDS = ("auto", "sequential", "traced")
 
@@ -106,8 +107,7 @@ def cut_model(module: nn.Module, plan: StagePlan, example: tuple[tuple, dict] | 
         modes: ``"train"`` and/or ``"eval"``: the modes the traced frontend captures.
         eval_example: The example for the eval-mode capture (default ``example``).
     """
-    if frontend not in FRONTENDS:
-        raise PlanError(f"`HPPStrategy(frontend={frontend!r})` is not supported; use one of {FRONTENDS}.")
+    check_choice(frontend, "HPPStrategy(frontend=...)", FRONTENDS, error=PlanError)
     reason = "forced" if frontend != "auto" else ""
     if frontend in ("auto", "sequential"):
         why_not = _sequential_obstacle(module, plan, example)

@@ -49,6 +49,7 @@ from torch.distributed.pipelining._IR import (
 from torch.export import Dim
 
 from lightning_hpp.errors import PlanError, TraceError
+from lightning_hpp.validation import is_int
 
 
 class TracedStage(nn.Module):
@@ -268,7 +269,7 @@ def _chain(pipe: Pipe) -> TracedModel:
         for name, index in binds[-1]:
             stage_of[name] = k
             value = produced[0 if index is None else index] if produced else None
-            if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+            if is_int(value) or isinstance(value, torch.SymInt):
                 ints.add(name)
     reader = {call.name: k for k, call in enumerate(calls)}
     last_use: dict[str, int] = {}

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lightning_hpp.errors import PlacementError
+from lightning_hpp.validation import check_int
 
 ENV_VAR = "HPP_DEVICE_KIND"
 """Environment variable that overrides the detected device kind."""
@@ -150,8 +151,7 @@ def parse_device_map(device_map: Mapping[int, str] | Sequence[str] | str | None)
     if isinstance(device_map, Mapping):
         out = {}
         for rank, kind in device_map.items():
-            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-                raise PlacementError(f"device_map key {rank!r} is not a rank; keys are ranks 0, 1, 2, ...")
+            check_int(rank, "`device_map` key", minimum=0, error=PlacementError, hint="Keys are ranks: 0, 1, 2, ...")
             out[rank] = normalize_kind(kind, f"device_map kind for rank {rank}")
         return out
     if isinstance(device_map, Sequence):

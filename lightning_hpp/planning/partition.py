@@ -47,6 +47,7 @@ from lightning_hpp.planning.devices import (
 )
 from lightning_hpp.planning.plan import StagePlan, StageSpec, normalize_precision
 from lightning_hpp.planning.profile import CostProfile, Overheads
+from lightning_hpp.validation import check_int
 
 MODELLED_SCHEDULES = tuple(name for name, kind in SCHEDULES.items() if kind.cls in (ScheduleGPipe, Schedule1F1B))
 """Schedules the partitioner models (torch's GPipe and 1F1B): one stage per rank, bubble (p - 1) / (m + p - 1)."""
@@ -90,8 +91,7 @@ class DeviceGroup:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", normalize_kind(self.kind, "cluster device kind"))
-        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 0:
-            raise PartitionError(f"Device count {self.count!r} for kind {self.kind!r} must be an integer >= 0.")
+        check_int(self.count, f"DeviceGroup({self.kind!r}, count=...)", minimum=0, error=PartitionError)
         if self.memory_bytes is not None and not self.memory_bytes > 0:
             raise PartitionError(f"Memory {self.memory_bytes!r} for kind {self.kind!r} must be > 0 bytes (or None).")
         if not self.link_gbps > 0:
@@ -513,12 +513,6 @@ def _ring(dp: int) -> float:
     return 2.0 * (dp - 1) / dp
 
 
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PartitionError(f"`{name}` must be an integer >= 1, got {value!r}.")
-    return value
-
-
 def _precision_map(precision: str | Mapping[str, str] | None, kinds: Sequence[str]) -> dict[str, str | None]:
     if precision is None:
         return {k: None for k in kinds}
@@ -588,8 +582,8 @@ def evaluate(
         PartitionError: stages that do not cover the units in order, kinds without devices or costs.
     """
     schedule = _schedule(schedule)
-    m = _positive_int(n_microbatches, "n_microbatches")
-    dp = _positive_int(dp_degree, "dp_degree")
+    m = check_int(n_microbatches, "n_microbatches", error=PartitionError)
+    dp = check_int(dp_degree, "dp_degree", error=PartitionError)
     cluster = Cluster.parse(cluster)
     stages = [list(s) for s in stages]
     if len(stage_kinds) != len(stages):
@@ -640,8 +634,8 @@ def uniform_partition(
     Raises:
         PartitionError: fewer units than stages, or not enough devices.
     """
-    pp = _positive_int(pp_degree, "pp_degree")
-    dp = _positive_int(dp_degree, "dp_degree")
+    pp = check_int(pp_degree, "pp_degree", error=PartitionError)
+    dp = check_int(dp_degree, "dp_degree", error=PartitionError)
     n = len(profile.unit_names)
     if pp > n:
         raise PartitionError(f"pp_degree={pp} stages but the model has only {n} units; use pp_degree <= {n}.")
@@ -885,7 +879,7 @@ def partition(
         pp_degree = len(wanted)
         pinned = [None if k is None else kinds.index(k) for k in wanted]
     if pp_degree is not None:
-        pp_degree = _positive_int(pp_degree, "pp_degree")
+        pp_degree = check_int(pp_degree, "pp_degree", error=PartitionError)
         if pp_degree > n:
             raise PartitionError(
                 f"pp_degree={pp_degree} stages but the profile has only {n} units ({', '.join(profile.unit_names)}); "
@@ -898,11 +892,11 @@ def partition(
                 "dp_degree='auto' needs `global_microbatches` (micro-batches per step over all replicas), so "
                 "that plans with different dp degrees process the same global batch."
             )
-        g = _positive_int(global_microbatches, "global_microbatches")
+        g = check_int(global_microbatches, "global_microbatches", error=PartitionError)
         options = [(dp, g // dp) for dp in range(1, min(g, cluster.total) + 1) if g % dp == 0]
     else:
-        dp = _positive_int(dp_degree, "dp_degree")
-        m = _positive_int(n_microbatches, "n_microbatches")
+        dp = check_int(dp_degree, "dp_degree", error=PartitionError)
+        m = check_int(n_microbatches, "n_microbatches", error=PartitionError)
         if global_microbatches is not None and global_microbatches != dp * m:
             raise PartitionError(
                 f"global_microbatches={global_microbatches!r} != dp_degree {dp} x n_microbatches {m}; give one "
@@ -1004,7 +998,7 @@ def plan_for_ranks(
         PartitionError: as :func:`partition`, and when ``dp_degree`` does not divide the world size.
     """
     world = len(rank_kinds)
-    dp = _positive_int(dp_degree, "dp_degree")
+    dp = check_int(dp_degree, "dp_degree", error=PartitionError)
     if world == 0 or world % dp:
         raise PartitionError(f"{world} ranks cannot form dp_degree={dp} replicas; dp_degree must divide the world size.")
     pp = world // dp

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_hpp.errors import PlanError
+from lightning_hpp.validation import check_bool, check_int, is_int, is_number
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "fp8")
 """Per-stage precision values a plan accepts."""
@@ -45,7 +46,7 @@ def normalize_precision(value: Any, where: str) -> str | None:
     """Map a precision value (or Lightning's short forms) to one of :data:`PRECISIONS`."""
     if value is None:
         return None
-    if isinstance(value, (str, int)) and not isinstance(value, bool):
+    if isinstance(value, str) or is_int(value):
         value = _PRECISION_ALIASES.get(value, value)
     if value not in PRECISIONS:
         raise PlanError(
@@ -105,11 +106,8 @@ class StageSpec:
                     f"`StageSpec.clip_norm` is {self.clip_norm!r}; it must be > 0 (or None to use the "
                     f"Trainer's `gradient_clip_val`)."
                 )
-        if self.activation_checkpointing is not None and not isinstance(self.activation_checkpointing, bool):
-            raise PlanError(
-                f"`StageSpec.activation_checkpointing` is {self.activation_checkpointing!r}; it must be True, False "
-                f"or None (the strategy's default)."
-            )
+        check_bool(self.activation_checkpointing, "StageSpec(activation_checkpointing=...)", optional=True,
+                   hint="None takes the strategy's default.")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -425,7 +423,7 @@ def _field_ok(name: str, value: Any) -> bool:
         except PlanError:
             return False
     if name == "clip_norm":
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+        return is_number(value) and value > 0
     return isinstance(value, bool)
 
 
@@ -477,8 +475,7 @@ def stage(stage_id: int, device: str | None = None, precision: str | None = None
         @stage(0, device="a100", precision="16-mixed", clip_norm=1.0, activation_checkpointing=True)
         class VisionEncoder(nn.Module): ...
     """
-    if isinstance(stage_id, bool) or not isinstance(stage_id, int) or stage_id < 0:
-        raise PlanError(f"`@stage` takes a stage id >= 0 as its first argument, got {stage_id!r}.")
+    check_int(stage_id, "@stage(stage_id=...)", minimum=0, hint="It is the stage's position in the pipeline, from 0.")
     spec = StageSpec(device=device, precision=precision, clip_norm=clip_norm,
                      activation_checkpointing=activation_checkpointing)  # validates the fields
     decl = _StageDecl(stage_id, spec.device, spec.precision, spec.clip_norm, spec.activation_checkpointing)

@@ -36,6 +36,7 @@ from torch import nn
 from lightning_hpp.errors import ProfileError, ProfileMismatchError
 from lightning_hpp.planning.devices import normalize_kind
 from lightning_hpp.planning.plan import normalize_precision
+from lightning_hpp.validation import check_int
 
 log = logging.getLogger(__name__)
 
@@ -538,8 +539,8 @@ def profile_units(
     units = list(units)
     if not units:
         raise ProfileError("`profile_units` got no units; pass the model's (name, module) pairs.")
-    if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
-        raise ProfileError(f"`profile_units` needs repeats >= 1 and warmup >= 0, got {repeats!r}, {warmup!r}.")
+    check_int(repeats, "profile_units(repeats=...)", error=ProfileError)
+    check_int(warmup, "profile_units(warmup=...)", minimum=0, error=ProfileError)
     device_kind = normalize_kind(device_kind, "`profile_units` device_kind")
     precision = normalize_precision(precision, "`profile_units`") or "32-true"
     if precision == "fp8" and (prepare is None or context is None):

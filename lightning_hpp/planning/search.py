@@ -61,6 +61,7 @@ from lightning_hpp.planning.partition import (
     _ring,
 )
 from lightning_hpp.planning.profile import CostProfile, Overheads
+from lightning_hpp.validation import check_int
 
 MAX_MICROBATCHES = 32
 """Largest number of micro-batches the search tries when the user does not fix it."""
@@ -216,8 +217,7 @@ def search_plan(
         ("data_groups", data_groups),
         ("max_microbatches", max_microbatches),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PartitionError(f"`search_plan({name}={value!r})` must be an integer >= 1.")
+        check_int(value, f"search_plan({name}=...)", error=PartitionError)
     if profile.microbatch_size is None:
         raise PartitionError(
             "The profile records no input shape, so its micro-batch size is unknown; profile the model on a real batch."

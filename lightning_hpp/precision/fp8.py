@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from lightning_hpp.errors import FP8Error
+from lightning_hpp.validation import check_choice, check_int
 
 E4M3 = torch.float8_e4m3fn
 """Forward format (activations and weights): 4 exponent bits, 3 mantissa bits, max 448."""
@@ -74,24 +75,16 @@ class FP8Recipe:
     amax_compute_algo: str = "max"
 
     def __post_init__(self) -> None:
-        if self.scaling not in SCALINGS:
-            raise FP8Error(
-                f"fp8 recipe scaling {self.scaling!r} is not supported; use one of {', '.join(map(repr, SCALINGS))} "
-                f"(Transformer Engine's DelayedScaling and Float8CurrentScaling)."
-            )
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
-            raise FP8Error(f"fp8 recipe margin is {self.margin!r}; it must be an integer >= 0 (the scale is divided by 2**margin).")
+        check_choice(self.scaling, "FP8Recipe(scaling=...)", SCALINGS, error=FP8Error,
+                     hint="They are Transformer Engine's DelayedScaling and Float8CurrentScaling.")
+        check_int(self.margin, "FP8Recipe(margin=...)", minimum=0, error=FP8Error, hint="The scale is divided by 2**margin.")
         if self.scaling == "current" and self.margin != 0:
             raise FP8Error(
                 f"fp8 recipe margin is {self.margin!r} with scaling='current'; Transformer Engine's current "
                 f"scaling has no margin. Use margin=0, or scaling='delayed'."
             )
-        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
-            raise FP8Error(f"fp8 recipe amax_history_len is {self.amax_history_len!r}; it must be an integer >= 1.")
-        if self.amax_compute_algo not in ("max", "most_recent"):
-            raise FP8Error(
-                f"fp8 recipe amax_compute_algo is {self.amax_compute_algo!r}; use 'max' or 'most_recent'."
-            )
+        check_int(self.amax_history_len, "FP8Recipe(amax_history_len=...)", error=FP8Error)
+        check_choice(self.amax_compute_algo, "FP8Recipe(amax_compute_algo=...)", ("max", "most_recent"), error=FP8Error)
 
     @classmethod
     def coerce(cls, recipe: str | FP8Recipe) -> FP8Recipe:

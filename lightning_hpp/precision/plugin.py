@@ -51,6 +51,7 @@ from lightning_hpp.precision.clipping import (
 from lightning_hpp.precision.guards import BoundaryGuard
 from lightning_hpp.precision.modes import CLIP_MODES, MODES, NONFINITE_POLICIES
 from lightning_hpp.precision.scaler import DynamicLossScaler
+from lightning_hpp.validation import check_choice, check_number
 
 
 @dataclass
@@ -124,17 +125,12 @@ class HPPPrecision(Precision):
         init_scale: float = 2.0**16,
         log_grad_norms: bool = False,
     ) -> None:
-        if clip not in CLIP_MODES:
-            raise PlanError(f"`HPPPrecision(clip={clip!r})` is not supported; use one of {CLIP_MODES}.")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise PlanError(f"`HPPPrecision(nonfinite={nonfinite!r})` is not supported; use one of {NONFINITE_POLICIES}.")
-        if fp8_backend not in (None, "te", "emulate"):
-            raise PlanError(f"`HPPPrecision(fp8_backend={fp8_backend!r})` is not supported; use 'te', 'emulate' or None.")
-        if fp8_recipe not in ("delayed", "current"):
-            raise PlanError(f"`HPPPrecision(fp8_recipe={fp8_recipe!r})` is not supported; use 'delayed' or 'current'.")
-        if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not init_scale > 0:
-            raise PlanError(f"`HPPPrecision(init_scale={init_scale!r})`: must be a positive number (the first fp16 loss "
-                            f"scale), e.g. `init_scale=65536.0`.")
+        check_choice(clip, "HPPPrecision(clip=...)", CLIP_MODES, error=PlanError)
+        check_choice(nonfinite, "HPPPrecision(nonfinite=...)", NONFINITE_POLICIES, error=PlanError)
+        check_choice(fp8_backend, "HPPPrecision(fp8_backend=...)", ("te", "emulate"), optional=True, error=PlanError)
+        check_choice(fp8_recipe, "HPPPrecision(fp8_recipe=...)", fp8.SCALINGS, error=PlanError)
+        check_number(init_scale, "HPPPrecision(init_scale=...)", error=PlanError,
+                     hint="It is the first fp16 loss scale, e.g. `init_scale=65536.0`.")
         self.default = normalize_precision(default, "`HPPPrecision(default=...)`")
         self.clip = clip
         self.fp8_backend = fp8_backend

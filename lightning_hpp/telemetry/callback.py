@@ -16,6 +16,7 @@ from lightning_hpp.pipeline.view import pipeline_view
 from lightning_hpp.telemetry.model import _now
 from lightning_hpp.telemetry.recorder import PipelineRecorder, StepMetrics, collect, mean_metrics
 from lightning_hpp.telemetry.render import render_timeline_png, write_chrome_trace
+from lightning_hpp.validation import check_int
 
 
 # --------------------------------------------------------------------------------------------- callback
@@ -71,10 +72,7 @@ class PipelineTelemetry(Callback):
 
     def __init__(self, every_n_steps: int | None = None, trace_step: int | None = None, trace_dir: str | os.PathLike | None = None) -> None:
         for name, value, low in (("every_n_steps", every_n_steps, 1), ("trace_step", trace_step, 0)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
-                raise TelemetryError(
-                    f"`PipelineTelemetry({name}=...)` must be None or an integer >= {low}, got {value!r}."
-                )
+            check_int(value, f"PipelineTelemetry({name}=...)", minimum=low, optional=True, error=TelemetryError)
         self._every_arg = every_n_steps
         self._trace_step = trace_step
         self._trace_dir = None if trace_dir is None else os.fspath(trace_dir)
