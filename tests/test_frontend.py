@@ -36,6 +36,7 @@ def test_a_chain_model_runs_sequential_and_traced_alike():
     traced = cut_model(model, plan, ((x,), {}), frontend="traced")
     assert traced.frontend == "traced" and traced.plan.meta["cut_points"] == ["layers.3"]
     torch.testing.assert_close(_run_chain(traced, "train", (x,), {}), model(x), rtol=0, atol=0)
+    torch.testing.assert_close(_run_chain(seq, "train", (x,), {}), model(x), rtol=0, atol=0)
     # every rank keeps the same parameters whatever the frontend
     assert seq.params == traced.params
 
@@ -88,14 +89,15 @@ class _ToList(nn.Module):
 
 @pytest.mark.parametrize("model_cls", [_DataDependent, _ToList])
 def test_a_model_export_cannot_capture_gets_a_clear_error(model_cls):
+    model = model_cls()
     with pytest.raises(TraceError) as info:
-        cut_model(model_cls(), StagePlan.split_at(["b"]), ((torch.randn(3, 4),), {}), frontend="traced")
+        cut_model(model, StagePlan.split_at(["b"]), ((torch.randn(3, 4),), {}), frontend="traced")
     msg = str(info.value)
     assert "torch.export cannot capture `" + model_cls.__name__ + ".forward`" in msg
     assert re.search(r"test_frontend\.py:\d+", msg), msg  # the user's line
     assert "torch.where" in msg and "frontend='sequential'" in msg
-    # the user's modules are left as they were (the tracer's split markers removed)
-    assert "forward" not in model_cls().b.__dict__
+    # the user's modules are left as they were (the tracer's split markers removed from the traced instance)
+    assert "forward" not in model.b.__dict__ and "_orig_forward" not in model.b.__dict__
 
 
 def test_bad_cut_points_are_refused_with_the_names_to_use():

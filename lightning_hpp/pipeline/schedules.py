@@ -17,6 +17,7 @@ from types import MappingProxyType
 from torch.distributed.pipelining import schedules as S
 
 from lightning_hpp.errors import ScheduleError
+from lightning_hpp.validation import check_int
 
 SCHEDULE_NAMES: tuple[tuple[str, str], ...] = (
     ("gpipe", "GPipe"),
@@ -62,8 +63,7 @@ def schedule_kind(name: str) -> ScheduleKind:
 def check_schedule(name: str, num_stages: int, pp: int, n_microbatches: int) -> ScheduleKind:
     """Validate a schedule against the plan before any process group or step exists."""
     kind = schedule_kind(name)
-    if not isinstance(n_microbatches, int) or n_microbatches < 1:
-        raise ScheduleError(f"`n_microbatches` must be a positive integer, got {n_microbatches!r}.")
+    check_int(n_microbatches, "n_microbatches", error=ScheduleError)
     if kind.multi:
         if num_stages % pp or num_stages // pp < 2:
             single = ", ".join(repr(n) for n, k in SCHEDULES.items() if not k.multi)
