@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def reference(kind: str, steps: int, batch: int, n_micro: int, **model_kw):
+def reference(kind: str, steps: int, batch: int, n_micro: int, gradient_clip_val: float | None = None, **model_kw):
     """The same LightningModule trained in one process, averaging its loss over the same micro-batches."""
     L.seed_everything(0)
     model = LMWrapper(kind, reference_microbatches=n_micro, **model_kw)
@@ -33,7 +33,7 @@ def reference(kind: str, steps: int, batch: int, n_micro: int, **model_kw):
 
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, callbacks=[Record()],
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0)
+                        num_sanity_val_steps=0, limit_val_batches=0, gradient_clip_val=gradient_clip_val)
     trainer.fit(model, loader(kind, batch, shuffle_like_lightning=True))
     return model, losses
 
@@ -59,6 +59,9 @@ def _traced_runs() -> list[dict]:
         {"name": "vit_gpipe", "model": "vit", "points": ["model.vit.layers.2"], "schedule": "gpipe"},
         # a module named `self` (attention.self) inside the traced stages, and BERT's tied decoder
         {"name": "bert_1f1b", "model": "bert", "points": ["model.bert.encoder.layer.1"], "schedule": "1f1b"},
+        # Trainer(gradient_clip_val): one norm over the whole model, the tied embedding / head counted once
+        {"name": "gpt2_clipped", "model": "gpt2", "points": ["model.transformer.h.2"], "schedule": "1f1b",
+         "gradient_clip_val": 0.5},
         {"name": "nanogpt_balanced", "model": "nanogpt", "points": None, "schedule": "1f1b"},
         {"name": "gpt2_interleaved", "model": "gpt2", "points": ["model.transformer.h.1", "model.transformer.h.2",
                                                                  "model.transformer.h.3"], "schedule": "interleaved1f1b"},
@@ -113,8 +116,11 @@ def test_transformers_and_nanogpt_two_stages_traced(jobs):
     for r in runs:
         out = load_rank(r["out"], 0)
         assert out["plan"]["meta"]["frontend"] == "traced"
-        ref_model, ref_losses = reference(r["model"], 3, 8, 4)
+        ref_model, ref_losses = reference(r["model"], 3, 8, 4, gradient_clip_val=r.get("gradient_clip_val"))
         assert_matches(ref_model, ref_losses, r["out"], [0, 1])
+    # the clip really clipped (the same run without it ends elsewhere)
+    clipped, free = (load_rank(tmp_path / n, 1)["state"]["model.lm_head.weight"] for n in ("gpt2_clipped", "gpt2_1f1b"))
+    assert float((clipped - free).abs().max()) > 1e-4
     metrics = load_rank(tmp_path / "gpt2_1f1b", 0)["metrics"]
     assert 0 <= metrics["pipeline/bubble"] < 1 and metrics["pipeline/stage_1/fwd_ms"] > 0
     # a model without a plan is cut over its blocks, balanced by parameter count

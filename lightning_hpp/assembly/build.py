@@ -172,9 +172,11 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
             body.place(device)
     runner = PipelineRunner(module, stages["train"], plan.num_stages, mesh, resolved.schedule, resolved.n_microbatches,
                             device, eval_stage_modules=stages["eval"], flatten=cut.flatten, unflatten=cut.unflatten)
+    repeated = {k: {n for n, ks in cut.shared.items() if k in ks and min(ks) < k} for k in stage_ids}
     view = StageView(stages["train"], eval_stages=stages["eval"], pp_group=mesh.pp_group if pp > 1 else None,
                      dp_group=mesh.dp_group, microbatch=runner.current_microbatch, step=inputs.global_step,
-                     step_checks=runner.step_checks)
+                     step_checks=runner.step_checks, repeated_names=repeated,
+                     named_parameters=lambda: dict(module.named_parameters()))
     inputs.precision.configure_stages(plan, view, inputs.trainer_precision, device, rank_kinds[inputs.rank])
     grads = GradHandover(stages["train"], mesh.dp_group, mesh.dp, shared=shared)
     runner.last_backward_window = grads.last_backward

@@ -64,6 +64,7 @@ def clip_stages(
     algorithm: str,
     mode: str,
     clip_val: float | None,
+    repeated_sq: Tensor | None = None,
 ) -> None:
     """Clip the given stages' gradients in place, without reading a norm on the host.
 
@@ -82,6 +83,8 @@ def clip_stages(
         algorithm: ``"norm"`` or ``"value"`` (element-wise: each stage's limit, else ``clip_val``).
         mode: ``"global"`` or ``"per-stage"``.
         clip_val: The requested value.
+        repeated_sq: For ``mode="global"``: each stage's squared norm of its copies of tied weights an earlier
+            stage holds too, taken out of the pipeline's norm (one process counts such a weight once).
     """
     if algorithm == "value":
         for k, grads in per_stage.items():
@@ -96,7 +99,10 @@ def clip_stages(
         own = (limits / (stacked + 1e-6)).clamp(max=1.0)  # each stage at its own limit first
         coef = own
         if clip_val:
-            total = (stacked * own).pow(2).sum().sqrt()
+            sq = (stacked * own).pow(2).sum()
+            if repeated_sq is not None:
+                sq = (sq - (torch.as_tensor(repeated_sq).double() * own.pow(2)).sum()).clamp(min=0)
+            total = sq.sqrt()
             coef = own * (clip_val / (total + 1e-6)).clamp(max=1.0)
         for k, grads in per_stage.items():
             if grads and (clip_val or stage_limits.get(k)):

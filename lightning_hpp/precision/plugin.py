@@ -68,6 +68,9 @@ class StageView:
         step: The optimizer step being run.
         step_checks: The runner's per-step checks (:class:`~lightning_hpp.pipeline.runner.StepCheck`); the
             boundary guard joins them, so its flags are decided once per step on every rank.
+        repeated_names: For each held stage, the parameters (by the LightningModule's names) an earlier stage
+            holds too: tied weights, counted once in the pipeline's gradient norm.
+        named_parameters: The LightningModule's parameters by name (read at first use, after the casts).
     """
 
     stages: dict[int, nn.Module]
@@ -77,6 +80,8 @@ class StageView:
     microbatch: Callable[[int], int] = lambda stage: -1
     step: Callable[[], int] = lambda: -1
     step_checks: list[Any] = field(default_factory=list)
+    repeated_names: dict[int, set[str]] = field(default_factory=dict)
+    named_parameters: Callable[[], dict[str, Tensor]] = dict
 
     @functools.cached_property
     def params(self) -> list[Tensor]:
@@ -91,6 +96,14 @@ class StageView:
     def stage_params(self) -> dict[int, list[Tensor]]:
         """Each held stage's parameters (taken at first use, like :attr:`params`)."""
         return {k: list(sm.parameters()) for k, sm in self.stages.items()}
+
+    @functools.cached_property
+    def repeated_params(self) -> dict[int, list[Tensor]]:
+        """Each held stage's copies of parameters an earlier stage holds too (taken at first use)."""
+        if not any(self.repeated_names.values()):
+            return {}
+        named = self.named_parameters()
+        return {k: [named[n] for n in sorted(names) if n in named] for k, names in self.repeated_names.items()}
 
 
 class HPPPrecision(Precision):
@@ -141,6 +154,7 @@ class HPPPrecision(Precision):
         self.precision = "hpp"
         self.skipped_steps = 0
         self._grad_norms: Tensor | None = None
+        self._repeated_sq: Tensor | None = None
         self._view: StageView | None = None
         self._plan: Any = None
         self._stage_precision: list[str] = []
@@ -264,15 +278,15 @@ class HPPPrecision(Precision):
             self._grad_norms = None  # nothing clips and nobody asked for the norms: no pass over the gradients
             return
         per_stage = {k: stage_grads(ps) for k, ps in view.stage_params.items()}
-        norms = self._stage_norms(per_stage, num, view.pp_group)
-        self._grad_norms = norms
+        norms, repeated = self._stage_norms(per_stage, num, view)
+        self._grad_norms, self._repeated_sq = norms, repeated
         if custom:
             for k in sorted(view.stage_params):
                 stage_opt = StageOptimizer(optimizer, k, view.stage_params[k], plan.stages[k].clip_norm)
                 self._call_clipping_hook(model, stage_opt, clip_val, gradient_clip_algorithm)
         else:
             limits = {k: s.clip_norm for k, s in enumerate(plan.stages)}
-            clip_stages(per_stage, norms, limits, algorithm_name(gradient_clip_algorithm), self.clip, clip_val)
+            clip_stages(per_stage, norms, limits, algorithm_name(gradient_clip_algorithm), self.clip, clip_val, repeated)
         for k in range(num):
             model.log(f"grad_norm/stage_{k}", norms[k].float(), on_step=True, on_epoch=False)
         if num > 1:
@@ -291,18 +305,23 @@ class HPPPrecision(Precision):
             model._current_fx_name = previous
 
     @staticmethod
-    def _stage_norms(per_stage: dict[int, list[Tensor]], num: int, pp_group: Any) -> Tensor:
-        """``[norm of stage k's gradients]`` for every stage, on every rank (summed over the pipeline group)."""
+    def _stage_norms(per_stage: dict[int, list[Tensor]], num: int, view: StageView) -> tuple[Tensor, Tensor]:
+        """``[norm of stage k's gradients]`` for every stage, and ``[squared norm of stage k's copies of tied
+        weights an earlier stage holds]``, on every rank (one all-reduce over the pipeline group)."""
+        pp_group = view.pp_group
         reduce = pp_group is not None and dist.get_world_size(pp_group) > 1
         held = next((gs[0].device for gs in per_stage.values() if gs), torch.device("cpu"))
         device = group_device(pp_group) if reduce else held
         zero = torch.zeros((), dtype=torch.float64, device=device)
         local = {k: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double()).to(device)
                  for k, gs in per_stage.items() if gs}
-        norms = torch.stack([local.get(k, zero) for k in range(num)])
-        if reduce:  # each stage's entry comes from one rank of the pipeline
-            dist.all_reduce(norms, group=pp_group)
-        return norms
+        repeated = {k: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double()).pow(2).to(device)
+                    for k, ps in view.repeated_params.items() if (gs := stage_grads(ps))}
+        both = torch.stack([torch.stack([local.get(k, zero) for k in range(num)]),
+                            torch.stack([repeated.get(k, zero) for k in range(num)])])
+        if reduce:  # each stage's entries come from one rank of the pipeline
+            dist.all_reduce(both, group=pp_group)
+        return both[0], both[1]
 
     def clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
         """What ``LightningModule.clip_gradients`` calls (from a ``configure_gradient_clipping`` override).
@@ -324,10 +343,12 @@ class HPPPrecision(Precision):
                     "which is taken only before `configure_gradient_clipping`; call it from that hook."
                 )
             norms: Any = self._grad_norms
+            repeated = self._repeated_sq
         else:
+            repeated = None
             norms = {k: stage_norm(g) for k, g in per_stage.items()}
         limits = {k: s.clip_norm for k, s in enumerate(plan.stages)}
-        clip_stages(per_stage, norms, limits, algorithm_name(gradient_clip_algorithm), self.clip, clip_val)
+        clip_stages(per_stage, norms, limits, algorithm_name(gradient_clip_algorithm), self.clip, clip_val, repeated)
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}

@@ -97,7 +97,7 @@ def _run(cfg: dict, devices: int) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg["steps"], logger=False,
                         plugins=plugins, callbacks=[losses], enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=cfg.get("limit_val_batches", 0),
-                        default_root_dir=cfg["out"])
+                        default_root_dir=cfg["out"], gradient_clip_val=cfg.get("gradient_clip_val"))
     try:
         trainer.fit(model, train, val)
     except BaseException as exc:
