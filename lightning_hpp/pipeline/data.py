@@ -101,13 +101,20 @@ def peek_batch(loader: Any) -> Any:
 
 
 class SkipFirst:
-    """A sampler that skips its first ``n`` indices once (a mid-epoch resume), then is itself."""
+    """A sampler that skips its first ``n`` indices once (a mid-epoch resume), then is itself.
 
-    def __init__(self, sampler: Any, n: int) -> None:
+    That once it draws the order of ``epoch`` (the checkpoint's): Lightning sets a resumed loader's epoch
+    from the epochs it counts processed, one more than the epoch trained when ``max_steps`` ended it.
+    """
+
+    def __init__(self, sampler: Any, n: int, epoch: int | None = None) -> None:
         self.sampler = sampler
         self.n = n
+        self.epoch = epoch
 
     def __iter__(self):
+        if self.n and self.epoch is not None and hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(self.epoch)
         it = iter(self.sampler)
         n, self.n = self.n, 0
         for _ in range(n):
@@ -141,5 +148,5 @@ def resume_mid_epoch(dataloader: Any, batches: int, epoch: int) -> bool:
     sampler = batch_sampler.sampler
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
-    batch_sampler.sampler = SkipFirst(sampler, batches * batch_sampler.batch_size)
+    batch_sampler.sampler = SkipFirst(sampler, batches * batch_sampler.batch_size, epoch)
     return True

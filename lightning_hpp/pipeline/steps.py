@@ -84,8 +84,10 @@ def count_forward_calls(module: nn.Module, step_fn: Callable[..., Any], batch: A
     """How many times ``step_fn(batch, ...)`` calls ``module(...)`` (stopping at the second call).
 
     The step runs with the module's real ``forward``, in eval mode and without gradients, logging
-    nothing; torchmetrics states are restored afterwards. A step that fails this way (it may need
-    gradients) counts as one call: the run-time check on the last stage still applies.
+    nothing; what it changes of the modules' state is put back afterwards (torchmetrics states, and the
+    public attributes: a list of outputs it appends to, a counter), so the epoch starts as without this
+    check. A step that fails this way (it may need gradients) counts as one call: the run-time check on
+    the last stage still applies.
     """
     calls = [0]
     real = type(module).forward
@@ -97,6 +99,7 @@ def count_forward_calls(module: nn.Module, step_fn: Callable[..., Any], batch: A
         return real(module, *args, **kwargs)
 
     metrics = [(m, _metric_state(m)) for m in module.modules() if hasattr(m, "_defaults") and hasattr(m, "_update_count")]
+    attributes = [(m, _public_state(m)) for m in module.modules()]
     was_training = module.training
     module.eval()
     try:
@@ -111,7 +114,27 @@ def count_forward_calls(module: nn.Module, step_fn: Callable[..., Any], batch: A
         for m, state in metrics:
             for k, v in state.items():
                 setattr(m, k, v)
+        for m, state in attributes:
+            _restore_public_state(m, state)
     return calls[0]
+
+
+def _public_state(m: nn.Module) -> dict[str, tuple[Any, Any]]:
+    """``name -> (object, copy of its contents)`` of a module's public attributes (contents: lists, dicts, sets)."""
+    return {k: (v, copy.copy(v) if isinstance(v, (list, dict, set)) else None) for k, v in vars(m).items() if not k.startswith("_")}
+
+
+def _restore_public_state(m: nn.Module, state: dict[str, tuple[Any, Any]]) -> None:
+    for k in [k for k in vars(m) if not k.startswith("_") and k not in state]:
+        object.__delattr__(m, k)  # set by the step
+    for k, (obj, contents) in state.items():
+        if vars(m).get(k) is not obj:
+            object.__setattr__(m, k, obj)
+        if isinstance(obj, list):
+            obj[:] = contents
+        elif isinstance(obj, (dict, set)):
+            obj.clear()
+            obj.update(contents)
 
 
 def _metric_state(metric: Any) -> dict[str, Any]:
