@@ -11,6 +11,7 @@ tensor all-reduce per step; the names of the logged values travel only when they
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -27,6 +28,7 @@ from lightning_hpp.pipeline.schedules import schedule_kind
 from lightning_hpp.pipeline.stage import StageModule, _Stage
 from lightning_hpp.pipeline.steps import (
     REDUCED,
+    MetricBatches,
     StepLogs,
     _LogRecorder,
     capture_input,
@@ -107,6 +109,7 @@ class PipelineRunner:
         self._target: torch.Tensor | None = None
         self._schema: list[tuple[str, dict]] = []
         self.step_checks: list[StepCheck] = []
+        self._metric_batches = MetricBatches(module)
         _sync_metrics_over(module, mesh.dp_group)
 
     # ----------------------------------------------------------------- placement
@@ -214,7 +217,8 @@ class PipelineRunner:
         self._reset_counters()
         self._target = torch.arange(size, device=self.device) if self.holds_last else None
         try:
-            sched.step(*args, target=self._target)
+            with self._metric_batches if self.holds_last else contextlib.nullcontext():
+                sched.step(*args, target=self._target)
         finally:
             self._step_fn, self._mb, self._target = None, [], None
         loss, logs, error = None, None, None
@@ -223,7 +227,7 @@ class PipelineRunner:
                 raise RuntimeError(f"internal: the schedule computed the loss of micro-batches {self._losses} only")
             loss = torch.stack([x.float() for x in self._losses]).mean()
             try:
-                logs = reduce_logs(self._recorders, self.device)
+                logs = reduce_logs(self._recorders, self.device, self._metric_batches)
             except PlanError as e:
                 error = str(e)
         self._recorders, self._losses = [], []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -190,6 +191,66 @@ REDUCED = _Reduced()
 """Replayed ``self.log(..., sync_dist=True)`` values carry it as their ``sync_dist_group``: the strategy's
 ``reduce`` hands them back unchanged (they are equal on every replica already)."""
 
+class MetricBatches:
+    """The value each torchmetrics ``Metric``'s ``forward`` gives for the whole step, over its micro-batches.
+
+    A metric's ``forward`` computes its value on one micro-batch (macro accuracy, F1, AUROC: not the mean of
+    the micro-batches' values); one process computes it on the whole batch. Inside this context every
+    micro-batch's state is also merged into a copy kept for the step (torchmetrics merges it into the
+    epoch's state in ``_reduce_states``, with the micro-batch's state in the metric), and :meth:`value`
+    computes the step's value from it, unsynced as ``forward`` is. Metrics whose ``forward`` updates twice
+    (``full_state_update=True``) merge no state there; their step value stays the micro-batches' mean.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self._metrics = [m for m in module.modules() if hasattr(m, "_reduce_states") and hasattr(m, "_defaults")]
+        self._steps: dict[int, Any] = {}
+
+    def __enter__(self) -> MetricBatches:
+        self._steps.clear()
+        for m in self._metrics:
+            object.__setattr__(m, "_reduce_states", functools.partial(self._merge, m, type(m)._reduce_states.__get__(m)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for m in self._metrics:
+            m.__dict__.pop("_reduce_states", None)
+
+    def _merge(self, metric: Any, reduce_states: Callable[[dict], None], incoming: dict[str, Any]) -> None:
+        batch, count = metric._copy_state_dict(), metric._update_count  # this micro-batch's state, then the epoch's
+        held = self._steps.get(id(metric))
+        if held is None:
+            self._steps[id(metric)] = (batch, 1)
+        else:  # the step's state so far merged with this micro-batch's, by the metric's own rule
+            state, n = held
+            metric._update_count = n + 1
+            type(metric)._reduce_states(metric, state)
+            self._steps[id(metric)] = (metric._copy_state_dict(), n + 1)
+            _set_states(metric, batch)
+            metric._update_count = count
+        reduce_states(incoming)
+
+    def value(self, metric: Any) -> torch.Tensor | None:
+        """The step's value of ``metric``, unsynced (``None``: nothing merged for it this step)."""
+        held = self._steps.get(id(metric))
+        if held is None:
+            return None
+        epoch, count, computed = metric._copy_state_dict(), metric._update_count, metric._computed
+        to_sync, sync_on_compute = metric._to_sync, metric.sync_on_compute
+        _set_states(metric, held[0])
+        metric._update_count, metric._computed, metric._to_sync, metric.sync_on_compute = held[1], None, False, False
+        try:
+            return metric.compute()
+        finally:
+            _set_states(metric, epoch)
+            metric._update_count, metric._computed, metric._to_sync, metric.sync_on_compute = count, computed, to_sync, sync_on_compute
+
+
+def _set_states(metric: Any, state: dict[str, Any]) -> None:
+    for attr, value in state.items():
+        setattr(metric, attr, value)
+
+
 REDUCE_FX = ("mean", "sum", "max", "min")
 _TORCH_FX = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
 
@@ -235,7 +296,7 @@ def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32, device=device)
 
 
-def reduce_logs(recorders: list[_LogRecorder], device: torch.device) -> StepLogs:
+def reduce_logs(recorders: list[_LogRecorder], device: torch.device, batches: MetricBatches | None = None) -> StepLogs:
     """Reduce what each micro-batch logged under one name with its ``reduce_fx``, on ``device``.
 
     Equal micro-batches make the result what one step over the whole batch logs for values that
@@ -255,12 +316,16 @@ def reduce_logs(recorders: list[_LogRecorder], device: torch.device) -> StepLogs
             values[name].append(_as_tensor(value, device))
     if not order:
         return StepLogs([], torch.zeros(0, device=device))
+    metrics = {n: m for rec in recorders for n, m in rec.metric_objects.items()}
     reduced = []
     for n in order:
+        whole = batches.value(metrics[n]) if batches is not None and n in metrics else None
+        if whole is not None:  # a Metric's value on the whole step, as one process computes it
+            reduced.append(_as_tensor(whole, device))
+            continue
         fx = "mean" if any(n in rec.metrics for rec in recorders) else reduce_fx_name(n, kwargs[n].get("reduce_fx", "mean"))
         stacked = torch.stack(values[n])
         reduced.append(getattr(torch, fx)(stacked) if fx != "mean" else stacked.mean())
-    metrics = {n: m for rec in recorders for n, m in rec.metric_objects.items()}
     return StepLogs([(n, kwargs[n]) for n in order], torch.stack(reduced), metrics)
 
 
