@@ -1,4 +1,4 @@
-"""The conformance jobs, shared by test_conformance (behaviours kept) and test_pending (behaviours that fail today).
+"""The conformance jobs, shared by the tests of tests/conformance/test_conformance.py.
 
 Three jobs side by side (tests.launch.run_scripts): pp=2 on 2 ranks, pp=2 × dp=2 on 4 ranks, and one process
 running every scenario's reference with Lightning's default strategy (then the one-process HPPStrategy

@@ -345,3 +345,24 @@ def test_validate_before_fit_on_the_traced_frontend_trains_with_dropout(conforma
     for r in o.ranks:
         problems += diff_metric_lists(r.where, "validate() before fit", r.result["before"], o.ref["before"])
     check(problems)
+
+
+# --------------------------------------------------------------- epoch ends, torchmetrics, max_steps resume
+
+
+def test_epoch_end_hooks_log_what_the_steps_collected(conformance):
+    # training_step / validation_step append per-sample losses; on_*_epoch_end logs their mean (sync_dist=True):
+    # on ranks without the last stage the lists stay empty, and the last stage's values must reach them
+    check(diff_all(load(conformance, "epoch_end_outputs")))
+
+
+def test_torchmetrics_objects_logged_by_name(conformance):
+    # macro accuracy through forward (step values over the whole step, epoch value by compute()), macro accuracy
+    # and a sum through update (computed, synced over the replicas and reset each epoch as Lightning does)
+    check(diff_all(load(conformance, "torchmetrics_logged")))
+
+
+def test_resume_from_a_max_steps_checkpoint(conformance):
+    # Lightning's own resume from this checkpoint also leaves the uninterrupted run (it restarts with epoch 1's
+    # order from its first batch: ref["lightning_resumed"]); HPPStrategy promises the uninterrupted run
+    check(diff_resumed(load(conformance, "resume_max_steps")))
