@@ -24,7 +24,7 @@ from lightning_hpp._dist import group_device
 from lightning_hpp.errors import PlanError
 from lightning_hpp.pipeline.mesh import Mesh
 from lightning_hpp.pipeline.microbatch import batch_size_of, largest_divisor_at_most, split_batch
-from lightning_hpp.pipeline.schedules import schedule_kind
+from lightning_hpp.pipeline.schedules import ForwardOnlyV, schedule_kind
 from lightning_hpp.pipeline.stage import StageModule, _Stage
 from lightning_hpp.pipeline.steps import (
     REDUCED,
@@ -157,8 +157,8 @@ class PipelineRunner:
                 cls = self.kind.cls
                 if not train and self.kind.style == "loop":
                     cls = S.ScheduleLoopedBFS
-                elif not train and cls is S.ScheduleDualPipeV and n < self.num_stages:
-                    cls = S.ScheduleZBVZeroBubble  # the same V placement, forward-only with fewer micro-batches than stages
+                elif not train:  # the V placement
+                    cls = ForwardOnlyV
                 sched = cls(stages, n, loss_fn=loss_fn, scale_grads=False)
             else:
                 cls = self.kind.cls if train else S.ScheduleGPipe

@@ -1,0 +1,80 @@
+"""Setups where Lightning works and HPPStrategy used to refuse, crash or warn, in real 2-rank jobs compared with one
+process: ``sync_dist=True`` in ``validation_step`` (no warning to add it), a cut at a container of units,
+``dualpipev`` evaluating batches of fewer micro-batches than stages, the traced frontend on one-sample micro-batches.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tests.launch import load_rank, merged_state, run_script
+from tests.models import make_dataset
+from tests.workers.run_edges import CASES
+
+pytestmark = pytest.mark.slow
+TOL = dict(rtol=1e-5, atol=1e-6)
+SYNC_WARNING = "It is recommended to use `self.log("
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("edges")
+    run_script("tests.workers.run_edges", {"out": str(out)}, timeout=600)
+    return out
+
+
+def reference(case: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The same module and steps in one process, drawing the order Lightning's distributed sampler gives."""
+    cfg = CASES[case]
+    L.seed_everything(0)
+    model = cfg["model"](depth=cfg["depth"]) if "depth" in cfg else cfg["model"]()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=cfg["steps"], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=cfg.get("limit_val_batches", 0))
+    ds = make_dataset(128)
+    train = DataLoader(ds, batch_size=cfg["batch"], sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0),
+                       drop_last=True)
+    val = DataLoader(make_dataset(cfg.get("val_n", 64), seed=1), batch_size=cfg.get("val_batch", 16))
+    trainer.fit(model, train, val)
+    if cfg.get("limit_val_batches"):
+        trainer.validate(model, val, verbose=False)
+    return model.state_dict(), {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def assert_like_one_process(out, case: str) -> None:
+    ref_state, ref_metrics = reference(case)
+    got = merged_state(out / case, [0, 1])
+    assert set(got) == set(ref_state)
+    for name, value in got.items():
+        torch.testing.assert_close(value, ref_state[name], **TOL, msg=lambda m, n=name: f"{case} {n}: {m}")
+    for rank in (0, 1):
+        metrics = load_rank(out / case, rank)["callback_metrics"]
+        for key, want in ref_metrics.items():
+            assert metrics[key] == pytest.approx(want, rel=1e-5, abs=1e-6), f"{case} rank {rank}: {key}"
+
+
+def test_sync_dist_values_keep_the_users_flag_and_lightning_asks_for_nothing(runs):
+    assert_like_one_process(runs, "sync_dist")
+    for rank in (0, 1):
+        caught = load_rank(runs / "sync_dist", rank)["warnings"]
+        assert not [w for w in caught if SYNC_WARNING in w], caught
+
+
+def test_a_cut_at_a_container_cuts_before_its_first_unit(runs):
+    assert_like_one_process(runs, "container")
+    plan = load_rank(runs / "container", 0)["plan"]
+    assert [s["modules"] for s in plan["stages"]] == [["a.0", "a.1", "a.2", "a.3"], ["b.0", "b.1", "b.2"]]
+
+
+def test_dualpipev_evaluates_batches_of_fewer_micro_batches_than_stages(runs):
+    # validation batches of 34 and 30 samples: 2 and 3 equal micro-batches for 4 stages
+    assert_like_one_process(runs, "dualpipev")
+    assert [load_rank(runs / "dualpipev", r)["stage_ids"] for r in (0, 1)] == [[0, 3], [1, 2]]
+
+
+def test_the_traced_frontend_trains_one_sample_micro_batches_and_validates_other_sizes(runs):
+    assert_like_one_process(runs, "traced_one_sample")
+    assert load_rank(runs / "traced_one_sample", 0)["plan"]["meta"]["frontend"] == "traced"
