@@ -7,7 +7,7 @@ import pytest
 from lightning_hpp import HPPStrategy, PlanError
 from tests.launch import run_scripts
 from tests.workers import refusals
-from tests.workers.run_errors import PLANTED_ENV
+from tests.workers.run_errors import PLANTED_ENV, PLANTED_HPARAMS
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +99,10 @@ def first_error_jobs(tmp_path_factory):
     outs = [tmp_path_factory.mktemp(f"first_error_{r}") for r in (0, 1)]
     jobs = [("tests.workers.run_errors", {"out": str(outs[r]), "raise_rank": r, "raise_step": 2, "timeout": 300}, PLANTED_ENV)
             for r in (0, 1)]
-    return dict(enumerate(run_scripts(jobs, timeout=280, check=False)))
+    done = dict(enumerate(run_scripts(jobs, timeout=280, check=False)))
+    for r, proc in done.items():
+        proc.out = outs[r]
+    return done
 
 
 @pytest.mark.parametrize("failing", [0, 1], ids=["rank0-hosts-the-store", "rank1-child"])
@@ -119,6 +122,19 @@ def test_the_first_error_ends_every_rank(first_error_jobs, failing):
     assert re.match(rf"\[rank{peer}\]: lightning_hpp.errors.RankFailedError: rank {failing} failed first: "
                     rf"RuntimeError: boom on rank {failing} at step 2 \(rank {peer} stopped because", last), proc.stderr[-3000:]
     assert elapsed < 240, f"the job took {elapsed:.0f}s to end"
+
+
+def test_a_run_that_raises_leaks_no_secret(first_error_jobs):
+    # the planted AWS keys (environment) and hyperparameters (token, password, storage options) reach no
+    # logger file and no line of the failing job's output: tracebacks and the first error included
+    secrets = [*PLANTED_ENV.values(), *PLANTED_HPARAMS.values()]
+    for failing, proc in first_error_jobs.items():
+        assert proc.returncode != 0 and "RankFailedError" in proc.stderr
+        files = [p for p in proc.out.rglob("*") if p.is_file()]
+        assert files  # the loggers wrote before the error
+        leaks = [f"{p} holds {s!r}" for p in files for s in secrets if s.encode() in p.read_bytes()]
+        leaks += [f"output holds {s!r}" for s in secrets if s in proc.stdout + proc.stderr]
+        assert not leaks, (failing, leaks)
 
 
 def test_registered_with_lightning_as_hpp():
