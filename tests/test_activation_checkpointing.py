@@ -153,15 +153,19 @@ def test_stage_precision_contexts_are_bitwise_identical_with_checkpointing(preci
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
     microbatches = [(t * (i + 1),) for i, t in enumerate(x.chunk(MICROBATCHES))]  # different amaxes per micro-batch
     plan = StagePlan.split_at(["layers.2"], precision=[precision, "32-true"])
-    results = {}
+    results, calls = {}, {}
     for checkpoint in (False, True):
         model = Wide()
         cut = cut_model(model, plan, (microbatches[0], {}), frontend=frontend)
         stages = _stages(cut, checkpoint)
         HPPPrecision(fp8_backend="emulate").configure_stages(cut.plan, StageView(dict(enumerate(stages))), "32-true",
                                                              torch.device("cpu"), "cpu")
+        counter = _count_unit_calls(stages)
         results[checkpoint] = _train(model, stages, microbatches, lambda y: y.square().sum())
+        calls[checkpoint] = counter[0]
     _assert_identical(results[False], results[True])
+    # the recompute really ran (once more per micro-batch), so the identity above is not that of one forward
+    assert calls == {False: 2 * STEPS * MICROBATCHES, True: 2 * 2 * STEPS * MICROBATCHES}
 
 
 def test_checkpointing_is_off_without_gradients_and_while_torch_infers_metadata():
