@@ -66,10 +66,11 @@ def test_each_mode_trains_close_to_fp32_and_overflow_skips_everywhere(two_rank_r
     for m in modes:
         got = merged_state(tmp_path / m, [0, 1])
         diff = _max_diff(got, ref)
-        # close to fp32 (tolerance stated per mode), but really computed in the lower precision
-        # measured: 2.4e-5, 1.6e-4, 0.11 (fp16 params, and the loss scaler skips the first overflowing
-        # steps as torch's GradScaler does), 2.0e-3, 1.7e-3
-        bound = {"16-mixed": 1e-3, "bf16-mixed": 2e-3, "16-true": 0.25, "bf16-true": 1e-2, "fp8": 1e-2}[m]
+        # no step overflows at the default loss scale here (the overflow run below is the one that does)
+        assert [load_rank(tmp_path / m, r)["skipped_steps"] for r in (0, 1)] == [0, 0], m
+        # close to fp32 (tolerance stated per mode, about 4x what was measured), but really computed in the
+        # lower precision; measured: 2.4e-5, 1.6e-4, 2.5e-4, 2.0e-3, 1.7e-3
+        bound = {"16-mixed": 1e-4, "bf16-mixed": 1e-3, "16-true": 1e-3, "bf16-true": 1e-2, "fp8": 1e-2}[m]
         assert 0 < diff < bound, f"{m}: max |param - fp32| = {diff}"
         meta = load_rank(tmp_path / m, 0)["plan_meta"]
         assert meta["boundary_dtypes"] == ["float32"]

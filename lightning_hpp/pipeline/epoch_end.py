@@ -62,11 +62,14 @@ def _epoch_end(module: nn.Module, user_hook: Callable[[], Any], holds_last: bool
     results = module.trainer._results
     payload = None
     if holds_last:
-        with _hook_sync_over(module, dp_group):
+        with _hook_sync_over(module, dp_group) as logged:
             user_hook()
         fx = module._current_fx_name
+        # what differs on the other ranks: what the hook logged, and the torchmetrics the steps logged (values the
+        # steps replayed as tensors are equal everywhere; callbacks log on every rank: Lightning ends those itself)
         payload = [(key, rm.meta.name, rm.meta.fx, _log_kwargs(rm.meta), _epoch_value(rm))
-                   for key, rm in results.items() if rm.meta.on_epoch and not rm.has_reset]
+                   for key, rm in results.items() if rm.meta.on_epoch and not rm.has_reset
+                   and (not rm.is_tensor or (rm.meta.name in logged and _same_hook(rm.meta.fx, fx)))]
         payload = [(key, *rest) for key, *rest in payload if rest[-1] is not None]
         payload = (fx, payload)
     box = [payload]
@@ -77,10 +80,14 @@ def _epoch_end(module: nn.Module, user_hook: Callable[[], Any], holds_last: bool
     for key, name, key_fx, kwargs, value in entries:
         value = torch.as_tensor(value)
         if key not in results or results[key].has_reset:  # not logged on this rank this epoch
-            if key_fx != fx and not key_fx.startswith(fx + "."):
+            if not _same_hook(key_fx, fx):
                 continue  # a step's value this rank never logged (the step's last calls differ): nothing to end
             module.log(name, value, **kwargs)
         results[key]._computed = value
+
+
+def _same_hook(key_fx: str, fx: str) -> bool:
+    return key_fx == fx or key_fx.startswith(fx + ".")  # "<hook>.<dataloader_idx>"
 
 
 def _epoch_value(rm: Any) -> Any:
@@ -96,21 +103,25 @@ def _log_kwargs(meta: Any) -> dict[str, Any]:
 
 
 class _hook_sync_over:
-    """``self.log(..., sync_dist=True)`` inside a last-stage epoch-end hook: reduced over ``dp_group``."""
+    """``self.log(..., sync_dist=True)`` inside a last-stage epoch-end hook: reduced over ``dp_group``; the
+    names the hook logs are collected."""
 
     def __init__(self, module: nn.Module, dp_group: Any) -> None:
         self.module, self.dp_group = module, dp_group
+        self.logged: set[str] = set()
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> set[str]:
         log = type(self.module).log.__get__(self.module)
-        group = self.dp_group
+        group, logged = self.dp_group, self.logged
 
         def hook_log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
                 kwargs["sync_dist_group"] = group
+            logged.add(name)
             log(name, value, *args, **kwargs)
 
         object.__setattr__(self.module, "log", hook_log)
+        return logged
 
     def __exit__(self, *exc: Any) -> None:
         object.__delattr__(self.module, "log")
