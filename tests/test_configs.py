@@ -119,7 +119,7 @@ def check_strategy_hpp(tmp_path):
     assert isinstance(run.strategy, HPPStrategy)
     assert run.strategy.schedule == "gpipe" and run.strategy.n_microbatches == 8
     precision = _stage_precision(run.strategy)
-    assert precision.clip == "per-stage" and precision.fp8_backend is None
+    assert precision.clip == "global" and precision.fp8_backend is None
     assert run.strategy.spec.plan is run.plan and run.plan.num_stages == 2
 
 

@@ -9,6 +9,7 @@ schema check; the stamp is written here in a committed transaction first.
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -62,8 +63,14 @@ def open_storage(url: str, **kwargs: Any) -> Any:
     from alembic.migration import MigrationContext
 
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    if str(url).startswith("sqlite"):  # wait for another connection's write (a driver, a trial) instead of failing after 5 s
+        engine_kwargs = kwargs.setdefault("engine_kwargs", {})
+        engine_kwargs.setdefault("connect_args", {}).setdefault("timeout", 60)
     storage = optuna.storages.RDBStorage(url, skip_compatibility_check=True, **kwargs)
     versions = storage._version_manager
+    # optuna's own stamp ran on a connection it never closed (SQLAlchemy 2 does not commit it): until that object is
+    # collected, its transaction holds SQLite's write lock, and the stamp below waits for it
+    gc.collect()
     with storage.engine.begin() as connection:
         context = MigrationContext.configure(connection)
         if context.get_current_revision() is None:
