@@ -141,7 +141,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         cut = cut_model(module, resolved.plan, example, frontend=spec.frontend, modes=("train", "eval"))
     plan = cut.plan
     pp = resolved.pp(plan)
-    if plan.num_stages > world * (2 if resolved.kind.multi else 1) or pp > world:
+    if plan.num_stages > world * resolved.kind.stages_per_rank or pp > world:
         raise PlanError(
             f"The plan has {plan.num_stages} stages (pp_degree={pp}) but the job has {world} processes. "
             f"Use at least {pp} processes (`Trainer(devices=..., num_nodes=...)`), or a plan with fewer stages."
@@ -211,7 +211,7 @@ def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, bat
     if spec.plan is None:
         plan = spec.decorated_plan(module)
         if plan is None:
-            n = (spec.pp_degree or inputs.world_size) * (2 if spec.kind.multi else 1)
+            n = (spec.pp_degree or inputs.world_size) * spec.kind.stages_per_rank
             if n == 1:  # one process, or pp_degree=1: the whole model is one stage, data parallel over the ranks
                 plan = StagePlan([StageSpec(modules=[name for name, _ in find_units(module)])])
             else:

@@ -97,7 +97,7 @@ class PipelineSpec:
             plan = self.decorated_plan(module)
         if plan is None:
             return world_size
-        return plan.num_stages // 2 if self.kind.multi else plan.num_stages
+        return plan.num_stages // self.kind.stages_per_rank
 
 
 @dataclass(frozen=True)
@@ -129,4 +129,4 @@ class ResolvedPlan:
         """The pipeline degree for the cut ``plan``."""
         if self.pp_degree is not None:
             return self.pp_degree
-        return plan.num_stages // 2 if self.kind.multi else plan.num_stages
+        return plan.num_stages // self.kind.stages_per_rank

@@ -42,6 +42,11 @@ class ScheduleKind:
     multi: bool  # several stages per rank
     style: str  # "loop" or "v" placement
 
+    @property
+    def stages_per_rank(self) -> int:
+        """The stages a pipeline position holds by default: two for the several-stages-per-rank schedules."""
+        return 2 if self.multi else 1
+
 
 def _kind(torch_name: str) -> ScheduleKind:
     cls = S.get_schedule_class(torch_name)
