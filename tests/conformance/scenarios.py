@@ -184,12 +184,23 @@ def max_steps(ctx):
     return snapshot(trainer, model)
 
 
+class Pace(Callback):
+    """Every training step takes at least ``seconds``: a run's length in steps then does not depend on how fast
+    the machine is (200 steps of 30 ms outlast a ``max_time`` of 2 s on any machine)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, *args, **kwargs) -> None:
+        time.sleep(self.seconds)
+
+
 @scenario()
 def max_time(ctx):
-    """``max_time`` of 2 s (and at most 200 steps): every rank stops at the same step, the steps before equal the
-    reference's (which runs the 200 steps)."""
+    """``max_time`` of 2 s (and at most 200 steps of at least 30 ms each): every rank stops at the same step, the
+    steps before equal the reference's (which runs the 200 steps)."""
     model = seeded(Net)
-    stop = {} if not ctx.hpp else {"max_time": {"seconds": 2}}
+    stop = {} if not ctx.hpp else {"max_time": {"seconds": 2}, "callbacks": [Pace(0.03)]}
     start = time.monotonic()
     trainer = fit_once(ctx, model, val=False, max_steps=200, max_epochs=-1, **stop)
     return snapshot(trainer, model, wall=time.monotonic() - start)
