@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.seed import isolate_rng
@@ -46,6 +47,7 @@ from lightning_hpp.pipeline.stage import StageModule
 from lightning_hpp.pipeline.steps import capture_input, count_forward_calls, second_call_error
 from lightning_hpp.planning.partition import MODELLED_SCHEDULES
 from lightning_hpp.planning.plan import StagePlan, StageSpec
+from lightning_hpp.precision.modes import MODES
 from lightning_hpp.precision.plugin import HPPPrecision, StageView
 
 
@@ -137,6 +139,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         home = next((p.device for p in module.parameters()), device)
         batch = None if inputs.batch is None else move_data_to_device(inputs.batch, home)
         resolved, example = resolve_plan(module, spec, inputs, batch, rank_kinds)
+        example = _in_stage_dtype(module, resolved.plan, example, inputs)
         # both modes whatever the entry point: a pipeline built by `validate()` is the one a later `fit()` trains
         cut = cut_model(module, resolved.plan, example, frontend=spec.frontend, modes=("train", "eval"))
     plan = cut.plan
@@ -156,7 +159,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     cut.keep_only(module, stage_ids)
     bodies = [b for mode in ("train", "eval") for k in stage_ids for b in cut.bodies[mode][k]]
     if has_meta_parameters(module):
-        _materialize(module, bodies, inputs)
+        _materialize(module, inputs)
     shared = shared_gradient_groups(cut.shared, dict(module.named_parameters()), positions, mesh)
     traced = cut.frontend == "traced"
     recompute = [spec.activation_checkpointing if s.activation_checkpointing is None else s.activation_checkpointing
@@ -168,7 +171,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         stages["eval"] = stages["train"]
     module.to(device)
     for body in bodies:
-        if hasattr(body, "place"):  # traced stages: ops that create tensors do so on this rank's device
+        if hasattr(body, "place"):  # traced stages: their own constants, and the ops that create tensors, on this device
             body.place(device)
     runner = PipelineRunner(module, stages["train"], plan.num_stages, mesh, resolved.schedule, resolved.n_microbatches,
                             device, eval_stage_modules=stages["eval"], flatten=cut.flatten, unflatten=cut.unflatten)
@@ -275,10 +278,24 @@ def _auto_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch
                         pp_degree=chosen.pp_degree)
 
 
-def _materialize(module: nn.Module, bodies: list[nn.Module], inputs: SetupInputs) -> None:
+def _in_stage_dtype(module: nn.Module, plan: StagePlan, example: tuple[tuple, dict] | None,
+                    inputs: SetupInputs) -> tuple[tuple, dict] | None:
+    """Where every stage keeps its parameters in one dtype other than fp32 (``bf16-true``, ``16-true``), cast the
+    model and the example's floating inputs to it before the cut, as the stages will be: a trace burns in the
+    dtype decisions of ``forward`` (a ``.to(x.dtype)`` it saw as a no-op in fp32), so it must see the model as it runs."""
+    dtypes = {MODES[p].param_dtype for p in inputs.precision.stage_precisions(plan, inputs.trainer_precision)}
+    if len(dtypes) != 1 or (dtype := dtypes.pop()) == torch.float32:
+        return example
+    module.to(dtype)
+    if example is None:
+        return None
+    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, example)
+
+
+def _materialize(module: nn.Module, inputs: SetupInputs) -> None:
     """This rank's stages out of the meta device: their own initializers, or their tensors read from disk."""
     init = inputs.init
     seed = init.seed if init.seed is not None else inputs.default_seed
-    n = materialize_stages(module, bodies, inputs.device, seed=seed, weights=init.weights, rename=init.rename)
+    n = materialize_stages(module, inputs.device, seed=seed, weights=init.weights, rename=init.rename)
     rank_zero_info(f"HPPStrategy: rank {inputs.rank} materialized its {n} parameters "
                    f"({'read from ' + init.weights if init.weights else 'their modules initializers'}).")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import zlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.init import _EmptyInit
@@ -48,30 +49,34 @@ def init_on_meta() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fake_parameters(module: nn.Module, device: torch.device) -> Iterator[None]:
+def fake_parameters(module: nn.Module, device: torch.device) -> Iterator[Any]:
     """Let a model built by :func:`init_on_meta` be run and traced as if it lived on ``device``:
     meanwhile its meta parameters are stood in for by fake tensors on ``device`` (torch's
     ``FakeTensorMode``: shapes, dtypes and devices, no storage), so nothing is allocated, and the
     constants the model creates in ``forward`` get real values on ``device``, as in a trace of the
-    real model. The meta parameters are put back afterwards (ties kept: one stand-in per parameter)."""
+    real model. The real buffers elsewhere than ``device`` (built on the CPU) are stood in for on ``device``
+    too, so parameters, buffers and the batch meet on one device. Everything is put back afterwards (ties
+    kept: one stand-in per tensor). Yields the ``FakeTensorMode`` of the stand-ins."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     saved, stand_ins = [], {}
     for mod in module.modules():
-        for key, p in list(mod._parameters.items()):
-            if p is not None and p.is_meta:
-                if id(p) not in stand_ins:
+        for registry in (mod._parameters, mod._buffers):
+            for key, t in list(registry.items()):
+                if t is None or not (t.is_meta if registry is mod._parameters else t.device != device):
+                    continue
+                if id(t) not in stand_ins:
                     with mode:
-                        fake = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=device)
-                    stand_ins[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
-                saved.append((mod, key, p))
-                mod._parameters[key] = stand_ins[id(p)]
+                        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                    stand_ins[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+                saved.append((registry, key, t))
+                registry[key] = stand_ins[id(t)]
     try:
-        yield
+        yield mode
     finally:
-        for mod, key, p in saved:
-            mod._parameters[key] = p
+        for registry, key, t in saved:
+            registry[key] = t
 
 
 def is_fake(t: torch.Tensor) -> bool:
@@ -143,15 +148,12 @@ def _pretrained_owner(root: nn.Module, name: str) -> nn.Module | None:
     return owner
 
 
-def materialize_stages(module: nn.Module, bodies: list[nn.Module], device: torch.device, *, seed: int,
+def materialize_stages(module: nn.Module, device: torch.device, *, seed: int,
                        weights: str | None = None, rename: str | None = None) -> int:
     """Materialize what is left of ``module`` after the cut (this rank's stages), initialised by
-    :func:`materialize` or, with ``weights``, read from disk; point traced stage ``bodies`` at the new
-    tensors. Returns how many parameters were materialized."""
+    :func:`materialize` or, with ``weights``, read from disk (traced stages read the new tensors through
+    their linked registries). Returns how many parameters were materialized."""
     names = materialize(module, device, seed=seed, initialize=weights is None)
     if weights is not None:
         load_stage_weights(module, weights, names=names, rename=rename)
-    for body in bodies:
-        if hasattr(body, "repoint"):
-            body.repoint(module)
     return len(names)

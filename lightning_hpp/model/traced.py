@@ -20,9 +20,9 @@ every schedule)::
     s0 -> cos, sin, mask -> s1, s2
 
 Tied parameters (an embedding and its LM head) are one ``Parameter`` in the user's model; the tracer
-replicates it into each stage that uses it. Every stage module is pointed back at the user's
-``Parameter`` and buffer objects, so the optimizer, checkpoints and the user's own code see one
-tensor per name, and :func:`shared_parameters` reports which parameters several stages use (their
+replicates it into each stage that uses it. Every stage module's registries are linked to the user's
+parameter and buffer slots (:class:`LinkedRegistry`), so the optimizer, checkpoints and the user's own
+code see one tensor per name, whatever moves or casts either module afterwards, and :func:`shared_parameters` reports which parameters several stages use (their
 gradients are summed across those stages each step).
 """
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import operator
 import traceback
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,6 @@ from torch.distributed.pipelining._IR import (
     MultiUseParameterConfig,
     Pipe,
     SplitPoint,
-    _modify_graph_op_device,
     annotate_split_points,
 )
 from torch.export import Dim
@@ -82,23 +82,13 @@ class TracedStage(nn.Module):
                     else _pass_through(env[n]) if n in passed else env[n] for n in self.outputs)
         return out[0] if len(out) == 1 else out
 
-
     def place(self, device: torch.device) -> None:
-        """Make the ops that create tensors (``torch.arange``, ``torch.ones``, ...) create them on ``device``:
-        the trace burnt in the device it ran on (the meta device, for a model built there)."""
-        _modify_graph_op_device(self.graph, device)
-
-    def repoint(self, module: nn.Module) -> None:
-        """Use ``module``'s current parameter and buffer objects (after they were materialized)."""
-        params = dict(module.named_parameters(remove_duplicate=False))
-        buffers = dict(module.named_buffers(remove_duplicate=False))
-        for registry_name, source in (("_parameters", params), ("_buffers", buffers)):
-            for owner_name, owner in self.graph.named_modules(remove_duplicate=False):
-                registry = getattr(owner, registry_name)
-                for key in list(registry):
-                    full = f"{owner_name}.{key}" if owner_name else key
-                    if full in source:
-                        registry[key] = source[full]
+        """Put the stage on ``device``: its own tensors (constants the tracer lifted out of ``forward``; the
+        user's parameters and buffers it links to move with them), and the ops that create tensors
+        (``torch.arange``, ``torch.ones``, the device checks the trace wrote) create them there: the trace
+        burnt in the device it ran on (the CPU, or the meta device for a model built there)."""
+        self.to(device)
+        _retarget_devices(self.graph, device)
 
 
 def _encode_int(value: int, device: torch.device | None) -> torch.Tensor:
@@ -215,12 +205,59 @@ def trace(module: nn.Module, args: tuple, kwargs: dict, points: list[str], *, tr
         )
     for stage_module in pipe.split_gm.children():
         _unshadow_self(stage_module)
+        _drop_metadata_checks(stage_module)
     traced = _chain(pipe)
     traced.in_spec, traced.out_spec = ep.call_spec.in_spec, ep.call_spec.out_spec
     flat = pytree.tree_leaves((tuple(args), dict(kwargs)))
     traced.constants = {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
     _point_at_user_tensors(module, traced)
     return traced
+
+
+def _retarget_devices(root: nn.Module, device: torch.device) -> None:
+    """Every device an op of ``root``'s graphs names, as a keyword (``torch.arange(..., device=)``) or a positional
+    argument (``aten.to.device(mask, cpu, bool)``: a ``.to(x.device)`` the trace burnt in), becomes ``device``."""
+
+    def swap(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value != device else value
+
+    for mod in root.modules():
+        graph = getattr(mod, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        changed = False
+        for node in graph.nodes:
+            if node.op != "call_function":
+                continue
+            args, kwargs = pytree.tree_map(swap, node.args), pytree.tree_map(swap, dict(node.kwargs))
+            if args != node.args or kwargs != dict(node.kwargs):
+                node.args, node.kwargs, changed = args, kwargs, True
+        if changed:
+            _regenerate(mod)
+
+
+def _drop_metadata_checks(root: nn.Module) -> None:
+    """Remove the checks ``torch.export`` writes before a ``.to(...)`` (``_assert_tensor_metadata``: the dtype and
+    device the input had while tracing): a stage is moved to its device and cast to its precision afterwards, as
+    the user's module would be, and its tensors then rightly differ from the trace's (a bf16 Llama's RoPE
+    ``inv_freq`` before its ``.float()``)."""
+    check = torch.ops.aten._assert_tensor_metadata.default
+    for mod in root.modules():
+        graph = getattr(mod, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        found = [n for n in graph.nodes if n.op == "call_function" and n.target is check and not n.users]
+        for node in found:
+            graph.erase_node(node)
+        if found:
+            _regenerate(mod)
+
+
+def _regenerate(mod: nn.Module) -> None:
+    if isinstance(mod, torch.fx.GraphModule):
+        mod.recompile()
+    elif hasattr(mod, "finalize"):  # torch.export's unflattened InterpreterModule
+        mod.finalize()
 
 
 def _unshadow_self(root: nn.Module) -> None:
@@ -233,10 +270,7 @@ def _unshadow_self(root: nn.Module) -> None:
         for node in graph.nodes:
             if node.name == "self":
                 node._rename("self_value")
-        if isinstance(mod, torch.fx.GraphModule):
-            mod.recompile()
-        elif hasattr(mod, "finalize"):  # torch.export's unflattened InterpreterModule
-            mod.finalize()
+        _regenerate(mod)
 
 
 def _batch_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -311,31 +345,74 @@ def _output_values(graph_module: nn.Module) -> list[Any]:
 
 
 def _point_at_user_tensors(module: nn.Module, traced: TracedModel) -> None:
-    """Make every stage use the user's own Parameter and buffer objects (the tracer replicates tied
-    parameters), and record which user parameters each stage uses."""
+    """Make every stage use the user's own parameter and buffer *slots* (the tracer replicates tied
+    parameters and keeps its own registries), and record which user parameters each stage uses.
+
+    Each registry entry of a stage's graph that the user's model also has becomes a link to the user's
+    entry (:class:`LinkedRegistry`): a move or cast of either module (``Module.to`` replaces buffers with new
+    tensors, a meta model's materialization replaces parameters) is seen by both, so the stage always reads
+    the tensors the user's model, its ``state_dict`` and the optimizer hold."""
     params = dict(module.named_parameters(remove_duplicate=False))
     canonical = {id(p): n for n, p in module.named_parameters()}
     buffers = dict(module.named_buffers(remove_duplicate=False))
     for stage in traced.stages:
         used_p, used_b = set(), set()
-        for full, p in list(stage.graph.named_parameters(remove_duplicate=False)):
-            owner, _, leaf = full.rpartition(".")
-            user = params.get(full)
-            if user is None:
-                continue
-            if user is not p:
-                stage.graph.get_submodule(owner)._parameters[leaf] = user
-            used_p.add(canonical[id(user)])
-        for full, b in list(stage.graph.named_buffers(remove_duplicate=False)):
-            owner, _, leaf = full.rpartition(".")
-            user = buffers.get(full)
-            if user is None:
-                continue  # a constant the tracer lifted out of forward
-            if user is not b:
-                stage.graph.get_submodule(owner)._buffers[leaf] = user
-            used_b.add(full)
+        for registry, source, used in (("_parameters", params, used_p), ("_buffers", buffers, used_b)):
+            for owner_name, owner in stage.graph.named_modules(remove_duplicate=False):
+                links = {}
+                for key in getattr(owner, registry):
+                    full = f"{owner_name}.{key}" if owner_name else key
+                    if full not in source:
+                        continue  # a constant the tracer lifted out of forward: the stage's own
+                    user_owner, _, leaf = full.rpartition(".")
+                    links[key] = (getattr(module.get_submodule(user_owner), registry), leaf)
+                    used.add(canonical[id(source[full])] if registry == "_parameters" else full)
+                if links:
+                    owner.__dict__[registry] = LinkedRegistry(getattr(owner, registry), links)
         traced.stage_params.append(used_p)
         traced.stage_buffers.append(used_b)
+
+
+class LinkedRegistry(MutableMapping):
+    """A module's ``_parameters`` or ``_buffers`` whose entries ``links`` names are slots of other
+    registries: ``registry[key]`` reads, and assigning writes, ``target[name]`` of ``links[key] = (target,
+    name)``; the other entries are the module's own. Key order is the original registry's."""
+
+    def __init__(self, own: dict, links: dict[str, tuple[dict, str]]) -> None:
+        self._order = list(own)
+        self._own = {k: v for k, v in own.items() if k not in links}
+        self._links = dict(links)
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self._links:
+            target, name = self._links[key]
+            return target[name]
+        return self._own[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key in self._links:
+            target, name = self._links[key]
+            target[name] = value
+            return
+        if key not in self._own:
+            self._order.append(key)
+        self._own[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if key not in self._links and key not in self._own:
+            raise KeyError(key)
+        self._links.pop(key, None)
+        self._own.pop(key, None)
+        self._order.remove(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._order))
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._links or key in self._own
 
 
 def _describe_export_failure(module: nn.Module, err: BaseException) -> str:

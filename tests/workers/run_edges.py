@@ -52,6 +52,28 @@ class Containers(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class BatchNormNet(L.LightningModule):
+    """BatchNorm in the second stage: its running statistics are updated by every micro-batch's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.b = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x).float(), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 CASES = {
     # sync_dist=True values replayed with the user's flag: Lightning asks for it no more
     "sync_dist": dict(model=SyncDistVal, plan=["layers.4"], schedule="1f1b", n_micro=4, batch=16, steps=4, val_batch=16,
@@ -64,6 +86,9 @@ CASES = {
     # the traced frontend on batches of n_microbatches samples (one-sample micro-batches), validated on batches of 8
     "traced_one_sample": dict(model=MLP, plan=["layers.4"], schedule="1f1b", n_micro=4, batch=4, steps=3, val_batch=8,
                               limit_val_batches=2, frontend="traced"),
+    # a traced bf16-true stage with BatchNorm: the cast replaces the buffers; the module's statistics must still move
+    "traced_bn_bf16": dict(model=BatchNormNet, plan=["b"], schedule="1f1b", n_micro=4, batch=16, steps=3, frontend="traced",
+                           precision=["32-true", "bf16-true"]),
 }
 
 
@@ -71,7 +96,8 @@ def run(case: str, out: str) -> None:
     cfg = CASES[case]
     L.seed_everything(0)
     model = cfg["model"](depth=cfg["depth"]) if "depth" in cfg else cfg["model"]()
-    strategy = HPPStrategy(plan=StagePlan.split_at(cfg["plan"]), schedule=cfg["schedule"], n_microbatches=cfg["n_micro"],
+    stage_fields = {"precision": cfg["precision"]} if "precision" in cfg else {}
+    strategy = HPPStrategy(plan=StagePlan.split_at(cfg["plan"], **stage_fields), schedule=cfg["schedule"], n_microbatches=cfg["n_micro"],
                            frontend=cfg.get("frontend", "auto"), timeout=120)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=cfg["steps"], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -91,6 +117,8 @@ def run(case: str, out: str) -> None:
         "stage_ids": trainer.strategy.stage_ids,
         "plan": trainer.strategy.plan.to_dict(),
         "warnings": [str(w.message) for w in caught],
+        "stage_state": {k: v.detach().clone() for sm in trainer.strategy._pipeline.runner.stage_modules.values()
+                        for k, v in sm.state_dict().items()},
     }, os.path.join(out, case, f"rank{trainer.global_rank}.pt"))
 
 
