@@ -41,7 +41,7 @@ from lightning_hpp.assembly.view import PipelineProperties
 from lightning_hpp.bias.controls import BiasControls
 from lightning_hpp.bias.monitor import BiasMonitor
 from lightning_hpp.bias.samplers import pin_wrapped_generator
-from lightning_hpp.checkpoint.fp8_state import fp8_slots
+from lightning_hpp.precision.fp8_slots import fp8_slots
 from lightning_hpp.checkpoint.session import CheckpointSession
 from lightning_hpp.errors import PlanError
 from lightning_hpp.launch import Launcher, check_backend, check_timeout, init_process_group
@@ -374,10 +374,8 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
 
     def _fp8_slots(self) -> dict[str, Any]:
         """This rank's fp8 scaling state, which checkpoints save and restore as data."""
-        plugin = self.precision_plugin
-        if not isinstance(plugin, HPPPrecision):
-            return {}
-        return fp8_slots(self.lightning_module, plugin.fp8_recipe, plugin.fp8_emulations)
+        p = self.precision_plugin
+        return fp8_slots(self.lightning_module, p.fp8_recipe, p.fp8_emulations) if isinstance(p, HPPPrecision) else {}
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:

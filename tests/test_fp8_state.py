@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_hpp.checkpoint import checkpoint_keys, load_sharded, save_sharded
 from lightning_hpp.checkpoint import fp8_state as fs
+from lightning_hpp.precision import fp8_slots as fslots
 from lightning_hpp.checkpoint import sharded
 from lightning_hpp.checkpoint.lightning_state import load_lightning_checkpoint, to_sharded
 from lightning_hpp.checkpoint.weights import load_stage_weights
@@ -75,7 +76,7 @@ def test_emulated_fp8_resume_restores_every_amax_history_bitwise_and_matches_the
     owners = {"sequential": ["layers.2", "layers.4"], "traced": ["layers.2.weight", "layers.4.weight"]}[frontend]
     assert sorted(saved) == owners  # one amax history per fp8 GEMM, under its layer's (weight's) name
     for name in owners:
-        assert saved[name]["meta"] == {"backend": "emulate", "recipe": fs.recipe_fields(FP8Recipe("delayed"))}
+        assert saved[name]["meta"] == {"backend": "emulate", "recipe": fslots.recipe_fields(FP8Recipe("delayed"))}
         assert saved[name]["amax_history"].shape == (1024, 3)
     got = {}
     for rank in (0, 1):
@@ -223,7 +224,7 @@ def _te_dict(history: int = 4, gemms: int = 1, seed: int = 0) -> dict:
 
 def test_te_extra_state_converts_to_tensors_and_json_and_back():
     te = _te_dict(history=4, gemms=2)
-    data = fs.te_extra_state_to_data(te)
+    data = fslots.te_extra_state_to_data(te)
     assert data["meta"] == {
         "backend": "te", "initialized": True,
         "recipe": {"format": "HYBRID", "scaling": "delayed", "margin": 1, "amax_history_len": 4,
@@ -240,7 +241,7 @@ def test_te_extra_state_converts_to_tensors_and_json_and_back():
     tensors, docs = sharded.flatten_state({"fp8": data})
     assert sorted(tensors) == sorted(f"fp8/{k}" for k in data if k != "meta") and list(docs) == ["fp8/meta/@json"]
 
-    back = fs.te_extra_state_from_data(data, te["recipe"])
+    back = fslots.te_extra_state_from_data(data, te["recipe"])
     assert back["recipe"] is te["recipe"]
     for k in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
         assert torch.equal(back[k], te[k]), k
@@ -249,21 +250,21 @@ def test_te_extra_state_converts_to_tensors_and_json_and_back():
     # TE 1.x: scale_inv saved, no recipe in the dict
     old = {k: v for k, v in te.items() if k != "recipe"}
     old["scale_inv_fwd"], old["scale_inv_bwd"] = torch.full((6,), 0.25), torch.full((4,), 0.5)
-    data1 = fs.te_extra_state_to_data(old, recipe=te["recipe"])
+    data1 = fslots.te_extra_state_to_data(old, recipe=te["recipe"])
     for d in ("fwd", "bwd"):
         assert torch.equal(data1[f"scale_inv_{d}"], old[f"scale_inv_{d}"]), d
     with pytest.raises(CheckpointError, match="without a recipe"):
-        fs.te_extra_state_to_data(old)
+        fslots.te_extra_state_to_data(old)
     # current scaling keeps no tensors
-    current = fs.te_extra_state_to_data({"recipe": Float8CurrentScaling(), "extra_fp8_variables": {}})
+    current = fslots.te_extra_state_to_data({"recipe": Float8CurrentScaling(), "extra_fp8_variables": {}})
     assert current == {"meta": {"backend": "te", "initialized": True, "extra_fp8_variables": {},
                                 "recipe": {"format": "HYBRID", "scaling": "current"}}}
     # refused: another recipe, shapes the recipe does not give
     with pytest.raises(CheckpointError, match="cannot be restored under"):
-        fs.te_extra_state_from_data(data, DelayedScaling(amax_history_len=8))
+        fslots.te_extra_state_from_data(data, DelayedScaling(amax_history_len=8))
     bad = {**data, "amax_history_bwd": torch.zeros(4, 3)}
     with pytest.raises(CorruptCheckpointError, match="amax_history_bwd"):
-        fs.te_extra_state_from_data(bad, te["recipe"])
+        fslots.te_extra_state_from_data(bad, te["recipe"])
 
 
 class _Meta:  # TE 2.x's DelayedScalingRecipeState: `scale` and `amax_history`
@@ -315,13 +316,13 @@ _FakeTELinear.__name__ = "Linear"  # TE's class name, which tells its number of 
 
 def _save_and_resume(tmp_path: Path, name: str, model: nn.Module, recipe) -> tuple[nn.Module, dict]:
     """Save ``model`` (its LightningModule-like parts) as HPPStrategy does, load it into a fresh copy."""
-    slots = fs.fp8_slots(model, recipe)
+    slots = fslots.fp8_slots(model, recipe)
     ckpt = {"state_dict": model.state_dict(), "global_step": 1}
     state = to_sharded(ckpt, model, [], global_rank=0, position=0, replica=0, fp8=slots)
     url = str(tmp_path / name)
     save_sharded(state, url, step=1)
     fresh = nn.Sequential(_FakeTELinear(16))
-    loaded = load_lightning_checkpoint(url, fresh, [], global_rank=0, position=0, fp8=fs.fp8_slots(fresh, recipe))
+    loaded = load_lightning_checkpoint(url, fresh, [], global_rank=0, position=0, fp8=fslots.fp8_slots(fresh, recipe))
     fresh.load_state_dict(loaded["state_dict"])  # what HPPStrategy.load_model_state_dict does
     return fresh, {k: v for k, v in checkpoint_keys(url).items() if k[0] in ("fp8", "model")}
 
@@ -330,7 +331,7 @@ def test_a_module_shaped_like_transformer_engine_saves_one_layout_before_and_aft
         tmp_path, monkeypatch):
     recipe = FP8Recipe("delayed", amax_history_len=4)
     te_recipe = DelayedScaling(amax_history_len=4)
-    monkeypatch.setattr(fs, "_te_recipe", lambda rc: te_recipe)  # the TE recipe object HPPPrecision's context uses
+    monkeypatch.setattr(fslots, "_te_recipe", lambda rc: te_recipe)  # the TE recipe object HPPPrecision's context uses
     torch.manual_seed(0)
     model = nn.Sequential(_FakeTELinear(16))
 
@@ -369,15 +370,15 @@ def test_a_resume_under_another_recipe_warns_and_starts_its_scaling_afresh(tmp_p
     saved(torch.randn(8, 16))
     url = str(tmp_path / "ckpt")
     state = to_sharded({"state_dict": saved.state_dict()}, saved, [], global_rank=0, position=0, replica=0,
-                       fp8=fs.fp8_slots(saved))
+                       fp8=fslots.fp8_slots(saved))
     save_sharded(state, url, step=1)
     for recipe in (FP8Recipe("delayed", amax_history_len=8), "current"):
         other = nn.Sequential(EmulatedFP8Linear(16, 16, recipe=recipe))
         with pytest.warns(UserWarning, match=r"not restored.*'0' \(it was saved with the recipe"):
-            load_lightning_checkpoint(url, other, [], global_rank=0, position=0, fp8=fs.fp8_slots(other))
+            load_lightning_checkpoint(url, other, [], global_rank=0, position=0, fp8=fslots.fp8_slots(other))
         assert (other[0].amax_history == 0).all()
     same = nn.Sequential(EmulatedFP8Linear(16, 16, recipe=FP8Recipe("delayed", amax_history_len=4)))
-    load_lightning_checkpoint(url, same, [], global_rank=0, position=0, fp8=fs.fp8_slots(same))
+    load_lightning_checkpoint(url, same, [], global_rank=0, position=0, fp8=fslots.fp8_slots(same))
     assert torch.equal(same[0].amax_history, saved[0].amax_history)
     assert (same[0].amax_history[0, :2] > 0).all()  # input and weight (no backward ran)
 
@@ -407,14 +408,14 @@ def test_transformer_engine_delayed_scaling_state_resumes_exactly(tmp_path):
     xs = [torch.randn(32, 64, device="cuda") * (i + 1) for i in range(4)]
     for x in xs[:3]:
         step(model, x)
-    slots = fs.fp8_slots(model, recipe)
+    slots = fslots.fp8_slots(model, recipe)
     assert sorted(slots) == ["0", "2"]
     state = to_sharded({"state_dict": model.state_dict()}, model, [], global_rank=0, position=0, replica=0, fp8=slots)
     assert not any(k.endswith("_extra_state") for k in state["model"])
     url = str(tmp_path / "ckpt")
     save_sharded(state, url, step=3)
     loaded = load_lightning_checkpoint(url, fresh_model, [], global_rank=0, position=0,
-                                       fp8=fs.fp8_slots(fresh_model, recipe))
+                                       fp8=fslots.fp8_slots(fresh_model, recipe))
     fresh_model.load_state_dict(loaded["state_dict"])
     for name in ("0", "2"):
         live, got = model.get_submodule(name).fp8_meta, fresh_model.get_submodule(name).fp8_meta

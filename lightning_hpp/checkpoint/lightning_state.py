@@ -166,7 +166,7 @@ def to_sharded(
     fp8: Mapping[str, FP8Slot] | None = None,
 ) -> dict[str, Any]:
     """This rank's part of the sharded state, from Lightning's checkpoint dict; ``fp8``: this rank's
-    fp8 scaling state (:func:`~lightning_hpp.checkpoint.fp8_state.fp8_slots`)."""
+    fp8 scaling state (:func:`~lightning_hpp.precision.fp8_slots.fp8_slots`)."""
     names = param_names(module)
     state: dict[str, Any] = {"rank": {str(global_rank): rng_state()}}
     if fp8:
@@ -309,7 +309,7 @@ def save_lightning_checkpoint(
         step_dir: The directory of the strategy's own ``step-<N>`` checkpoints; retention
             (``keep_last``) applies only to checkpoints written there.
         protect: Checkpoints retention must keep (the one the run resumed from).
-        fp8: This rank's fp8 scaling state (:func:`~lightning_hpp.checkpoint.fp8_state.fp8_slots`).
+        fp8: This rank's fp8 scaling state (:func:`~lightning_hpp.precision.fp8_slots.fp8_slots`).
     """
     state = to_sharded(checkpoint, module, optimizers, global_rank=global_rank, position=position, replica=replica,
                        fp8=fp8)

@@ -119,7 +119,7 @@ class CheckpointSession:
              global_rank: int, position: int, replica: int, extra: dict[str, Any], storage_options: Any = None,
              fp8: Mapping[str, FP8Slot] | None = None) -> None:
         """Write one sharded checkpoint directory at ``filepath`` (collective: every rank calls it); ``fp8``:
-        this rank's fp8 scaling state (:func:`~lightning_hpp.checkpoint.fp8_state.fp8_slots`)."""
+        this rank's fp8 scaling state (:func:`~lightning_hpp.precision.fp8_slots.fp8_slots`)."""
         if storage_options is not None:
             raise CheckpointError(f"`storage_options={storage_options!r}` is not used by HPPStrategy: S3 settings come from the "
                                   f"environment (AWS_* variables). Remove it from the `save_checkpoint` call.")

@@ -48,7 +48,8 @@ class FP8States(L.Callback):
         self.at: dict[str, dict] = {}
 
     def _take(self, trainer, pl_module, when: str) -> None:
-        from lightning_hpp.checkpoint.fp8_state import fp8_slots, fp8_state
+        from lightning_hpp.checkpoint.fp8_state import fp8_state
+        from lightning_hpp.precision.fp8_slots import fp8_slots
 
         plugin = trainer.precision_plugin
         state = fp8_state(fp8_slots(pl_module, plugin.fp8_recipe, plugin.fp8_emulations))
