@@ -41,6 +41,7 @@ from lightning_hpp.assembly.view import PipelineProperties
 from lightning_hpp.bias.controls import BiasControls
 from lightning_hpp.bias.monitor import BiasMonitor
 from lightning_hpp.bias.samplers import pin_wrapped_generator
+from lightning_hpp.precision.fp8_slots import fp8_slots
 from lightning_hpp.checkpoint.session import CheckpointSession
 from lightning_hpp.errors import PlanError
 from lightning_hpp.launch import Launcher, check_backend, check_timeout, init_process_group
@@ -352,7 +353,8 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
                                        hyper_parameters=checkpoint.get("hyper_parameters"),
                                        fingerprint=self._controls.checkpoint_metadata())
         self._session.save(checkpoint, filepath, self.lightning_module, self.optimizers, global_rank=self.global_rank,
-                           position=p.mesh.position, replica=p.mesh.replica, extra=extra, storage_options=storage_options)
+                           position=p.mesh.position, replica=p.mesh.replica, extra=extra, storage_options=storage_options,
+                           fp8=self._fp8_slots())
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -365,8 +367,15 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         return self._session.load(checkpoint_path, self._load_sharded, fitting=fitting)
 
     def _load_sharded(self, url: str) -> dict[str, Any]:
-        position = self._pipeline.mesh.position if self._pipeline else 0
-        return self._session.load_shards(url, self.lightning_module, self.optimizers, global_rank=self.global_rank, position=position)
+        mesh = self._pipeline.mesh if self._pipeline else None
+        return self._session.load_shards(url, self.lightning_module, self.optimizers, global_rank=self.global_rank,
+                                         position=mesh.position if mesh else 0, replica=mesh.replica if mesh else 0,
+                                         fp8=self._fp8_slots())
+
+    def _fp8_slots(self) -> dict[str, Any]:
+        """This rank's fp8 scaling state, which checkpoints save and restore as data."""
+        p = self.precision_plugin
+        return fp8_slots(self.lightning_module, p.fp8_recipe, p.fp8_emulations) if isinstance(p, HPPPrecision) else {}
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:

@@ -9,6 +9,7 @@ everything by name or owner, so it loads under any other layout::
     position_pp<r>     param groups (params as names), LR schedulers (replica 0 of position r)
     rank/<g>           RNG states of global rank g (torch, numpy, python)
     trainer            loops, callbacks, precision state, ...       (global rank 0)
+    fp8/dp<r>          fp8 scaling state per layer or weight         (every rank of replica r)
     epoch, global_step, hyper_parameters, pytorch-lightning_version (global rank 0)
 
 A tensor registered under several names (tied weights: GPT-2's ``transformer.wte.weight`` is
@@ -20,6 +21,13 @@ Loading rebuilds a Lightning checkpoint dict for the current rank: its own param
 optimizers' states re-keyed to the current parameter indices, and hyper-parameters of the saved
 param group that shares most parameters with each current group (exact when the layout is the
 same, the best match when it changed).
+
+fp8 scaling state (amax histories, scales) is saved and restored as tensors and JSON by
+:mod:`~lightning_hpp.checkpoint.fp8_state`; Transformer Engine's pickled ``_extra_state`` entries
+are left out of ``model`` (and given to ``load_state_dict`` as ``None``, which TE ignores). Any
+``_extra_state`` entry the module would load is taken as saved, whatever its shape, and refused if
+it holds a pickle (:func:`~lightning_hpp.checkpoint.sharded.holds_pickle`): a module's
+``set_extra_state`` may unpickle it, as Transformer Engine's does.
 
 The name mapping is hand-written rather than torch.distributed.checkpoint.state_dict's
 ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (torch 2.13, ``StateDictOptions(strict=False)``):
@@ -35,12 +43,28 @@ saved param group through unsplit.
 from __future__ import annotations
 
 import random
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from lightning_hpp.checkpoint.sharded import checkpoint_keys, load_sharded, save_sharded
+from lightning_hpp.checkpoint.fp8_state import (
+    STATE_KEY,
+    FP8Slot,
+    fp8_state,
+    fp8_template,
+    restore_fp8_state,
+    te_extra_state_keys,
+)
+from lightning_hpp.checkpoint.sharded import (
+    checkpoint_keys,
+    holds_pickle,
+    is_extra_state,
+    load_sharded,
+    pickle_refused,
+    save_sharded,
+)
 from lightning_hpp.checkpoint.store import Retention
 
 _SPLIT = ("state_dict", "optimizer_states", "lr_schedulers")
@@ -139,16 +163,24 @@ def to_sharded(
     global_rank: int,
     position: int,
     replica: int,
+    fp8: Mapping[str, FP8Slot] | None = None,
 ) -> dict[str, Any]:
-    """This rank's part of the sharded state, from Lightning's checkpoint dict."""
+    """This rank's part of the sharded state, from Lightning's checkpoint dict; ``fp8``: this rank's
+    fp8 scaling state (:func:`~lightning_hpp.precision.fp8_slots.fp8_slots`)."""
     names = param_names(module)
     state: dict[str, Any] = {"rank": {str(global_rank): rng_state()}}
+    if fp8:
+        saved = fp8_state(fp8)
+        if saved:
+            state[STATE_KEY] = {f"dp{replica}": saved}
     if replica == 0:
         model = dict(checkpoint["state_dict"])
         for names_of in tensor_aliases(module).values():  # a tied tensor once, under its first name
             if names_of[0] in model:
                 for alias in names_of[1:]:
                     model.pop(alias, None)
+        for key in te_extra_state_keys(fp8 or {}):  # TE's pickle: its content is under fp8/ instead
+            model.pop(key, None)
         state["model"] = model
         optim, groups = {}, {}
         for i, opt in enumerate(optimizers):
@@ -164,13 +196,22 @@ def to_sharded(
     return state
 
 
-def load_template(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], saved_keys: set[tuple]) -> dict[str, Any]:
-    """What this rank asks a checkpoint for: its own parameters and whatever else exists."""
+def load_template(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], saved_keys: Collection[tuple],
+                  fp8_extra_states: Collection[str] = ()) -> dict[str, Any]:
+    """What this rank asks a checkpoint for: its own parameters and whatever else exists.
+
+    ``_extra_state`` entries are asked for whole (any shape), when saved; those in ``fp8_extra_states``
+    (Transformer Engine's, whose content is under ``fp8/``) are not asked for otherwise."""
     names = param_names(module)
     aliases = tensor_aliases(module)
     tops = {k[0] for k in saved_keys}
     model = dict(module.state_dict())
     saved_model = {k[1] for k in saved_keys if len(k) > 1 and k[0] == "model"}
+    for key in [k for k in model if is_extra_state(k)]:
+        if key in saved_model:
+            model[key] = None  # whatever was saved: checked for pickles by from_sharded
+        elif key in fp8_extra_states:
+            del model[key]
     for first, names_of in aliases.items():  # a tied tensor: asked for once, under the name it was saved as
         if first not in model:
             continue
@@ -208,8 +249,16 @@ def from_sharded(
     *,
     global_rank: int,
     position: int,
+    fp8_extra_states: Collection[str] = (),
+    url: str = "<checkpoint>",
 ) -> dict[str, Any]:
-    """A Lightning checkpoint dict for this rank, from what :func:`load_template` loaded."""
+    """A Lightning checkpoint dict for this rank, from what :func:`load_template` loaded (from ``url``).
+
+    The entries of ``fp8_extra_states`` become ``None``, which Transformer Engine's ``set_extra_state`` ignores.
+
+    Raises:
+        CheckpointError: an ``_extra_state`` entry holds a pickle.
+    """
     names = param_names(module)
     first = _first_name(module)
     positions = {k[len("position_"):]: v for k, v in loaded.items() if k.startswith("position_") and v}
@@ -223,6 +272,11 @@ def from_sharded(
         if k in loaded:
             checkpoint[k] = loaded[k]
     model = dict(loaded["model"])
+    for key, value in model.items():
+        if is_extra_state(key) and holds_pickle(value):
+            raise pickle_refused(f"model/{key}", url)
+    for key in fp8_extra_states:
+        model[key] = None
     current = module.state_dict(keep_vars=True)
     for names_of in tensor_aliases(module).values():  # a tied tensor under every name this rank has for it
         value = next((model[n] for n in names_of if n in model), None)
@@ -246,7 +300,7 @@ def from_sharded(
 def save_lightning_checkpoint(
     checkpoint: dict[str, Any], url: str, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], *,
     global_rank: int, position: int, replica: int, extra: dict[str, Any], step_dir: str | None, keep_last: int | None,
-    async_save: bool, on_error: str, protect: list[str],
+    async_save: bool, on_error: str, protect: list[str], fp8: Mapping[str, FP8Slot] | None = None,
 ) -> None:
     """Write this rank's part of Lightning's ``checkpoint`` as one sharded checkpoint at ``url`` (collective).
 
@@ -255,8 +309,10 @@ def save_lightning_checkpoint(
         step_dir: The directory of the strategy's own ``step-<N>`` checkpoints; retention
             (``keep_last``) applies only to checkpoints written there.
         protect: Checkpoints retention must keep (the one the run resumed from).
+        fp8: This rank's fp8 scaling state (:func:`~lightning_hpp.precision.fp8_slots.fp8_slots`).
     """
-    state = to_sharded(checkpoint, module, optimizers, global_rank=global_rank, position=position, replica=replica)
+    state = to_sharded(checkpoint, module, optimizers, global_rank=global_rank, position=position, replica=replica,
+                       fp8=fp8)
     in_dir = step_dir is not None and url.rstrip("/").rsplit("/", 1)[0] == step_dir.rstrip("/")
     retention = Retention(keep_last=keep_last) if keep_last is not None and in_dir else None
     save_sharded(state, url, step=int(checkpoint.get("global_step", 0)), extra_metadata=extra, async_save=async_save,
@@ -264,8 +320,22 @@ def save_lightning_checkpoint(
 
 
 def load_lightning_checkpoint(url: str, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], *,
-                              global_rank: int, position: int) -> dict[str, Any]:
+                              global_rank: int, position: int, replica: int = 0,
+                              fp8: Mapping[str, FP8Slot] | None = None) -> dict[str, Any]:
     """This rank's part of the sharded checkpoint at ``url``, as Lightning's checkpoint dict (collective);
-    whatever plan, frontend, pp or dp degree wrote it."""
-    template = load_template(module, optimizers, set(checkpoint_keys(url)))
-    return from_sharded(load_sharded(url, template), module, optimizers, global_rank=global_rank, position=position)
+    whatever plan, frontend, pp or dp degree wrote it.
+
+    The fp8 scaling state of ``fp8`` (this rank's slots, data-parallel ``replica``) is put back into
+    the live layers here, as the parameters are filled in place."""
+    slots = fp8 or {}
+    saved = checkpoint_keys(url)
+    extra_states = te_extra_state_keys(slots)
+    template = load_template(module, optimizers, set(saved), extra_states)
+    wanted = fp8_template(slots, saved, replica)
+    if wanted:
+        template[STATE_KEY] = wanted
+    loaded = load_sharded(url, template)
+    checkpoint = from_sharded(loaded, module, optimizers, global_rank=global_rank, position=position,
+                              fp8_extra_states=extra_states, url=url)
+    restore_fp8_state(slots, loaded.get(STATE_KEY), repr(url))
+    return checkpoint

@@ -10,7 +10,7 @@ beyond what a hook hands in.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_hpp.checkpoint import resume as _resume
+from lightning_hpp.checkpoint.fp8_state import FP8Slot
 from lightning_hpp.checkpoint.lightning_state import load_lightning_checkpoint, save_lightning_checkpoint, set_rng_state
 from lightning_hpp.checkpoint.sharded import wait_for_pending_save
 from lightning_hpp.checkpoint.store import delete_checkpoint
@@ -115,8 +116,10 @@ class CheckpointSession:
                 "fingerprint": fingerprint}
 
     def save(self, checkpoint: dict[str, Any], filepath: Any, module: torch.nn.Module, optimizers: list[Any], *,
-             global_rank: int, position: int, replica: int, extra: dict[str, Any], storage_options: Any = None) -> None:
-        """Write one sharded checkpoint directory at ``filepath`` (collective: every rank calls it)."""
+             global_rank: int, position: int, replica: int, extra: dict[str, Any], storage_options: Any = None,
+             fp8: Mapping[str, FP8Slot] | None = None) -> None:
+        """Write one sharded checkpoint directory at ``filepath`` (collective: every rank calls it); ``fp8``:
+        this rank's fp8 scaling state (:func:`~lightning_hpp.precision.fp8_slots.fp8_slots`)."""
         if storage_options is not None:
             raise CheckpointError(f"`storage_options={storage_options!r}` is not used by HPPStrategy: S3 settings come from the "
                                   f"environment (AWS_* variables). Remove it from the `save_checkpoint` call.")
@@ -124,7 +127,7 @@ class CheckpointSession:
         save_lightning_checkpoint(checkpoint, str(filepath), module, optimizers, global_rank=global_rank, position=position,
                                   replica=replica, extra=extra, step_dir=opts.dir, keep_last=opts.keep_last,
                                   async_save=opts.async_save, on_error=opts.on_error,
-                                  protect=[self._resumed_from] if self._resumed_from else [])
+                                  protect=[self._resumed_from] if self._resumed_from else [], fp8=fp8)
 
     def remove(self, filepath: Any, *, is_global_zero: bool) -> None:
         """Lightning's ``remove_checkpoint`` (top-k cleanup): never the checkpoint the run resumed from."""
@@ -137,9 +140,12 @@ class CheckpointSession:
         delete_checkpoint(str(filepath))
 
     @staticmethod
-    def load_shards(url: str, module: torch.nn.Module, optimizers: list[Any], *, global_rank: int, position: int) -> dict[str, Any]:
-        """This rank's part of the sharded checkpoint at ``url`` (collective)."""
-        return load_lightning_checkpoint(url, module, optimizers, global_rank=global_rank, position=position)
+    def load_shards(url: str, module: torch.nn.Module, optimizers: list[Any], *, global_rank: int, position: int,
+                    replica: int = 0, fp8: Mapping[str, FP8Slot] | None = None) -> dict[str, Any]:
+        """This rank's part of the sharded checkpoint at ``url`` (collective); the fp8 scaling state of
+        ``fp8`` is put back into its layers."""
+        return load_lightning_checkpoint(url, module, optimizers, global_rank=global_rank, position=position,
+                                         replica=replica, fp8=fp8)
 
     @staticmethod
     def finish() -> None:

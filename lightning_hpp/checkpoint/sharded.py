@@ -22,6 +22,14 @@ torch.distributed.checkpoint pickles (``.metadata``) is read with an unpickler t
 its own record classes; a checkpoint holding any other pickled object is refused with
 :class:`~lightning_hpp.errors.CheckpointError`.
 
+A pickle can also hide in a tensor's bytes: a module's ``get_extra_state`` (the ``_extra_state``
+entry of its ``state_dict``) may return one, as Transformer Engine's does, and its
+``set_extra_state`` unpickles it when loaded. Saving such an entry is refused here
+(:func:`holds_pickle` parses the bytes with ``pickletools``, which runs nothing); loading one into
+a module is refused where the module's state is rebuilt
+(:func:`~lightning_hpp.checkpoint.lightning_state.from_sharded`). Transformer Engine's fp8 state is
+saved as tensors and JSON instead (:mod:`~lightning_hpp.checkpoint.fp8_state`).
+
 Retries: every file is read and written through
 :func:`~lightning_hpp.checkpoint.store.filesystem`, so on ``s3://`` botocore retries each request;
 elsewhere a save or load that fails transiently is re-run whole by
@@ -37,7 +45,9 @@ import json
 import logging
 import os
 import pickle
+import pickletools
 import threading
+import zipfile
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -80,6 +90,7 @@ from lightning_hpp.validation import check_choice, check_int, check_path, is_int
 log = logging.getLogger(__name__)
 
 _JSON = "@json"  # last path component of a JSON entry; '@' never survives quote()
+EXTRA_STATE = "_extra_state"  # torch's state_dict name (last part) for what `get_extra_state()` returns
 _DCP_INDEX = ".metadata"
 _TAGS = ("__tuple__", "__items__", "__ndarray__", "__dtype__")
 
@@ -227,6 +238,13 @@ def flatten_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[
 
     def walk(node: Any, path: str, where: str) -> None:
         if isinstance(node, torch.Tensor):
+            if is_extra_state(unquote(path.rsplit("/", 1)[-1])) and holds_pickle(node):
+                raise CheckpointError(
+                    f"state{where} is a pickle in a {node.dtype} tensor (what a module's `get_extra_state` "
+                    f"returned); checkpoints never hold pickles, since loading one runs code. Return tensors or "
+                    f"JSON values from `get_extra_state` (Transformer Engine modules are saved as tensors under "
+                    f"'fp8/' by HPPStrategy), or leave that module out of the state."
+                )
             tensors[path] = node
         elif isinstance(node, (dict, list, tuple)) and _holds_tensor(node):
             items = node.items() if isinstance(node, dict) else enumerate(node)
@@ -239,6 +257,58 @@ def flatten_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[
     for key, value in state.items():
         walk(value, _component(key, state, ""), f"[{key!r}]")
     return tensors, docs
+
+
+# ============================================================================ pickles in bytes
+
+
+def is_extra_state(name: str) -> bool:
+    """Whether a ``state_dict`` name is a module's ``get_extra_state()`` entry (``"layers.2._extra_state"``)."""
+    return name == EXTRA_STATE or name.endswith("." + EXTRA_STATE)
+
+
+def holds_pickle(value: Any) -> bool:
+    """Whether ``value`` (a 1-d uint8/int8 tensor, or bytes) is a pickle: bytes that begin with a
+    complete pickle stream of any protocol (what ``pickle.loads`` would run; it ignores what follows
+    the stream), or a ``torch.save`` archive (a zip holding a ``.pkl``).
+
+    The bytes are parsed with ``pickletools.genops``, which reads opcodes and runs none of them.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in (torch.uint8, torch.int8) or value.dim() != 1 or value.numel() == 0:
+            return False
+        data = value.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+    else:
+        return False
+    if not data:
+        return False
+    if data[:4] == b"PK\x03\x04":
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                return any(name.endswith(".pkl") for name in archive.namelist())
+        except (zipfile.BadZipFile, ValueError):
+            return False
+    last = None
+    try:
+        for opcode, _, _ in pickletools.genops(data):
+            last = opcode.name
+    except Exception:  # noqa: BLE001 - bytes that are not opcodes up to a STOP: not a pickle
+        return False
+    return last == "STOP"
+
+
+def pickle_refused(key: str, url: str) -> CheckpointError:
+    """The error for a pickle found on load at ``key`` (an ``_extra_state`` entry) of the checkpoint ``url``."""
+    return CheckpointError(
+        f"{url!r}: entry {key!r} holds a pickle (the format of Transformer Engine's `get_extra_state`, or "
+        f"another object pickled into bytes); loading refuses pickles, since unpickling runs code, and it "
+        f"was not unpickled. Fix: resume from a checkpoint written by this version of lightning_hpp, which "
+        f"saves fp8 scaling state as tensors under 'fp8/', or take only the weights with "
+        f"`load_stage_weights(module, {url!r})`, which never reads `_extra_state` (the fp8 scaling then "
+        f"starts afresh)."
+    )
 
 
 # ============================================================================ storage adapters

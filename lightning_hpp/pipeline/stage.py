@@ -75,15 +75,22 @@ class StageModule(nn.Module):
 
     def _infer(self, *args: Any) -> Any:
         # torch pipelining infers boundary shapes by running the stage on uninitialised tensors:
-        # run it on zeros instead, and leave every buffer (running stats, fp8 amax history) untouched.
+        # run it on zeros instead, and leave every buffer (running stats, fp8 amax history) untouched,
+        # the amax histories a traced stage's fp8 emulation keeps outside the modules included.
         args = tuple(_zeros_like(a) for a in args)
-        saved = [(b, b.detach().clone()) for _, b in self.named_buffers()]
+        mode = _fp8_emulation(self.context()) if self.captured and self.context is not None else None
+        states = {} if mode is None else dict(mode._states)
+        buffers = [*(b for _, b in self.named_buffers()), *(b for s in states.values() for b in s.buffers())]
+        saved = [(b, b.detach().clone()) for b in buffers]
         try:
             return self._run(*args, guards=False)
         finally:
             with torch.no_grad():
                 for b, v in saved:
                     b.copy_(v)
+            if mode is not None:  # states the inference created: the first real GEMM creates them afresh
+                for key in [k for k in mode._states if k not in states]:
+                    del mode._states[key]
 
     def _run(self, *args: Any, guards: bool) -> Any:
         x: Any = args if self.spread else (args[0] if len(args) == 1 else tuple(args))

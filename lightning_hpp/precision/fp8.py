@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import warnings
+from collections.abc import Iterable
 from typing import Any, ContextManager
 
 import torch
@@ -430,6 +431,10 @@ class EmulatedFP8Mode(torch.overrides.TorchFunctionMode):
     ``aten.addmm`` / ``torch.addmm`` with a parameter as its second factor (GPT-2's ``Conv1D``) — runs
     through the same rounding as :class:`EmulatedFP8Linear`, with one amax history per weight;
     GEMMs whose sizes are not multiples of 16 stay in high precision, as they do there.
+
+    A weight's state is created at its first GEMM. :meth:`adopt` names the parameters of the stage
+    the mode runs, so that a checkpoint's states can be put back before that
+    (:mod:`lightning_hpp.checkpoint.fp8_state`).
     """
 
     holds_weight_states = True  # a checkpointed stage's recompute replays ``_states`` (pipeline.stage)
@@ -438,8 +443,18 @@ class EmulatedFP8Mode(torch.overrides.TorchFunctionMode):
         super().__init__()
         self.recipe = FP8Recipe.coerce(recipe)
         self._states: dict[int, _FP8State] = {}
+        self.weights: dict[int, nn.Parameter] = {}  # the parameters of the stage it runs, by id
 
-    def _state(self, weight: torch.Tensor) -> _FP8State:
+    def adopt(self, params: Iterable[nn.Parameter]) -> None:
+        """Note ``params`` as the parameters of the stage this mode runs (see :attr:`weights`)."""
+        self.weights.update((id(p), p) for p in params)
+
+    def has_state(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` has an amax history yet (it ran a GEMM, or one was restored)."""
+        return id(weight) in self._states
+
+    def state_of(self, weight: torch.Tensor) -> _FP8State:
+        """The amax history of ``weight``'s GEMMs, created (empty) if it has none yet."""
         state = self._states.get(id(weight))
         if state is None:
             state = self._states[id(weight)] = _FP8State(self.recipe, weight.device)
@@ -461,7 +476,7 @@ class EmulatedFP8Mode(torch.overrides.TorchFunctionMode):
     def _gemm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, key: torch.Tensor | None = None) -> torch.Tensor:
         device_type = x.device.type
         compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        return _FP8LinearFunction.apply(x, w, b, self._state(w if key is None else key), compute)
+        return _FP8LinearFunction.apply(x, w, b, self.state_of(w if key is None else key), compute)
 
 
 _LINEARS = (torch.ops.aten.linear.default, torch.nn.functional.linear)

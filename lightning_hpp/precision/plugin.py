@@ -156,6 +156,7 @@ class HPPPrecision(Precision):
         self._grad_norms: Tensor | None = None
         self._repeated_sq: Tensor | None = None
         self._view: StageView | None = None
+        self._fp8_emulations: tuple[fp8.EmulatedFP8Mode, ...] = ()
         self._plan: Any = None
         self._stage_precision: list[str] = []
         self._scaled = False
@@ -165,6 +166,11 @@ class HPPPrecision(Precision):
     def last_grad_norms(self) -> dict[int, float]:
         """The last step's gradient norm per stage (after the dp reduction, before clipping)."""
         return {} if self._grad_norms is None else dict(enumerate(self._grad_norms.tolist()))
+
+    @property
+    def fp8_emulations(self) -> tuple[fp8.EmulatedFP8Mode, ...]:
+        """The fp8 emulations of this rank's traced fp8 stages: their amax histories live there, outside the modules."""
+        return self._fp8_emulations
 
     @property
     def loss_scale(self) -> float:
@@ -209,6 +215,7 @@ class HPPPrecision(Precision):
             mode = MODES[precs[k]]
             if precs[k] == "fp8" and getattr(sm, "captured", False):
                 emulation = emulations.setdefault(k, fp8.EmulatedFP8Mode(self.fp8_recipe))
+                emulation.adopt(sm.parameters())
                 sm.context = lambda emulation=emulation: emulation
             elif precs[k] == "fp8":
                 backend = fp8.check_fp8_stage(k, device, device_kind, self.fp8_backend)
@@ -221,6 +228,7 @@ class HPPPrecision(Precision):
             sm.input_dtype = mode.param_dtype
             sm.output_dtype = torch.float32 if k == last else mode.wire_dtype
             sm.output_hooks.append(guard)
+        self._fp8_emulations = tuple(emulations.values())
         plan.meta["precision"] = labels
         plan.meta["boundary_dtypes"] = [str(MODES[p].wire_dtype).replace("torch.", "") for p in precs[:-1]]
         if self._scaled:

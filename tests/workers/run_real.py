@@ -10,7 +10,9 @@ points, or None), ``precision`` (one per stage, with ``points``), ``schedule``, 
 ``frontend``, ``steps``, ``batch``, ``n``, ``limit_val_batches``, ``out``, ``model_kw`` (for the
 model, e.g. ``{"in_configure_model": true}``), ``strategy`` (more HPPStrategy keyword arguments), and for checkpoints
 ``ckpt_dir``, ``every`` (steps between saves), ``resume`` (``"auto"`` or a path), ``fp8_backend``
-(``HPPPrecision(fp8_backend=...)``), and ``fp8_capable`` (``true``: every device counts as able to run Transformer Engine fp8, as an H100 with
+(``HPPPrecision(fp8_backend=...)``; the rank then also saves its fp8 scaling state at the start and at
+the end of training, ``fp8_start`` / ``fp8_end``: layer or weight name -> tensor name -> tensor), and
+``fp8_capable`` (``true``: every device counts as able to run Transformer Engine fp8, as an H100 with
 TE installed would, so that what is refused *because of the frontend* can be checked on CPUs). A
 rank whose run raises writes ``<out>/rank{r}_error.txt`` (the exception's type and message) and
 exits with it, unless the config has ``"refused": true`` (a bad setup): then every rank records its
@@ -37,6 +39,28 @@ class StepLosses(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(trainer.callback_metrics[self.key]))
+
+
+class FP8States(L.Callback):
+    """This rank's fp8 scaling state (copies) when training starts (after a resume's load) and ends."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, dict] = {}
+
+    def _take(self, trainer, pl_module, when: str) -> None:
+        from lightning_hpp.checkpoint.fp8_state import fp8_state
+        from lightning_hpp.precision.fp8_slots import fp8_slots
+
+        plugin = trainer.precision_plugin
+        state = fp8_state(fp8_slots(pl_module, plugin.fp8_recipe, plugin.fp8_emulations))
+        self.at[when] = {name: {k: v.detach().cpu().clone() for k, v in entry.items() if isinstance(v, torch.Tensor)}
+                         for name, entry in state.items()}
+
+    def on_train_start(self, trainer, pl_module):
+        self._take(trainer, pl_module, "start")
+
+    def on_train_end(self, trainer, pl_module):
+        self._take(trainer, pl_module, "end")
 
 
 def _model_and_data(cfg: dict):
@@ -92,10 +116,11 @@ def _run(cfg: dict, devices: int) -> None:
                                    resume=cfg.get("resume"))
     strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["n_micro"], pp_degree=cfg.get("pp"),
                            frontend=cfg.get("frontend", "auto"), checkpoint=checkpoint, timeout=120, **cfg.get("strategy", {}))
-    losses = StepLosses(loss_key)
+    losses, fp8_states = StepLosses(loss_key), FP8States()
     plugins = [HPPPrecision(fp8_backend=cfg["fp8_backend"])] if cfg.get("fp8_backend") else None
+    callbacks = [losses, fp8_states] if plugins else [losses]
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg["steps"], logger=False,
-                        plugins=plugins, callbacks=[losses], enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False,
+                        plugins=plugins, callbacks=callbacks, enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=cfg.get("limit_val_batches", 0),
                         default_root_dir=cfg["out"], gradient_clip_val=cfg.get("gradient_clip_val"))
     try:
@@ -120,6 +145,8 @@ def _run(cfg: dict, devices: int) -> None:
         "optim": optim,
         "global_step": trainer.global_step,
         "resumed_from": strategy.resumed_from,
+        "fp8_start": fp8_states.at.get("start"),
+        "fp8_end": fp8_states.at.get("end"),
     }
     os.makedirs(cfg["out"], exist_ok=True)
     torch.save(out, os.path.join(cfg["out"], f"rank{trainer.global_rank}.pt"))
