@@ -22,8 +22,9 @@ every schedule)::
 Tied parameters (an embedding and its LM head) are one ``Parameter`` in the user's model; the tracer
 replicates it into each stage that uses it. Every stage module's registries are linked to the user's
 parameter and buffer slots (:class:`LinkedRegistry`), so the optimizer, checkpoints and the user's own
-code see one tensor per name, whatever moves or casts either module afterwards, and :func:`shared_parameters` reports which parameters several stages use (their
-gradients are summed across those stages each step).
+code see one tensor per name, whatever moves or casts either module afterwards, and
+:func:`shared_parameters` reports which parameters several stages use (their gradients are summed
+across those stages each step).
 """
 
 from __future__ import annotations
@@ -84,9 +85,9 @@ class TracedStage(nn.Module):
 
     def place(self, device: torch.device) -> None:
         """Put the stage on ``device``: its own tensors (constants the tracer lifted out of ``forward``; the
-        user's parameters and buffers it links to move with them), and the ops that create tensors
-        (``torch.arange``, ``torch.ones``, the device checks the trace wrote) create them there: the trace
-        burnt in the device it ran on (the CPU, or the meta device for a model built there)."""
+        user's parameters and buffers it links to move with them), and the ops that name a device
+        (``torch.arange(..., device=)``, ``.to(device)``) name this one: the trace burnt in the device it
+        ran on (the CPU, or the meta device for a model built there)."""
         self.to(device)
         _retarget_devices(self.graph, device)
 
