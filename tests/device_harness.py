@@ -1,12 +1,12 @@
-"""Stages placed on a device this machine does not have, to check on the CPU what a GPU would refuse.
+"""Stages placed on a device other than the CPU, to check on the CPU what a GPU would refuse.
 
 :func:`place_and_run` cuts a model as HPPStrategy does (either frontend, or the meta-device path of a big
-model), moves it, its stages and one micro-batch onto fake-tensor ``cuda`` devices (torch's
-``FakeTensorMode``: shapes, dtypes and devices without storage, so no GPU is needed), applies a stage
-precision's cast, and runs every stage's forward and the backward through them. It returns every
-tensor that is not where its stage is: a parameter, buffer or gradient of a stage, a stage's input or
-output, and any op that mixes devices (``FakeTensorDeviceMismatchError``) or fails a device check the
-trace wrote (``_assert_tensor_metadata(device=...)``), which is what a real GPU raises.
+model, traced on fake-tensor stand-ins), moves it, its stages and one micro-batch onto the ``meta``
+device (shapes, dtypes and devices without storage, so no GPU is needed; or onto a real GPU where one
+is), applies a stage precision's cast, and runs every stage's forward and the backward through them. It
+returns every tensor that is not where its stage is: a parameter, buffer or gradient of a stage, a
+stage's input or output, and any op that mixes devices ("Tensor on device cpu is not on the expected
+device meta"), which is what a GPU raises as well.
 """
 
 from __future__ import annotations
@@ -16,18 +16,17 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_hpp.model.frontend import cut_model
-from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, is_fake, materialize
+from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, materialize
 from lightning_hpp.pipeline.stage import StageModule
 from lightning_hpp.planning.plan import StagePlan
 
 
 def place_and_run(module: nn.Module, plan: StagePlan, example: tuple[tuple, dict], *, frontend: str = "auto",
                   device: str = "meta", param_dtype: dict[int, torch.dtype] | None = None) -> tuple[str, list[str]]:
-    """Cut ``module`` by ``plan`` with ``example`` (the ``(args, kwargs)`` of its call), place everything on fake
-    ``device``, cast stage ``k`` to ``param_dtype[k]`` as its precision does, run forward and backward.
+    """Cut ``module`` by ``plan`` with ``example`` (the ``(args, kwargs)`` of its call), place everything on
+    ``device`` (``meta``, or a real GPU), cast stage ``k`` to ``param_dtype[k]`` as its precision does, run forward and backward.
 
     Returns ``(frontend used, problems)``: ``problems`` is empty when every tensor was on the stage's device."""
     dev = torch.device(device)
@@ -42,39 +41,38 @@ def place_and_run(module: nn.Module, plan: StagePlan, example: tuple[tuple, dict
     example = _to(example, dev)
     problems: list[str] = []
     bodies = [b for m in ("train", "eval") for bs in cut.bodies[m] for b in bs]
-    if True:
-        if meta:
-            materialize(module, dev, seed=0)
-        module.to(dev)  # as the strategy does
-        for body in bodies:
-            if hasattr(body, "place"):
-                body.place(dev)
-        stages = [StageModule(s.modules, cut.bodies["train"][k], k, spread=cut.spread[k], captured=cut.frontend == "traced")
-                  for k, s in enumerate(cut.plan.stages)]
-        for k, sm in enumerate(stages):
-            dtype = (param_dtype or {}).get(k)
-            if dtype is not None:
-                sm.to(dtype)
-                sm.input_dtype = dtype
-        args, kwargs = example
-        x: Any = cut.flatten(args, kwargs) if cut.flatten is not None else (args[0] if len(args) == 1 else tuple(args))
-        for k, sm in enumerate(stages):
-            problems += _misplaced(f"stage {k} input", x, dev)
-            problems += _misplaced_state(k, sm, dev)
-            try:
-                x = sm(*x) if isinstance(x, tuple) else sm(x)
-            except Exception as err:  # noqa: BLE001 - every failure is a finding, reported with its stage
-                problems.append(f"stage {k} forward: {type(err).__name__}: {str(err).splitlines()[0]}")
-                return cut.frontend, problems
-            problems += _misplaced(f"stage {k} output", x, dev)
-        loss = sum(t.float().sum() for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.is_floating_point())
+    if meta:
+        materialize(module, dev, seed=0)
+    module.to(dev)  # as the strategy does
+    for body in bodies:
+        if hasattr(body, "place"):
+            body.place(dev)
+    stages = [StageModule(s.modules, cut.bodies["train"][k], k, spread=cut.spread[k], captured=cut.frontend == "traced")
+              for k, s in enumerate(cut.plan.stages)]
+    for k, sm in enumerate(stages):
+        dtype = (param_dtype or {}).get(k)
+        if dtype is not None:
+            sm.to(dtype)
+            sm.input_dtype = dtype
+    args, kwargs = example
+    x: Any = cut.flatten(args, kwargs) if cut.flatten is not None else (args[0] if len(args) == 1 else tuple(args))
+    for k, sm in enumerate(stages):
+        problems += _misplaced(f"stage {k} input", x, dev)
+        problems += _misplaced_state(k, sm, dev)
         try:
-            loss.backward()
-        except Exception as err:  # noqa: BLE001
-            problems.append(f"backward: {type(err).__name__}: {str(err).splitlines()[0]}")
-        for k, sm in enumerate(stages):
-            problems += [f"stage {k} gradient of {n} on {p.grad.device}" for n, p in sm.named_parameters()
-                         if p.grad is not None and not _on(p.grad, dev)]
+            x = sm(*x) if isinstance(x, tuple) else sm(x)
+        except Exception as err:  # noqa: BLE001 - every failure is a finding, reported with its stage
+            problems.append(f"stage {k} forward: {type(err).__name__}: {str(err).splitlines()[0]}")
+            return cut.frontend, problems
+        problems += _misplaced(f"stage {k} output", x, dev)
+    loss = sum(t.float().sum() for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.is_floating_point())
+    try:
+        loss.backward()
+    except Exception as err:  # noqa: BLE001
+        problems.append(f"backward: {type(err).__name__}: {str(err).splitlines()[0]}")
+    for k, sm in enumerate(stages):
+        problems += [f"stage {k} gradient of {n} on {p.grad.device}" for n, p in sm.named_parameters()
+                     if p.grad is not None and not _on(p.grad, dev)]
     return cut.frontend, problems
 
 

@@ -47,8 +47,8 @@ import os
 import pickle
 import pickletools
 import threading
-import zipfile
 import warnings
+import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor

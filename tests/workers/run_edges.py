@@ -117,7 +117,7 @@ def run(case: str, out: str) -> None:
         "stage_ids": trainer.strategy.stage_ids,
         "plan": trainer.strategy.plan.to_dict(),
         "warnings": [str(w.message) for w in caught],
-        "stage_state": {k: v.detach().clone() for sm in trainer.strategy._pipeline.runner.stage_modules.values()
+        "stage_state": {k: v.detach().clone() for sm in trainer.strategy.pipeline.runner.stage_modules.values()
                         for k, v in sm.state_dict().items()},
     }, os.path.join(out, case, f"rank{trainer.global_rank}.pt"))
 
