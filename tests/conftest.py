@@ -1,7 +1,7 @@
 """Jobs shared by several test modules.
 
-Every ``tests.workers.run_real`` configuration of test_real_models, test_traced_stages and
-test_big_models runs in one of four jobs (one per number of ranks and kind) instead of eight, and
+Every ``tests.workers.run_real`` configuration of test_real_models, test_traced_stages,
+test_big_models and test_fp8_state runs in one of four jobs (one per number of ranks and kind) instead of nine, and
 every ``tests.workers.run_hpp`` configuration of test_correctness, test_precision and
 test_placement_strategy in one of three instead of five. A job runs its configurations one after
 another, each with its own Trainer and model; jobs that share nothing run side by side
@@ -21,22 +21,24 @@ def real_model_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace
     """The ``run_real`` jobs, started by the first test that needs one of them, in two rounds:
 
     1. 2 ranks: real models traced and the BatchNorm chain (test_real_models), tied-weight checkpoints,
-       per-stage precisions and V schedules (test_traced_stages), the meta-device chain (test_big_models);
+       per-stage precisions and V schedules (test_traced_stages), the meta-device chain (test_big_models),
+       the emulated fp8 checkpoints resumed (test_fp8_state);
        4 ranks: GPT-2 pp=2 x dp=2 (test_real_models), the meta-device Llama in 4 stages (test_big_models);
     2. 3 ranks: Llama in 3 stages (test_real_models), the GPT-2 checkpoint of round 1 resumed under 3
        stages (test_traced_stages); 2 ranks: the traced GPT-2s whose setup must fail, tried in turn by
        the same ranks (test_traced_stages, tests/workers/refusals.py).
 
-    Returns the modules' directories (``real``, ``traced``, ``big``, ``refused``), the refusal job's
+    Returns the modules' directories (``real``, ``traced``, ``big``, ``refused``, ``fp8_state``), the refusal job's
     finished process (``refusals``) and what test_big_models wrote the weights of (``llama``, ``chain``).
     """
     from tests import test_big_models as big
+    from tests import test_fp8_state as fp8_state
     from tests import test_real_models as real
     from tests import test_traced_stages as traced
     from tests.launch import run_scripts
 
     root = tmp_path_factory.mktemp("real_model_jobs")
-    dirs = {name: root / name for name in ("real", "traced", "big", "refused")}
+    dirs = {name: root / name for name in ("real", "traced", "big", "refused", "fp8_state")}
     for d in dirs.values():
         d.mkdir()
     llama, chain = big.write_weights(dirs["big"])
@@ -45,7 +47,8 @@ def real_model_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace
         return "tests.workers.run_real", {"devices": devices, "runs": runs}
 
     run_scripts([
-        job(2, real.two_rank_runs(dirs["real"]) + traced.two_rank_runs(dirs["traced"]) + big.two_rank_runs(dirs["big"])),
+        job(2, real.two_rank_runs(dirs["real"]) + traced.two_rank_runs(dirs["traced"]) + big.two_rank_runs(dirs["big"])
+            + fp8_state.two_rank_runs(dirs["fp8_state"])),
         job(4, real.four_rank_runs(dirs["real"]) + big.four_rank_runs(dirs["big"])),
     ], timeout=900)
     resumed, refusals = run_scripts([

@@ -33,7 +33,6 @@ from lightning_hpp.checkpoint.lightning_state import load_lightning_checkpoint, 
 from lightning_hpp.checkpoint.weights import load_stage_weights
 from lightning_hpp.errors import CheckpointError, CorruptCheckpointError
 from lightning_hpp.precision.fp8 import FP8Recipe
-from tests.launch import run_scripts
 
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 STEPS, MORE = 3, 3  # save after STEPS, resume and train MORE
@@ -49,19 +48,23 @@ def _run(out: Path, name: str, frontend: str, steps: int, **ckpt) -> dict:
             **ckpt}
 
 
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    """One job of 2 ranks, per frontend: STEPS+MORE steps uninterrupted (``full``), STEPS steps with a
-    checkpoint at the end (``first``), then STEPS+MORE steps resumed from it (``resumed``)."""
-    out = tmp_path_factory.mktemp("fp8_resume")
+def two_rank_runs(out: Path) -> list[dict]:
+    """Per frontend, in one job of 2 ranks (tests/conftest.py ``real_model_jobs``): STEPS+MORE steps
+    uninterrupted (``full``), STEPS steps with a checkpoint at the end (``first``), then STEPS+MORE
+    steps resumed from it (``resumed``)."""
     runs = []
     for frontend in FRONTENDS:
         ckpt = {"ckpt_dir": str(out / f"{frontend}_ckpt"), "every": STEPS}
         runs += [_run(out, f"{frontend}_full", frontend, STEPS + MORE),
                  _run(out, f"{frontend}_first", frontend, STEPS, **ckpt),
                  _run(out, f"{frontend}_resumed", frontend, STEPS + MORE, resume="auto", **ckpt)]
-    run_scripts([("tests.workers.run_real", {"devices": 2, "runs": runs})], timeout=600)
-    return out
+    return runs
+
+
+@pytest.fixture(scope="module")
+def resumed(real_model_jobs) -> Path:
+    """This module's training outputs from the shared ``run_real`` jobs."""
+    return real_model_jobs.fp8_state
 
 
 def _rank(out: Path, name: str, rank: int) -> dict:
