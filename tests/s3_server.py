@@ -98,8 +98,8 @@ class FaultProxy:
 
     Attributes:
         requests: Requests seen.
-        matched: Requests that matched the methods and path of the last :meth:`fail_next` / :meth:`fail_always`
-            (answered or failed), counted since the proxy started.
+        matched: Requests that matched the methods and path given to the last :meth:`fail_next` /
+            :meth:`fail_always` since that call, failed or answered.
         faults: Faults injected.
         bytes_up: Request bytes forwarded upstream (uploads).
     """
@@ -135,14 +135,14 @@ class FaultProxy:
         with self._lock:
             self._pending = [kind] * n
             self._always = None
-            self._methods, self._path_part = methods, path_part
+            self._methods, self._path_part, self.matched = methods, path_part, 0
 
     def fail_always(self, kind: str = "500", methods: tuple[str, ...] | None = None, path_part: str | None = None) -> None:
         """Fail every matching request (see :meth:`fail_next`) until :meth:`clear`."""
         with self._lock:
             self._pending = []
             self._always = kind
-            self._methods, self._path_part = methods, path_part
+            self._methods, self._path_part, self.matched = methods, path_part, 0
 
     def clear(self) -> None:
         with self._lock:
