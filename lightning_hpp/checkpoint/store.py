@@ -29,9 +29,9 @@ Retries of transient storage errors (connection resets, 5xx, throttling, timeout
   botocore's tries.
 * Every other store (local or network disks, ``gs://``, ...): :meth:`RetryPolicy.call`, whole
   operation, ``tenacity``'s retry loop with exponential backoff on the errors :func:`is_transient`
-  recognises. It is kept because nothing below it retries there: a torch.distributed.checkpoint save or load that
-  fails halfway (``EAGAIN``/``EBUSY`` on NFS, a reset under gcsfs) can only be re-run whole, and it
-  is collective, so every rank re-runs it together.
+  recognises. It is kept because nothing below it retries there: a torch.distributed.checkpoint
+  save or load that fails halfway (``EAGAIN``/``EBUSY`` on NFS, a reset under gcsfs) can only be
+  re-run whole, and it is collective, so every rank re-runs it together.
 
 :meth:`RetryPolicy.for_url` gives the whole-operation policy for a URL (one try on ``s3://``).
 
