@@ -100,11 +100,11 @@ def _reference_losses(steps: int, out: Path) -> list[float]:
 
 @pytest.mark.slow
 def test_yaml_and_flags_train_two_stages_like_one_process(tmp_path: Path) -> None:
-    # the YAML gives the strategy, its plan (2 stages), keep_last=2 and the rest; flags on top of it the
-    # checkpoint dir, every_n_steps (fields of the YAML's checkpoint section) and n_microbatches
-    steps, ckpt, logs = 3, tmp_path / "ckpt", tmp_path / "logs"
+    # the YAML gives the strategy, its plan (2 stages), the checkpoint dir (relative: under the working
+    # directory), keep_last=2 and the rest; flags on top of it every_n_steps (a field of the YAML's checkpoint
+    # section) and n_microbatches
+    steps, ckpt, logs = 3, tmp_path / "checkpoints", tmp_path / "logs"
     cmd = [sys.executable, str(EXAMPLE / "train.py"), "fit", "--config", str(EXAMPLE / "config.yaml"),
-           f"--trainer.strategy.checkpoint.dir={ckpt}",
            "--trainer.strategy.checkpoint.every_n_steps=1", "--trainer.strategy.n_microbatches=4",
            f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0", f"--trainer.logger.init_args.save_dir={logs}",
            f"--trainer.default_root_dir={tmp_path}"]
@@ -117,7 +117,7 @@ def test_yaml_and_flags_train_two_stages_like_one_process(tmp_path: Path) -> Non
     saved = json.loads((log_dir / PLAN_FILENAME).read_text())
     assert [s["modules"] for s in saved["stages"]] == [[f"layers.{i}" for i in u] for u in ((0, 1, 2), (3, 4, 5))]  # the YAML's
     assert saved["meta"]["n_microbatches"] == 4 and saved["meta"]["pp_degree"] == 2  # the flag's micro-batches
-    # every_n_steps=1 (flag) into dir (flag), keep_last=2 (YAML): steps 2 and 3 are left
+    # every_n_steps=1 (flag) into dir (YAML, relative), keep_last=2 (YAML): steps 2 and 3 are left
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-3"]
     assert (log_dir / "config.yaml").is_file()  # LightningCLI saved the merged configuration
     hpp = _losses(log_dir / "metrics.csv")

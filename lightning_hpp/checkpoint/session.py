@@ -10,6 +10,7 @@ beyond what a hook hands in.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -131,8 +132,10 @@ class CheckpointSession:
             raise CheckpointError(f"`storage_options={storage_options!r}` is not used by HPPStrategy: S3 settings come from the "
                                   f"environment (AWS_* variables). Remove it from the `save_checkpoint` call.")
         opts = self.options
+        # a local `dir` in the form ModelCheckpoint gives its paths (resolved), so that `keep_last` finds its saves
+        step_dir = opts.dir if opts.dir is None or "://" in opts.dir else os.path.realpath(os.path.expanduser(opts.dir))
         save_lightning_checkpoint(checkpoint, str(filepath), module, optimizers, global_rank=global_rank, position=position,
-                                  replica=replica, extra=extra, step_dir=opts.dir, keep_last=opts.keep_last,
+                                  replica=replica, extra=extra, step_dir=step_dir, keep_last=opts.keep_last,
                                   async_save=opts.async_save, on_error=opts.on_error,
                                   protect=[self._resumed_from] if self._resumed_from else [], fp8=fp8)
 
