@@ -173,6 +173,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         redact_loggers(self.lightning_module.trainer.loggers)  # before any hook can log hyperparameters
+        self._session.route_storage()  # before the callbacks' setup touches their dirpath
         self._controls.setup_environment(self.lightning_module.trainer)
         super().setup_environment()
         reset_seed()
@@ -254,7 +255,6 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        assert self.model is not None
         self.model.to(self.root_device)
 
     # ------------------------------------------------------------------ steps

@@ -98,6 +98,8 @@ class FaultProxy:
 
     Attributes:
         requests: Requests seen.
+        matched: Requests that matched the methods and path given to the last :meth:`fail_next` /
+            :meth:`fail_always` since that call, failed or answered.
         faults: Faults injected.
         bytes_up: Request bytes forwarded upstream (uploads).
     """
@@ -108,6 +110,8 @@ class FaultProxy:
         self._pending: list[str] = []
         self._always: str | None = None
         self._methods: tuple[str, ...] | None = None
+        self._path_part: str | None = None
+        self.matched = 0
         self._rate: float | None = None
         self._hold: tuple[str, str] | None = None
         self._released = threading.Event()
@@ -124,23 +128,25 @@ class FaultProxy:
         threading.Thread(target=self._accept, daemon=True).start()
 
     # ------------------------------------------------------------------ control
-    def fail_next(self, n: int, kind: str = "503", methods: tuple[str, ...] | None = None) -> None:
-        """Fail the next ``n`` matching requests: ``kind`` is "reset", "500" or "503"."""
+    def fail_next(self, n: int, kind: str = "503", methods: tuple[str, ...] | None = None, path_part: str | None = None) -> None:
+        """Fail the next ``n`` matching requests: ``kind`` is "reset", "500" or "503"; a request matches
+        when its method is one of ``methods`` and its path (query included) holds ``path_part``
+        (``"list-type=2"``: ListObjectsV2), each when given."""
         with self._lock:
             self._pending = [kind] * n
             self._always = None
-            self._methods = methods
+            self._methods, self._path_part, self.matched = methods, path_part, 0
 
-    def fail_always(self, kind: str = "500", methods: tuple[str, ...] | None = None) -> None:
-        """Fail every matching request until :meth:`clear`."""
+    def fail_always(self, kind: str = "500", methods: tuple[str, ...] | None = None, path_part: str | None = None) -> None:
+        """Fail every matching request (see :meth:`fail_next`) until :meth:`clear`."""
         with self._lock:
             self._pending = []
             self._always = kind
-            self._methods = methods
+            self._methods, self._path_part, self.matched = methods, path_part, 0
 
     def clear(self) -> None:
         with self._lock:
-            self._pending, self._always, self._methods = [], None, None
+            self._pending, self._always, self._methods, self._path_part = [], None, None, None
 
     def throttle(self, bytes_per_second: float | None) -> None:
         """Limit upload speed (None: no limit)."""
@@ -170,11 +176,14 @@ class FaultProxy:
                 return
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
-    def _take_fault(self, method: str) -> str | None:
+    def _take_fault(self, method: str, path: str) -> str | None:
         with self._lock:
             self.requests += 1
             if self._methods is not None and method not in self._methods:
                 return None
+            if self._path_part is not None and self._path_part not in path:
+                return None
+            self.matched += 1
             kind = self._pending.pop(0) if self._pending else self._always
             if kind is not None:
                 self.faults += 1
@@ -201,7 +210,7 @@ class FaultProxy:
                     name, value = line.split(":", 1)
                     headers[name.strip().lower()] = value.strip()
             expect = headers.get("expect", "").lower() == "100-continue"
-            fault = self._take_fault(method)
+            fault = self._take_fault(method, path)
             if fault is not None:
                 if not expect:
                     self._drain_body(conn, headers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -11,8 +12,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from lightning_hpp.checkpoint import (
     CheckpointWarning,
@@ -28,7 +31,7 @@ from lightning_hpp.checkpoint import (
     verify,
 )
 from lightning_hpp.checkpoint.resume import PendingResume, check_checkpoint_dir, select_and_load
-from lightning_hpp.checkpoint.store import filesystem, read_metadata, scan
+from lightning_hpp.checkpoint.store import filesystem, read_metadata, route_storage, scan
 from lightning_hpp.errors import CheckpointError, CheckpointSaveError, S3ConfigError
 from tests.ckpt_workers.common import big_state
 from tests.s3_server import FaultProxy, S3Env, fault_proxy, s3_env  # noqa: F401
@@ -285,6 +288,55 @@ def test_reads_and_lookups_retry_like_writes_when_botocore_does_not(
     objects = s3_env.objects()
     assert objects["run/corrupt/step-2/.metadata"] == garbage
     assert "run/corrupt/step-2/metadata.json" in objects and not any(k.startswith("run/step-2/") for k in objects)
+
+
+LIST_V2 = "list-type=2"  # the query of every ListObjectsV2 request
+
+
+def test_lightnings_own_filesystem_retries_as_configured_while_storage_is_routed(s3_env: S3Env, fault_proxy: FaultProxy) -> None:
+    # ModelCheckpoint.file_exists: fs.exists on a name not taken yet (HEAD 404, then ListObjectsV2 for a directory),
+    # on the filesystem Lightning makes itself (get_filesystem). botocore's retries are off in the environment.
+    save_sharded(_state(1), checkpoint_url(s3_env.root, 1), step=1)
+    target = f"{s3_env.root}/epoch=0-step=2.ckpt"
+    fault_proxy.fail_next(1, "500", methods=("GET",), path_part=LIST_V2)
+    with pytest.raises(OSError):  # the control: one 500 on ListObjectsV2 fails Lightning's lookup
+        get_filesystem(target).exists(target)
+    attempts = 3
+    restore = route_storage(RetryPolicy(attempts=attempts, s3_mode="adaptive"))
+    try:
+        fs = get_filesystem(target)
+        assert fs.config_kwargs["retries"] == {"total_max_attempts": attempts, "mode": "adaptive"}
+        for failures, survives in ((attempts - 1, True), (attempts, False)):
+            fs.invalidate_cache()
+            fault_proxy.fail_next(failures, "500", methods=("GET",), path_part=LIST_V2)
+            if survives:
+                assert fs.exists(target) is False and fs.exists(f"{s3_env.root}/step-1/metadata.json")
+            else:
+                with pytest.raises(OSError):
+                    fs.exists(target)
+            assert fault_proxy.matched == attempts  # the configured count of tries, no more, no fewer
+    finally:
+        restore()
+    assert "s3" not in fsspec.config.conf  # the process's defaults are put back
+    assert get_filesystem(target).config_kwargs == {}
+
+
+@pytest.mark.slow
+def test_injected_500s_on_list_objects_during_model_checkpoint_do_not_end_a_run(s3_env: S3Env, tmp_path: Path) -> None:
+    # 2 ranks, 2 stages; ModelCheckpoint on S3 saves at steps 2 and 4 (top-1): before each save its file_exists
+    # lookup meets attempts - 1 injected 500s on ListObjectsV2, with botocore's retries off in the environment
+    from tests.launch import run_script
+
+    failures = RetryPolicy().attempts - 1  # the strategy's one policy: this many failures of a request survive
+    cfg = {"moto_port": s3_env.port, "root": s3_env.root, "out": str(tmp_path), "failures": failures, "steps": 4, "every": 2}
+    run_script("tests.workers.run_s3_faults", cfg, timeout=300)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["global_step"] == 4 and result["armed"] == 2
+    assert result["faults"] == 2 * failures  # every injected 500 was met, and retried
+    assert result["best_model_path"] == f"{s3_env.root}/epoch=0-step=4.ckpt"
+    names = {key.split("/")[1] for key in s3_env.objects()}
+    assert names == {"epoch=0-step=4.ckpt"}  # the step-2 checkpoint was removed by the top-1 rule
+    assert verify(result["best_model_path"]).step == 4
 
 
 def test_s3_without_credentials_is_refused_early_with_the_variables_to_set(monkeypatch: pytest.MonkeyPatch) -> None:

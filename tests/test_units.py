@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from torch import nn
@@ -94,6 +96,19 @@ def test_split_batch_nested_structures():
     assert parts[2]["tag"] == "t"
     assert batch_size_of(batch) == 8
     assert largest_divisor_at_most(10, 4) == 2
+
+
+def test_split_batch_keeps_container_types_and_splits_inside_subclasses():
+    # what torch pipelining's pytree split does not: a dict subclass would be one leaf, copied whole
+    class Features(dict):
+        pass
+
+    Pair = collections.namedtuple("Pair", "x y")
+    batch = Features(pair=Pair(torch.arange(6), "label"), rest=[torch.arange(6).view(6, 1)])
+    parts = split_batch(batch, 3)
+    assert [type(p) for p in parts] == [Features] * 3 and all(type(p["pair"]) is Pair for p in parts)
+    assert torch.equal(parts[2]["pair"].x, torch.tensor([4, 5])) and parts[2]["pair"].y == "label"
+    assert torch.equal(parts[1]["rest"][0], torch.tensor([[2], [3]]))
 
 
 def test_split_batch_errors():

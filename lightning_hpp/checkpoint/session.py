@@ -10,6 +10,7 @@ beyond what a hook hands in.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from lightning_hpp.checkpoint import resume as _resume
 from lightning_hpp.checkpoint.fp8_state import FP8Slot
 from lightning_hpp.checkpoint.lightning_state import load_lightning_checkpoint, save_lightning_checkpoint, set_rng_state
 from lightning_hpp.checkpoint.sharded import wait_for_pending_save
-from lightning_hpp.checkpoint.store import delete_checkpoint
+from lightning_hpp.checkpoint.store import delete_checkpoint, route_storage
 from lightning_hpp.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class CheckpointSession:
         self._pending_rng: dict | None = None
         self._resume_batches = 0
         self._resume_epoch = 0
+        self._unroute: Callable[[], None] | None = None
 
     @property
     def resumed_from(self) -> str | None:
@@ -55,6 +57,12 @@ class CheckpointSession:
         return self._run_id
 
     # ------------------------------------------------------------------ before and at setup
+    def route_storage(self) -> None:
+        """From now until :meth:`finish`, every S3 filesystem of this process, Lightning's callbacks' too, retries
+        each request as the strategy's own checkpoint I/O does (:func:`~lightning_hpp.checkpoint.store.route_storage`)."""
+        if self._unroute is None:
+            self._unroute = route_storage()
+
     def request_fit(self, ckpt_path: Any, callback_dirs: Sequence[str | None]) -> Any:
         """What ``Trainer.fit`` is handed as its ``ckpt_path`` (before any process group exists): ``None``,
         a path, or a :class:`~lightning_hpp.checkpoint.resume.PendingResume` decided at :meth:`begin_fit`."""
@@ -124,8 +132,10 @@ class CheckpointSession:
             raise CheckpointError(f"`storage_options={storage_options!r}` is not used by HPPStrategy: S3 settings come from the "
                                   f"environment (AWS_* variables). Remove it from the `save_checkpoint` call.")
         opts = self.options
+        # a local `dir` in the form ModelCheckpoint gives its paths (resolved), so that `keep_last` finds its saves
+        step_dir = opts.dir if opts.dir is None or "://" in opts.dir else os.path.realpath(os.path.expanduser(opts.dir))
         save_lightning_checkpoint(checkpoint, str(filepath), module, optimizers, global_rank=global_rank, position=position,
-                                  replica=replica, extra=extra, step_dir=opts.dir, keep_last=opts.keep_last,
+                                  replica=replica, extra=extra, step_dir=step_dir, keep_last=opts.keep_last,
                                   async_save=opts.async_save, on_error=opts.on_error,
                                   protect=[self._resumed_from] if self._resumed_from else [], fp8=fp8)
 
@@ -147,7 +157,9 @@ class CheckpointSession:
         return load_lightning_checkpoint(url, module, optimizers, global_rank=global_rank, position=position,
                                          replica=replica, fp8=fp8)
 
-    @staticmethod
-    def finish() -> None:
-        """Wait for a background save still in flight (teardown)."""
+    def finish(self) -> None:
+        """Wait for a background save still in flight; put the storage defaults back (teardown)."""
         wait_for_pending_save()
+        if self._unroute is not None:
+            self._unroute, unroute = None, self._unroute
+            unroute()

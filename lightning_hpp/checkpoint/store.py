@@ -28,12 +28,17 @@ Retries of transient storage errors (connection resets, 5xx, throttling, timeout
   before the error is raised. No whole-operation retry is added on top: it would only multiply
   botocore's tries.
 * Every other store (local or network disks, ``gs://``, ...): :meth:`RetryPolicy.call`, whole
-  operation, hand-written exponential backoff on the errors :func:`is_transient` recognises. It is
-  kept because nothing below it retries there: a torch.distributed.checkpoint save or load that
-  fails halfway (``EAGAIN``/``EBUSY`` on NFS, a reset under gcsfs) can only be re-run whole, and it
-  is collective, so every rank re-runs it together.
+  operation, ``tenacity``'s retry loop with exponential backoff on the errors :func:`is_transient`
+  recognises. It is kept because nothing below it retries there: a torch.distributed.checkpoint
+  save or load that fails halfway (``EAGAIN``/``EBUSY`` on NFS, a reset under gcsfs) can only be
+  re-run whole, and it is collective, so every rank re-runs it together.
 
 :meth:`RetryPolicy.for_url` gives the whole-operation policy for a URL (one try on ``s3://``).
+
+Lightning's own storage calls (``ModelCheckpoint``'s ``file_exists`` / ``ls`` on an ``s3://`` dirpath,
+its ``last`` lookup, a logger writing to S3) use filesystems Lightning makes itself, with no options.
+:func:`route_storage`, set by the strategy for the length of a run, gives every s3fs filesystem made in
+the process the same botocore retry configuration as ours, as fsspec's per-protocol defaults.
 
 Lookups and small reads (listing a root, ``metadata.json``, the shard index, file sizes, the
 checksum streams) are retried whole by :meth:`RetryPolicy.call` on every store, S3 included: they
@@ -55,7 +60,6 @@ import logging
 import os
 import random
 import re
-import time
 import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -64,6 +68,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal, TypeVar
 
 import fsspec
+import tenacity
 from fsspec.core import url_to_fs
 
 from lightning_hpp.checkpoint.s3 import DEFAULT_MAX_ATTEMPTS, RETRY_MODES, redact, s3_storage_options
@@ -181,6 +186,33 @@ def filesystem(url: str, retry: RetryPolicy | None = None) -> tuple[fsspec.Abstr
     return fs, path
 
 
+def route_storage(retry: RetryPolicy | None = None) -> Callable[[], None]:
+    """Give every s3fs filesystem this process makes from now on ``retry``'s per-request retries
+    (default ``RetryPolicy()``): Lightning's ``ModelCheckpoint``, loggers, user code alike.
+
+    They go into fsspec's defaults for the ``s3`` protocol (``fsspec.config.conf``), merged with any
+    ``config_kwargs`` already there; a filesystem made with explicit options (ours) keeps its own.
+    Off S3 nothing changes: Lightning's lookups there are not retried.
+
+    Returns:
+        The function that puts the earlier defaults back (the strategy calls it at teardown).
+    """
+    before = fsspec.config.conf.get("s3")
+    conf = dict(before or {})
+    conf["config_kwargs"] = {**conf.get("config_kwargs", {}), **storage_options("s3://", retry)["config_kwargs"]}
+    fsspec.config.conf["s3"] = conf
+
+    def restore() -> None:
+        if fsspec.config.conf.get("s3") is not conf:
+            return  # restored already, or replaced since: leave it
+        if before is None:
+            del fsspec.config.conf["s3"]
+        else:
+            fsspec.config.conf["s3"] = before
+
+    return restore
+
+
 def join_url(base: str, *parts: str) -> str:
     """``base/part/...`` for URLs and local paths alike."""
     base = str(base)
@@ -288,14 +320,8 @@ class RetryPolicy:
         """Seconds to wait after ``failures`` consecutive failures (>= 1), before jitter."""
         return min(self.max_delay, self.base_delay * self.multiplier ** (failures - 1))
 
-    def sleep(self, failures: int) -> float:
-        """Wait before the next try; returns the seconds waited."""
-        seconds = self.delay(failures) * (1 + random.uniform(-self.jitter, self.jitter))
-        time.sleep(max(0.0, seconds))
-        return seconds
-
     def call(self, fn: Callable[[], T], *, what: str) -> T:
-        """Run ``fn`` until it succeeds, retrying transient errors.
+        """Run ``fn`` until it succeeds, retrying transient errors (``tenacity``).
 
         Args:
             fn: The operation; it must be safe to repeat.
@@ -307,20 +333,18 @@ class RetryPolicy:
         Raises:
             Exception: the last error, when it is not transient or the tries are used up.
         """
-        for failures in range(1, self.attempts + 1):
-            try:
-                return fn()
-            except Exception as exc:
-                if failures >= self.attempts or not is_transient(exc):
-                    raise
-                log.warning(
-                    redact(
-                        f"Transient storage error while {what} (try {failures}/{self.attempts}): "
-                        f"{type(exc).__name__}: {exc}; retrying in ~{self.delay(failures):.2f}s."
-                    )
-                )
-                self.sleep(failures)
-        raise AssertionError("unreachable")
+
+        def wait(state: tenacity.RetryCallState) -> float:
+            return max(0.0, self.delay(state.attempt_number) * (1 + random.uniform(-self.jitter, self.jitter)))
+
+        def say(state: tenacity.RetryCallState) -> None:
+            exc = state.outcome.exception()
+            log.warning(redact(f"Transient storage error while {what} (try {state.attempt_number}/{self.attempts}): "
+                               f"{type(exc).__name__}: {exc}; retrying in ~{state.upcoming_sleep:.2f}s."))
+
+        retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(self.attempts), wait=wait, before_sleep=say,
+                                     retry=tenacity.retry_if_exception(is_transient), reraise=True)
+        return retrying(fn)
 
 
 # ----------------------------------------------------------------------------- metadata.json

@@ -1,9 +1,14 @@
 """Splitting a batch into micro-batches along dim 0 of every tensor it holds.
 
-Batches may be tensors, tuples, lists and dicts nested in any way; non-tensor leaves (strings,
-numbers, None) are given to every micro-batch unchanged. The split is into equal contiguous chunks,
+Batches may be tensors and the containers Lightning moves to the device (mappings, tuples and
+named tuples, lists, non-frozen dataclasses, subclasses of each kept as such) nested in any way;
+non-tensor leaves (strings, numbers, None) are given to every micro-batch unchanged. The split is into equal contiguous chunks,
 the same cut torch pipelining makes of the first stage's input, so micro-batch ``i`` of the batch
 and micro-batch ``i`` of the pipeline input hold the same samples.
+
+The batch is walked with Lightning's ``apply_to_collection`` (as Lightning walks it to move it to the
+device), not torch pipelining's ``split_args_kwargs_into_chunks``: that one, through ``torch.utils._pytree``,
+keeps a dict, list or tuple subclass whole in every micro-batch and silently makes fewer chunks of a small batch.
 """
 
 from __future__ import annotations
@@ -11,18 +16,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_hpp.errors import MicroBatchError
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, dict):
-        return [t for v in batch.values() for t in _tensors(v)]
-    if isinstance(batch, (tuple, list)):
-        return [t for v in batch for t in _tensors(v)]
-    return []
+    found: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, found.append)
+    return found
 
 
 def batch_size_of(batch: Any) -> int:
@@ -61,19 +63,8 @@ def split_batch(batch: Any, n: int) -> list[Any]:
             f"{n} (and `drop_last=True` in the training DataLoader so the last batch is not smaller), or change "
             f"`HPPStrategy(n_microbatches=...)`."
         )
-    return [_take(batch, i, size // n) for i in range(n)]
-
-
-def _take(batch: Any, i: int, chunk: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[i * chunk : (i + 1) * chunk]
-    if isinstance(batch, dict):
-        return type(batch)((k, _take(v, i, chunk)) for k, v in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_take(v, i, chunk) for v in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_take(v, i, chunk) for v in batch)
-    return batch
+    chunk = size // n
+    return [apply_to_collection(batch, torch.Tensor, lambda t, i=i: t[i * chunk : (i + 1) * chunk]) for i in range(n)]
 
 
 def largest_divisor_at_most(size: int, limit: int) -> int:
