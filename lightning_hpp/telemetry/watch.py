@@ -83,14 +83,16 @@ class WatchOptions:
     (the same, exit 76; ``plan="auto"`` re-plans from those speeds when started again) or ``"off"``."""
     ratio: float = 1.5
     """A step is slow when it takes more than this many times the rank's recent median."""
-    steps: int = 5
-    """A slowdown is found when most of the last this many steps were slow."""
+    steps: int = 8
+    """A slowdown is found when most (more than half) of the last this many steps were slow."""
     warmup: int = 10
     """Steps ignored at the start of a fit."""
     window: int = 30
     """Steps of the baseline (median and MAD of the last this many steps that were not slow)."""
     min_ms: float = 5.0
     """The least increase of a step's compute that counts, in ms (timer and scheduler noise)."""
+    min_s: float = 1.0
+    """The least wall time a slowdown must last, in seconds (a burst of load on a shared host is not a straggler)."""
     wait_ms: float = 200.0
     """The least increase of a transfer wait that counts, in ms (a wait also holds the peer's compute)."""
 
@@ -105,6 +107,7 @@ class WatchOptions:
         check_int(self.window, f"{name}(window=...)", minimum=self.steps, error=self.error)
         check_number(self.min_ms, f"{name}(min_ms=...)", strict=False, error=self.error)
         check_number(self.wait_ms, f"{name}(wait_ms=...)", strict=False, error=self.error)
+        check_number(self.min_s, f"{name}(min_s=...)", strict=False, error=self.error)
 
     @property
     def ends_the_job(self) -> bool:
@@ -161,17 +164,27 @@ class SlowdownDetector:
     Args:
         ratio, steps, warmup, window: As in :class:`WatchOptions`.
         min_ms: The least increase over the baseline median that counts.
+        min_s: The least wall time a slowdown must last (most of the last ``steps`` steps slow all along).
     """
 
-    def __init__(self, ratio: float, steps: int, warmup: int, window: int, min_ms: float) -> None:
-        self.ratio, self.steps, self.warmup, self.min_ms = ratio, steps, warmup, min_ms
+    def __init__(self, ratio: float, steps: int, warmup: int, window: int, min_ms: float, min_s: float = 0.0) -> None:
+        self.ratio, self.steps, self.warmup, self.min_ms, self.min_s = ratio, steps, warmup, min_ms, min_s
         self._seen = 0
         self._base: deque[float] = deque(maxlen=window)
         self._recent: deque[tuple[int, float, bool]] = deque(maxlen=steps)
+        self._since: tuple[int, float] | None = None  # first slow step of the current slowdown, and when
 
     @property
     def baseline_ms(self) -> float | None:
         return statistics.median(self._base) if len(self._base) >= self.steps else None
+
+    @property
+    def current_ratio(self) -> float:
+        """Median of the last ``steps`` steps over the baseline median (0 while the baseline fills)."""
+        base = self.baseline_ms
+        if base is None or not self._recent or base <= 0:
+            return 0.0
+        return statistics.median(v for _, v, _ in self._recent) / base
 
     def threshold(self) -> float | None:
         """Above this a step is slow (``None`` while the baseline fills)."""
@@ -181,8 +194,10 @@ class SlowdownDetector:
         mad = statistics.median(abs(x - med) for x in self._base)
         return max(self.ratio * med, med + self.min_ms, med + 6 * 1.4826 * mad)
 
-    def observe(self, step: int, value_ms: float) -> Slowdown | None:
-        """Take one step's value; a :class:`Slowdown` when this step confirms one."""
+    def observe(self, step: int, value_ms: float, now: float | None = None) -> Slowdown | None:
+        """Take one step's value (``now``: its end, in seconds; default the monotonic clock); a
+        :class:`Slowdown` when this step confirms one."""
+        now = time.monotonic() if now is None else now
         self._seen += 1
         if self._seen <= self.warmup:
             return None
@@ -195,13 +210,19 @@ class SlowdownDetector:
         if not slow:
             self._base.append(value_ms)
         flagged = [(s, v) for s, v, f in self._recent if f]
-        if len(self._recent) < self.steps or 2 * len(flagged) <= self.steps or not slow:
+        if 2 * len(flagged) <= len(self._recent):
+            self._since = None
             return None
-        found = Slowdown(since_step=flagged[0][0], step=step, measured_ms=statistics.median(v for _, v in flagged),
+        if self._since is None:
+            self._since = (flagged[0][0], now - value_ms / 1e3)
+        if len(self._recent) < self.steps or not slow or now - self._since[1] < self.min_s:
+            return None
+        found = Slowdown(since_step=self._since[0], step=step, measured_ms=statistics.median(v for _, v in flagged),
                          baseline_ms=statistics.median(self._base))
         self._base.clear()  # the new level is the baseline from now on: one slowdown, one finding
         self._base.extend(v for _, v in flagged)
         self._recent.clear()
+        self._since = None
         return found
 
 
@@ -426,14 +447,16 @@ class StragglerWatch(Callback):
         self._rank_info: dict[int, tuple[str, list[int]]] = {}
         self._planned_ms: float | None = None
         self._ctx: tuple[int, str, str, list[int]] = (0, "", "", [])
+        self._levels: list[float] = []
+        self._position = 0
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         view = pipeline_view(trainer)
         if view is None or view.runner is None or view.mesh is None:
             return
         o, mesh, runner = self.options, view.mesh, view.runner
-        self._detectors = {"compute": SlowdownDetector(o.ratio, o.steps, o.warmup, o.window, o.min_ms),
-                           "transfer": SlowdownDetector(o.ratio, o.steps, o.warmup, o.window, o.wait_ms)}
+        self._detectors = {"compute": SlowdownDetector(o.ratio, o.steps, o.warmup, o.window, o.min_ms, o.min_s),
+                           "transfer": SlowdownDetector(o.ratio, o.steps, o.warmup, o.window, o.wait_ms, o.min_s)}
         self._found = {"compute": None, "transfer": None}
         kinds = list((view.plan.meta.get("device_kinds") if view.plan is not None else None) or [])
         n_stages = view.plan.num_stages if view.plan is not None else len(view.stage_ids)
@@ -442,6 +465,7 @@ class StragglerWatch(Callback):
             for r in row:
                 self._rank_info[r] = (kinds[r] if r < len(kinds) else "?", stages_of_position(pos, mesh.pp, n_stages, style))
         host = socket.gethostname()
+        self._position = mesh.position
         self._ctx = (trainer.global_rank, host, view.device_kind or "?", list(view.stage_ids))
         predicted = ((view.plan.meta.get("predicted") or {}).get("compute_ms") if view.plan is not None else None) or []
         if predicted and all(k < len(predicted) for k in view.stage_ids):
@@ -452,7 +476,7 @@ class StragglerWatch(Callback):
         runner.schedule_observers.append(self._timer.instrument)
         for sched in runner.schedules:
             self._timer.instrument(sched)
-        self._flags = [_Flag(self, "compute"), _Flag(self, "transfer")]
+        self._flags = [_Flag(self, "level"), _Flag(self, "compute"), _Flag(self, "transfer")]
         runner.step_checks.extend(self._flags)
 
     def _describe_rank(self, rank: int) -> str:
@@ -479,17 +503,35 @@ class StragglerWatch(Callback):
 
     def _flag(self, signal: str) -> float:
         self._observe()
+        if signal == "level":
+            return self._detectors["compute"].current_ratio if self._detectors else 0.0
         found = self._found.get(signal)
         return 0.0 if found is None else max(found.measured_ms / max(found.expected_ms, 1e-9), 1.0 + 1e-6)
 
     def _resolve(self, signal: str, flags: list[float]) -> None:
+        if signal == "level":
+            self._levels = list(flags)
+            return
         found, self._found[signal] = self._found.get(signal), None
         slow = {p: f for p, f in enumerate(flags) if f > 0}
+        if signal == "compute" and len(flags) > 1:
+            # a straggler is slow against the other positions too: a load that slows every rank alike is not one
+            levels = self._levels if len(self._levels) == len(flags) else [0.0] * len(flags)
+            least = min(lv if lv > 0 else flags[p] if flags[p] > 0 else 1.0 for p, lv in enumerate(levels))
+            slow = {p: f for p, f in slow.items() if f >= self.options.ratio * least}
+            if found is not None and not slow:
+                print(f"HPPStrategy: straggler watch: not reported, every pipeline position slowed alike "
+                      f"({found.describe()}; the least slowed position runs at {least:.2f}x its baseline).",
+                      file=sys.stderr, flush=True)
+                found = None
         if not slow:
             return
-        if signal == "transfer" and self.alerts and self.alerts[-1][0] == self._step and self.alerts[-1][1] == "compute":
+        if signal == "transfer" and (max(self._levels, default=0.0) >= self.options.ratio or any(
+                sig == "compute" and self._step - step <= 2 * self.options.steps for step, sig, _ in self.alerts)):
             return  # a rank waits because a peer computes slowly: that peer is the finding
         self.alerts.append((self._step, signal, slow))
+        if found is not None and self._position not in slow:
+            found = None
         if found is not None:
             self.findings.append(found)
             print(f"HPPStrategy: {found.describe()}.", file=sys.stderr, flush=True)
