@@ -137,20 +137,26 @@ def _read(out: Path, tag: str, rank: int) -> dict:
     return json.loads((out / f"{tag}_rank{rank}.json").read_text())
 
 
+def _summary(out: Path, tag: str) -> str:
+    """What both ranks of a job found (for assertion messages)."""
+    return "; ".join(f"rank {r}: step {d['global_step']}, {d['ended']}, findings {d['findings']}, alerts {d['alerts']}"
+                     for r, d in ((r, _read(out, tag, r)) for r in (0, 1)))
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     """Two rounds of jobs side by side (each job its own directory and port).
 
-    Round 1: ``warn`` (rank 1 sleeps 50 ms per stage forward from step 30), ``quiet`` (200 ordinary steps),
+    Round 1: ``warn`` (rank 1 sleeps 100 ms per stage forward from step 30), ``quiet`` (200 ordinary steps),
     ``stop`` (slowed from step 20, ``watch="stop"``), ``replan`` (``plan="auto"``, slowed from step 20,
     ``watch="replan"``), ``timeout`` (rank 1 sleeps 45 s once at step 5, timeout 30 s) and the one-process
     reference. Round 2: ``replan`` again with the same command (``resume="auto"``), and ``stop`` resumed.
     """
     out = tmp_path_factory.mktemp("watch")
-    slow = {"rank": 1, "after": 20, "ms": 50}
+    slow = {"rank": 1, "after": 20, "ms": 100}
     base = {"out": str(out), "n_micro": 4, "schedule": "1f1b", "plan": TWO}
     cfg = {
-        "warn": {**base, "tag": "warn", "steps": 60, "slow": {"rank": 1, "after": 30, "ms": 50}},
+        "warn": {**base, "tag": "warn", "steps": 60, "slow": {"rank": 1, "after": 30, "ms": 100}},
         "quiet": {**base, "tag": "quiet", "steps": 200},
         "stop": {**base, "tag": "stop", "steps": 40, "slow": slow, "watch": "stop", "ckpt_dir": str(out / "stop_ckpt"),
                  "resume": "auto"},
@@ -172,10 +178,10 @@ def test_a_slowed_rank_is_named_within_10_steps(jobs):
     proc = jobs["first"]["warn"]
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0, r1 = _read(jobs["out"], "warn", 0), _read(jobs["out"], "warn", 1)
-    assert r0["findings"] == []  # the rank at normal speed is not named
+    assert r0["findings"] == [] and len(r1["findings"]) == 1, _summary(jobs["out"], "warn")  # rank 0 is not named
     (f,) = r1["findings"]
     assert (f["rank"], f["stages"], f["signal"]) == (1, [1], "compute")
-    assert 30 <= f["since_step"] and f["step"] < 40
+    assert 30 <= f["since_step"] and f["step"] < 40, _summary(jobs["out"], "warn")
     assert f["measured_ms"] > 2 * f["expected_ms"]
     assert "straggler: rank 1 (host" in proc.stderr and "since step" in proc.stderr
     assert r0["alerts"] == r1["alerts"] and r0["alerts"][0][2] == {"1": pytest.approx(f["measured_ms"] / f["expected_ms"])}
@@ -186,7 +192,7 @@ def test_no_false_alarm_over_200_ordinary_steps(jobs):
     assert proc.returncode == 0, proc.stderr[-4000:]
     for r in (0, 1):
         got = _read(jobs["out"], "quiet", r)
-        assert got["global_step"] == 200 and got["findings"] == [] and got["alerts"] == []
+        assert got["global_step"] == 200 and got["findings"] == [] and got["alerts"] == [], _summary(jobs["out"], "quiet")
 
 
 def test_stop_ends_every_rank_with_its_code_and_a_resumable_checkpoint(jobs):

@@ -15,8 +15,12 @@ recent past (:class:`SlowdownDetector`):
 * a step is slow when its time exceeds ``ratio`` × the baseline median, the median plus
   ``min_ms``, and the median plus 6 scaled MADs;
 * a slowdown is found when most of the last ``steps`` steps are slow (a CPU quota that pauses a
-  process every 100 ms makes only some steps slow), from the first slow one of them on; the new
-  level then becomes the baseline, so one slowdown is reported once.
+  process every 100 ms makes only some steps slow) and has been for ``min_s`` seconds (2 s: a burst
+  of load on a shared host is not a straggler), from the first slow one of them on; the new level
+  then becomes the baseline, so one slowdown is reported once;
+* with more than one pipeline position, a position counts only if it is also ``ratio`` times slower
+  than the least slowed position (against each one's own baseline): a load that slows every rank
+  alike is not a straggler.
 
 Compute is compared with the plan's prediction too (``plan.meta["predicted"]``, for ``plan="auto"``):
 the finding says both. A transfer wait is watched the same way (a slow link), with ``wait_ms`` as
@@ -91,7 +95,7 @@ class WatchOptions:
     """Steps of the baseline (median and MAD of the last this many steps that were not slow)."""
     min_ms: float = 5.0
     """The least increase of a step's compute that counts, in ms (timer and scheduler noise)."""
-    min_s: float = 1.0
+    min_s: float = 2.0
     """The least wall time a slowdown must last, in seconds (a burst of load on a shared host is not a straggler)."""
     wait_ms: float = 200.0
     """The least increase of a transfer wait that counts, in ms (a wait also holds the peer's compute)."""
