@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
                         "ckpt": str(out / "ckpt_scratch"), "device_map": "0:fast,1:slow", "max_steps": args.steps},
         }
         runs: dict[str, list[dict[str, Any]]] = {}
+        notes: list[str] = []
         for name, job in jobs.items():
             if name == "replanned":
                 stopped = runs["slowdown"][0]["global_step"]
@@ -175,10 +176,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name} ...", flush=True)
             try:
                 runs[name] = tp.launch_ranks(__file__, job, 2, prefix=f"{name}_rank")
-            except SystemExit as exc:  # the watch's exit code is expected of the first run
-                if name != "slowdown" or f"[{76}, {76}]" not in str(exc):
+            except SystemExit as exc:  # the watch's exit code (76) of the first run; any other failure is said
+                files = [out / f"{name}_rank{r}.json" for r in (0, 1)]
+                if not all(f.exists() for f in files):
                     raise
-                runs[name] = [json.loads((out / f"{name}_rank{r}.json").read_text()) for r in (0, 1)]
+                if "[76, 76]" not in str(exc):
+                    notes.append(f"{name}: {str(exc).splitlines()[0]} (after writing its results)")
+                runs[name] = [json.loads(f.read_text()) for f in files]
     b = args.batch
     s0 = runs["slowdown"][0]
     found = next((a[0] for a in s0["alerts"] if a[1] == "compute"), None)
@@ -187,12 +191,15 @@ def main(argv: list[str] | None = None) -> None:
     after, n_after = samples_per_s(s0["times"], args.slow_at, (found if found is not None else 10**9) + 1, b)
     r0 = runs["replanned"][0]
     start = int(s0["global_step"])
-    replanned, n_re = samples_per_s(r0["times"], start + args.warmup, 10**9, b)
+    if s0["exit"] != 76:
+        notes.append(f"the watch found nothing in the slowdown run (exit {s0['exit']}): the re-planned run continued "
+                     f"the same plan from the newest checkpoint")
+    replanned, n_re = samples_per_s(r0["times"], start + args.warmup, 10**9, b) if r0["times"] else (float("nan"), 0)
     scratch, n_sc = samples_per_s(runs["scratch"][0]["times"], args.warmup, 10**9, b)
     resumed_steps = sorted(int(s) for s in r0["times"])
     lost = (resumed_steps[0] != start) if resumed_steps else True
     env.update(load_average_end=os.getloadavg(), wall_s=round(time.time() - started, 1), throttle=slow.method,
-               cgroup_cpu_stat=slow.stat, command=" ".join(["python", *sys.argv]))
+               cgroup_cpu_stat=slow.stat, command=" ".join(["python", *sys.argv]), notes=notes)
     lines = [
         f"quota drop at step {args.slow_at}: the watch's finding at step {found} "
         f"({'n/a' if found is None else found - args.slow_at} steps later; goal <= 10)",
