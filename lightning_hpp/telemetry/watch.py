@@ -20,7 +20,8 @@ recent past (:class:`SlowdownDetector`):
   then becomes the baseline, so one slowdown is reported once;
 * with more than one pipeline position, a position counts only if it is also ``ratio`` times slower
   than the least slowed position (against each one's own baseline): a load that slows every rank
-  alike is not a straggler.
+  alike is not a straggler. (The flags are the maximum over a position's replicas, so with one
+  position, plain data parallelism, there is nothing to compare with.)
 
 Compute is compared with the plan's prediction too (``plan.meta["predicted"]``, for ``plan="auto"``):
 the finding says both. A transfer wait is watched the same way (a slow link), with ``wait_ms`` as
@@ -39,7 +40,8 @@ Acting (``WatchOptions.action``):
 * ``"stop"``: every rank writes a checkpoint ``step-<N>`` into ``CheckpointOptions(dir=...)``,
   records the measured per-rank speeds in its ``metadata.json`` (``extra.watch``) and ends with
   exit code :data:`STOP_EXIT_CODE` (75).
-* ``"replan"``: the same, with exit code :data:`REPLAN_EXIT_CODE` (76). Started again (the same
+* ``"replan"``: the same, with exit code :data:`REPLAN_EXIT_CODE` (76). Only compute findings change
+  the recorded speeds; a slow link stops the job the same way, and re-planning then keeps the speeds. Started again (the same
   command with ``CheckpointOptions(resume="auto")``, or torchrun ``--max-restarts``), ``plan="auto"``
   plans with the recorded speeds (a slowed rank's costs are its kind's measured costs divided by its
   speed: :func:`~lightning_hpp.planning.profile.with_rank_speeds`) and the run resumes from that
@@ -409,7 +411,7 @@ class _Flag:
         pass
 
     def flag(self) -> torch.Tensor:
-        return torch.tensor(self.watch._flag(self.signal), dtype=torch.float32)
+        return torch.tensor(self.watch._flag(self.signal), dtype=torch.float32, device=self.watch._device)
 
     def resolve(self, flags: list[float]) -> None:
         self.watch._resolve(self.signal, [float(f) for f in flags])
@@ -453,6 +455,7 @@ class StragglerWatch(Callback):
         self._ctx: tuple[int, str, str, list[int]] = (0, "", "", [])
         self._levels: list[float] = []
         self._position = 0
+        self._device = torch.device("cpu")
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         view = pipeline_view(trainer)
@@ -470,6 +473,7 @@ class StragglerWatch(Callback):
                 self._rank_info[r] = (kinds[r] if r < len(kinds) else "?", stages_of_position(pos, mesh.pp, n_stages, style))
         host = socket.gethostname()
         self._position = mesh.position
+        self._device = view.root_device  # beside the other checks' flags
         self._ctx = (trainer.global_rank, host, view.device_kind or "?", list(view.stage_ids))
         predicted = ((view.plan.meta.get("predicted") or {}).get("compute_ms") if view.plan is not None else None) or []
         if predicted and all(k < len(predicted) for k in view.stage_ids):
@@ -544,8 +548,8 @@ class StragglerWatch(Callback):
 
     # ------------------------------------------------------------------ acting: every rank at the same batch
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        if self._decided is None:
-            return
+        if self._decided is None or trainer.global_step == self._step:
+            return  # nothing decided, or inside a gradient-accumulation window: act once the optimizer stepped
         signal, _ = self._decided
         view = pipeline_view(trainer)
         mine = next((f for f in reversed(self.findings) if f.step == self._observed_step), None)
