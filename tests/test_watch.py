@@ -172,6 +172,9 @@ def jobs(tmp_path_factory):
         "reference": {"reference": True, "out": str(out), "tag": "reference", "steps": 40},
     }
     first = dict(zip(cfg, run_scripts([(WORKER, c) for c in cfg.values()], timeout=900, check=False)))
+    for tag, proc in first.items():  # a job that failed to start says why, instead of a missing file
+        assert all((out / f"{tag}_rank{r}.json").exists() for r in ((0,) if tag == "reference" else (0, 1))), \
+            f"{tag} exited with {proc.returncode}:\n{proc.stderr[-6000:]}"
     snapshot = {t: [_read(out, t, r) for r in (0, 1)] for t in ("stop", "replan")}
     stop_ckpts = [c.url for c in sorted(list_checkpoints(str(out / "stop_ckpt")), key=lambda c: c.step, reverse=True)]
     resumed = {**cfg["stop"], "tag": "stop_resumed", "watch": "warn", "slow": None}

@@ -95,7 +95,7 @@ def main(cfg: dict) -> None:
         plan = StagePlan([StageSpec(modules=m) for m in plan])
     checkpoint = CheckpointOptions(dir=cfg.get("ckpt_dir"), resume=cfg.get("resume"))
     strategy = HPPStrategy(plan=plan, schedule=cfg.get("schedule"), n_microbatches=cfg.get("n_micro"), pp_degree=cfg.get("pp", 2),
-                           checkpoint=checkpoint, timeout=cfg.get("timeout", 60),
+                           checkpoint=checkpoint, timeout=cfg.get("timeout", 300),
                            placement=PlacementOptions(watch=cfg.get("watch", "warn")))
     losses = Losses()
     callbacks = [losses]
