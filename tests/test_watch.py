@@ -205,7 +205,9 @@ def test_a_slowed_rank_is_named_within_10_steps(jobs):
     assert r0["findings"] == [] and len(r1["findings"]) == 1, _summary(jobs["out"], "warn")  # rank 0 is not named
     (f,) = r1["findings"]
     assert (f["rank"], f["stages"], f["signal"]) == (1, [1], "compute")
-    assert 30 <= f["since_step"] and f["step"] < 40, _summary(jobs["out"], "warn")
+    # named within 10 steps of the change (step 30); "since" is the first slow step of the window that confirmed it,
+    # which on a loaded machine may be a noisy step just before
+    assert 30 - 3 <= f["since_step"] <= 35 and 30 <= f["step"] < 40, _summary(jobs["out"], "warn")
     assert f["measured_ms"] > 2 * f["expected_ms"]
     assert "straggler: rank 1 (host" in proc.stderr and "since step" in proc.stderr
     assert r0["alerts"] == r1["alerts"] and r0["alerts"][0][2] == {"1": pytest.approx(f["measured_ms"] / f["expected_ms"])}
