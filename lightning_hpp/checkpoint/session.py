@@ -79,8 +79,8 @@ class CheckpointSession:
         return _resume.step_checkpoint_callback(opts.dir, opts.every_n_steps)
 
     def recorded_speeds(self) -> dict[int, float] | None:
-        """The per-rank device speeds a straggler watch recorded (``extra.watch.speeds``) in the checkpoint this fit
-        is asked to resume from: the newest committed one for ``resume="auto"`` / ``"last"`` (the one loaded unless
+        """The per-rank device speeds a straggler watch recorded (``extra.watch.speeds``, or the ``rank_speeds`` of the
+        plan a re-planned run saved) in the checkpoint this fit is asked to resume from: the newest committed one for ``resume="auto"`` / ``"last"`` (the one loaded unless
         it turns out damaged), or the explicit one. ``None`` when there is none (collective: rank 0 reads, all get it).
         """
         request = self._fit_request
@@ -96,7 +96,9 @@ class CheckpointSession:
                     meta = read_metadata(str(request))
                 except (CheckpointError, OSError):  # its load reports what is wrong with it
                     return None
-            return ((meta.get("extra") or {}).get("watch") or {}).get("speeds")
+            # a checkpoint written later by the re-planned run carries them in its plan
+            return (((meta.get("extra") or {}).get("watch") or {}).get("speeds")
+                    or ((meta.get("plan") or {}).get("meta") or {}).get("rank_speeds"))
 
         speeds = _resume.on_rank0(read)
         return {int(r): float(v) for r, v in speeds.items()} if speeds else None
