@@ -108,3 +108,7 @@ class TrainConfigError(ValueError):
 # ---- the job's processes
 class RankFailedError(RuntimeError):
     """Another rank of the job failed first; the message names it and repeats its exception."""
+
+
+class TransferError(RuntimeError):
+    """A pipeline send or receive failed or timed out; the message names both ranks and their stages."""

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from lightning_hpp.errors import BiasConfigError, CheckpointError, PlacementError, TelemetryError
 from lightning_hpp.planning.devices import ENV_VAR as DEVICE_KIND_ENV
 from lightning_hpp.planning.devices import parse_device_map
+from lightning_hpp.telemetry.watch import watch_options
 from lightning_hpp.validation import check_bool, check_choice, check_int, check_path
 
 POLICIES = ("warn", "error", "off")
@@ -125,6 +126,11 @@ class PlacementOptions:
     ``HPP_DEVICE_KIND`` in the environment. Stages with ``device=`` go to ranks of that kind."""
     profile: str | None = None
     """A cost-profile JSON for ``plan="auto"`` instead of measuring the units."""
+    watch: Any = "warn"
+    """The straggler watch (:mod:`lightning_hpp.telemetry.watch`): ``"warn"`` (default), ``"stop"``
+    (checkpoint with the measured speeds, exit code 75), ``"replan"`` (the same, exit code 76; started
+    again with ``resume="auto"``, ``plan="auto"`` plans with those speeds), ``"off"``, or a
+    :class:`~lightning_hpp.telemetry.watch.WatchOptions` (or a dict of its fields)."""
 
     error: ClassVar[type[ValueError]] = PlacementError
     """The error class of this section's checks."""
@@ -141,6 +147,7 @@ class PlacementOptions:
             raise PlacementError(f"`PlacementOptions(device_map={self.device_map!r})`: {err}") from None
         check_path(self.profile, "PlacementOptions(profile=...)", optional=True, error=PlacementError,
                    kind="the path of a cost-profile JSON")
+        object.__setattr__(self, "watch", watch_options(self.watch))
 
     def check_world(self, world_size: int) -> None:
         """Refuse a ``device_map`` (or ``$HPP_DEVICE_KIND`` map) whose ranks do not match a job of ``world_size``.

@@ -167,8 +167,8 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         self._launcher = Launcher(self._resolve_fit_ckpt, self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _resolve_fit_ckpt(self, trainer: Any, ckpt_path: Any) -> Any:
-        dirs = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
-        return self._session.request_fit(ckpt_path, dirs)  # a PendingResume is decided by all ranks at the end of setup
+        # a PendingResume is decided by all ranks at the end of setup
+        return self._session.request_fit(ckpt_path, [cb.dirpath for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)])
 
     @override
     def setup_environment(self) -> None:
@@ -219,15 +219,15 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         if self._pipeline is None or self._pipeline.module is not module:
             self._pipeline = build_pipeline(module, self._spec, self._setup_inputs(trainer, module, fitting))
         step_saver = self._session.step_callback(trainer.callbacks) if fitting else None
-        trainer.callbacks.extend(([step_saver] if step_saver is not None else [])
-                                 + pipeline_callbacks(trainer.callbacks, self._telemetry, auto=self._spec.auto and fitting))
+        trainer.callbacks.extend(([step_saver] if step_saver is not None else []) + pipeline_callbacks(
+            trainer.callbacks, self._telemetry, auto=self._spec.auto and fitting, watch=self._placement.watch if fitting else None,
+            checkpoint_dir=self._checkpoint.dir, notes=self._session.notes, timeout=self._timeout))
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-        log_dir = trainer.log_dir or trainer.default_root_dir  # collective: every rank asks
-        p = self._pipeline
+        log_dir, p = trainer.log_dir or trainer.default_root_dir, self._pipeline  # log_dir is collective: every rank asks
         if self.is_global_zero and log_dir is not None:
             p.plan.save(f"{str(log_dir).rstrip('/')}/{PLAN_FILENAME}", schedule=p.schedule, n_microbatches=p.n_microbatches,
                         pp_degree=p.mesh.pp, dp_degree=p.mesh.dp)
@@ -251,7 +251,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
             step_fn=getattr(module, step_name), batch=batch, fitting=fitting, precision=self.precision_plugin,
             trainer_precision=trainer_precision, placement=self._placement, init=self._init,
             split_batches=fitting and can_rebatch(loader), global_step=lambda: int(trainer.global_step),
-            default_seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
+            recorded_speeds=self._session.recorded_speeds, default_seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
 
     @override
     def model_to_device(self) -> None:

@@ -66,6 +66,8 @@ class SetupInputs:
         placement, init: The strategy's option sections.
         global_step: The optimizer step being run (read by the precision guards).
         default_seed: The initializers' seed when ``init.seed`` is unset.
+        recorded_speeds: Collective: the per-rank speeds the straggler watch recorded in the checkpoint the
+            fit resumes from (``plan="auto"`` plans with them), ``None`` when none.
     """
 
     world_size: int
@@ -81,6 +83,7 @@ class SetupInputs:
     split_batches: bool = True
     global_step: Callable[[], int] = lambda: -1
     default_seed: int = 0
+    recorded_speeds: Callable[[], dict[int, float] | None] = lambda: None
 
 
 @dataclass(frozen=True)
@@ -272,7 +275,8 @@ def _auto_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch
     plan, grid, table, chosen = auto_plan(
         units, unit_inputs, inputs.rank, rank_kinds, batch_size=batch_size_of(batch), device=inputs.device,
         data_groups=groups, pp_degree=spec.pp_degree, schedule=spec.schedule, n_microbatches=spec.n_microbatches,
-        loss_probe=probe, profile_path=inputs.placement.profile, split_batches=inputs.split_batches and inputs.fitting)
+        loss_probe=probe, profile_path=inputs.placement.profile, split_batches=inputs.split_batches and inputs.fitting,
+        speeds=inputs.recorded_speeds() if inputs.fitting else None)
     rank_zero_info(f"HPPStrategy: plan='auto' chose\n{table}")
     return ResolvedPlan(to_cut(plan), chosen.schedule, chosen.n_microbatches, split=chosen.dp_degree // groups, grid=grid,
                         pp_degree=chosen.pp_degree)

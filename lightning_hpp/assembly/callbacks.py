@@ -9,19 +9,34 @@ from typing import Any
 
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from lightning_hpp.errors import PlanError
+from lightning_hpp.errors import PlacementError, PlanError
 from lightning_hpp.options import TelemetryOptions
 from lightning_hpp.precision.plugin import HPPPrecision
 from lightning_hpp.telemetry.callback import PipelineTelemetry
 from lightning_hpp.telemetry.report import PlacementReport
+from lightning_hpp.telemetry.watch import StragglerWatch, WatchOptions, strategy_timeout_s
 
 
-def pipeline_callbacks(callbacks: Sequence[Any], telemetry: TelemetryOptions | None, *, auto: bool) -> list[Any]:
-    """The callbacks to add beside ``callbacks``: ``PipelineTelemetry`` when ``telemetry`` asks for it or
-    ``plan="auto"`` (``auto``) reports on its plan, and that ``PlacementReport`` (each unless already there)."""
-    if telemetry is None and not auto:
-        return []
+def pipeline_callbacks(callbacks: Sequence[Any], telemetry: TelemetryOptions | None, *, auto: bool,
+                       watch: WatchOptions | None = None, checkpoint_dir: str | None = None,
+                       notes: dict[str, Any] | None = None, timeout: Any = None) -> list[Any]:
+    """The callbacks to add beside ``callbacks``: the ``StragglerWatch`` of ``watch`` (first: its transfer
+    timing sits under the telemetry's), ``PipelineTelemetry`` when ``telemetry`` asks for it or
+    ``plan="auto"`` (``auto``) reports on its plan, and that ``PlacementReport`` (each unless already there).
+
+    Raises:
+        PlacementError: a watch that ends the job (``"stop"``, ``"replan"``) without a checkpoint ``dir``.
+    """
     added: list[Any] = []
+    if watch is not None and watch.action != "off" and not any(isinstance(cb, StragglerWatch) for cb in callbacks):
+        if watch.ends_the_job and checkpoint_dir is None:
+            raise PlacementError(
+                f"`PlacementOptions(watch={watch.action!r})` writes a checkpoint before it ends the job, but "
+                f"`HPPStrategy(checkpoint=CheckpointOptions(dir=...))` is not set. Set `dir=` (and `resume='auto'` to "
+                f"continue from it), or use `watch='warn'`.")
+        added.append(StragglerWatch(watch, checkpoint_dir, notes, strategy_timeout_s(timeout)))
+    if telemetry is None and not auto:
+        return added
     has_telemetry = any(isinstance(cb, PipelineTelemetry) for cb in callbacks)
     only_for_report = telemetry is None and not has_telemetry
     if not has_telemetry:

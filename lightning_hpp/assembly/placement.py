@@ -13,6 +13,7 @@ Both run on every rank at setup, before the model is cut:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ from lightning_hpp.planning.profile import (
     check_profile_matches,
     fit_fixed_costs,
     profile_units,
+    with_rank_speeds,
 )
 from lightning_hpp.planning.search import search_plan
 
@@ -96,6 +98,7 @@ def auto_plan(
     profile_path: str | None = None,
     link_gbps: float | None = None,
     split_batches: bool = True,
+    speeds: dict[int, float] | None = None,
 ) -> tuple[StagePlan, list[list[int]], str, PartitionResult]:
     """Profile, then search the whole plan for the ranks of this job (collective).
 
@@ -119,6 +122,9 @@ def auto_plan(
         profile_path: A cost profile to use instead of measuring (taken as it is).
         link_gbps: Link speed where nothing was measured.
         split_batches: Whether the loader's batches can be made smaller (more replicas than loader batches).
+        speeds: Per-rank speeds recorded by the straggler watch (``{rank: share of its kind's speed}``): the
+            search plans those ranks with their kind's costs divided by the speed
+            (:func:`~lightning_hpp.planning.profile.with_rank_speeds`); the profiling is as without them.
 
     Returns:
         The plan (with ``meta["predicted"]`` and the profile it was made from in ``meta["profile"]``), the rank grid ``grid[position][replica]``, a table
@@ -144,13 +150,19 @@ def auto_plan(
                 p = CostProfile.from_dict(part)
                 profile = p if profile is None else profile.merge(p)
         assert profile is not None
+    planned, plan_kinds = with_rank_speeds(profile, rank_kinds, speeds)
     result = search_plan(
-        profile, rank_kinds, batch_size=batch_size, data_groups=data_groups, pp_degree=pp_degree,
+        planned, plan_kinds, batch_size=batch_size, data_groups=data_groups, pp_degree=pp_degree,
         n_microbatches=n_microbatches, schedule=schedule,
         link_gbps=link_gbps if link_gbps is not None else DEFAULT_LINK_GBPS, split_batches=split_batches,
     )
     plan = result.plan
     plan.meta["profile"] = profile.to_dict()  # what the plan was made from: re-plan offline with search_plan
+    if plan_kinds != list(rank_kinds):  # the derived kinds are the planner's alone: stages ask for the ranks' own kinds
+        base = dict(zip(plan_kinds, rank_kinds))
+        plan = StagePlan([dataclasses.replace(s, device=base.get(s.device, s.device)) for s in plan.stages], plan.meta)
+    if speeds:
+        plan.meta["rank_speeds"] = {str(r): float(v) for r, v in sorted(speeds.items())}
     return plan, [list(row) for row in result.ranks], result.format_table(), result
 
 

@@ -22,7 +22,7 @@ from lightning_hpp.checkpoint import resume as _resume
 from lightning_hpp.checkpoint.fp8_state import FP8Slot
 from lightning_hpp.checkpoint.lightning_state import load_lightning_checkpoint, save_lightning_checkpoint, set_rng_state
 from lightning_hpp.checkpoint.sharded import wait_for_pending_save
-from lightning_hpp.checkpoint.store import delete_checkpoint, route_storage
+from lightning_hpp.checkpoint.store import delete_checkpoint, read_metadata, route_storage, scan
 from lightning_hpp.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -46,6 +46,8 @@ class CheckpointSession:
         self._resume_batches = 0
         self._resume_epoch = 0
         self._unroute: Callable[[], None] | None = None
+        self.notes: dict[str, Any] = {}
+        """JSON entries every later save's ``metadata.json`` carries under ``extra`` (the straggler watch's speeds)."""
 
     @property
     def resumed_from(self) -> str | None:
@@ -84,6 +86,31 @@ class CheckpointSession:
             return None
         return _resume.step_checkpoint_callback(opts.dir, opts.every_n_steps)
 
+    def recorded_speeds(self) -> dict[int, float] | None:
+        """The per-rank device speeds a straggler watch recorded (``extra.watch.speeds``, or the ``rank_speeds`` of the
+        plan a re-planned run saved) in the checkpoint this fit is asked to resume from: the newest committed one for ``resume="auto"`` / ``"last"`` (the one loaded unless
+        it turns out damaged), or the explicit one. ``None`` when there is none (collective: rank 0 reads, all get it).
+        """
+        request = self._fit_request
+        if request is None:
+            return None
+
+        def read() -> Any:
+            if isinstance(request, _resume.PendingResume):
+                found = scan(request.roots, prefer=request.prefer).committed
+                meta = found[0].metadata if found else {}
+            else:
+                try:
+                    meta = read_metadata(str(request))
+                except (CheckpointError, OSError):  # its load reports what is wrong with it
+                    return None
+            # a checkpoint written later by the re-planned run carries them in its plan
+            return (((meta.get("extra") or {}).get("watch") or {}).get("speeds")
+                    or ((meta.get("plan") or {}).get("meta") or {}).get("rank_speeds"))
+
+        speeds = _resume.on_rank0(read)
+        return {int(r): float(v) for r, v in speeds.items()} if speeds else None
+
     def begin_fit(self, load: Callable[[str], dict[str, Any]]) -> None:
         """At the end of a fit's setup, on every rank (collective): choose and load a pending resume."""
         self._preloaded, self._run_id = _resume.begin_fit(self._fit_request, checkpoint_dir=self.options.dir,
@@ -121,7 +148,7 @@ class CheckpointSession:
         """What every checkpoint's ``metadata.json`` carries beside the weights."""
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
         return {"plan": plan, "metrics": scalars, "hyper_parameters": hyper_parameters, "run_id": self._run_id,
-                "fingerprint": fingerprint}
+                "fingerprint": fingerprint, **self.notes}
 
     def save(self, checkpoint: dict[str, Any], filepath: Any, module: torch.nn.Module, optimizers: list[Any], *,
              global_rank: int, position: int, replica: int, extra: dict[str, Any], storage_options: Any = None,
