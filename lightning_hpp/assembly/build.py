@@ -32,12 +32,13 @@ from torch import nn
 from lightning_hpp._dist import broadcast_tensors
 from lightning_hpp.assembly.placement import auto_plan, gather_kinds, kind_grid, loss_probe
 from lightning_hpp.assembly.spec import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PipelineSpec, ResolvedPlan
-from lightning_hpp.errors import PlanError
+from lightning_hpp.errors import PlanError, ShardingError
 from lightning_hpp.model.frontend import balanced_plan, cut_model, planning_units
 from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, materialize_stages
 from lightning_hpp.model.units import find_units
-from lightning_hpp.options import InitOptions, PlacementOptions
+from lightning_hpp.options import InitOptions, PlacementOptions, ShardingOptions
 from lightning_hpp.pipeline.epoch_end import replay_epoch_ends
+from lightning_hpp.pipeline.fsdp import ShardedStages, shard_stages
 from lightning_hpp.pipeline.grads import GradHandover, shared_gradient_groups
 from lightning_hpp.pipeline.mesh import Mesh, stages_of_position
 from lightning_hpp.pipeline.microbatch import batch_size_of, split_batch
@@ -63,7 +64,7 @@ class SetupInputs:
         fitting: Whether the entry point trains.
         split_batches: Whether the train loader's batches can be made smaller (``plan="auto"``).
         precision: The precision plugin; ``trainer_precision`` the Trainer's ``precision`` flag.
-        placement, init: The strategy's option sections.
+        placement, init, sharding: The strategy's option sections.
         global_step: The optimizer step being run (read by the precision guards).
         default_seed: The initializers' seed when ``init.seed`` is unset.
     """
@@ -78,6 +79,7 @@ class SetupInputs:
     trainer_precision: str | None
     placement: PlacementOptions = field(default_factory=PlacementOptions)
     init: InitOptions = field(default_factory=InitOptions)
+    sharding: ShardingOptions = field(default_factory=ShardingOptions)
     split_batches: bool = True
     global_step: Callable[[], int] = lambda: -1
     default_seed: int = 0
@@ -152,15 +154,15 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     check_schedule(resolved.schedule, plan.num_stages, pp, resolved.n_microbatches)
     positions = [stages_of_position(r, pp, plan.num_stages, resolved.kind.style) for r in range(pp)]
     grid = resolved.grid if resolved.grid is not None else kind_grid(plan, positions, rank_kinds, pp, world // pp)
-    mesh = Mesh.build(world, pp, inputs.rank, grid=grid)
+    mesh = _mesh(world, pp, inputs, grid)
     plan.meta["device_kinds"] = rank_kinds
     mesh.init_groups(device_type=device.type)
+    module._device_mesh = mesh.device_mesh  # what `LightningModule.device_mesh` reads, as under ModelParallelStrategy
     stage_ids = positions[mesh.position]
     cut.keep_only(module, stage_ids)
     bodies = [b for mode in ("train", "eval") for k in stage_ids for b in cut.bodies[mode][k]]
     if has_meta_parameters(module):
         _materialize(module, inputs)
-    shared = shared_gradient_groups(cut.shared, dict(module.named_parameters()), positions, mesh)
     traced = cut.frontend == "traced"
     recompute = [spec.activation_checkpointing if s.activation_checkpointing is None else s.activation_checkpointing
                  for s in plan.stages]
@@ -181,18 +183,67 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
                      step_checks=runner.step_checks, repeated_names=repeated,
                      named_parameters=lambda: dict(module.named_parameters()))
     inputs.precision.configure_stages(plan, view, inputs.trainer_precision, device, rank_kinds[inputs.rank])
-    grads = GradHandover(stages["train"], mesh.dp_group, mesh.dp, shared=shared)
+    runner.sharded = _shard(module, plan, stages["train"], mesh, inputs)
+    if runner.sharded is not None:
+        view.shard_group = mesh.dp_shard_group
+    # after sharding: the parameters several stages use are the ones the stages hold now (shards, under FSDP2)
+    shared = shared_gradient_groups(cut.shared, dict(module.named_parameters()), positions, mesh)
+    # FSDP2 reduces a sharded stage's gradients itself (reduce-scatter, and all-reduce over hsdp's replicas)
+    grads = GradHandover(stages["train"], None if runner.sharded else mesh.dp_group, 1 if runner.sharded else mesh.dp,
+                         shared=shared)
     runner.last_backward_window = grads.last_backward
     replay_epoch_ends(module, holds_last=runner.holds_last, pp_group=mesh.pp_group if pp > 1 else None,
                       last_position=runner.last_position, dp_group=mesh.dp_group)
     rank_zero_info(
         f"HPPStrategy: {plan.num_stages} stages, frontend={cut.frontend} ({cut.reason}), schedule={resolved.schedule}, "
         f"n_microbatches={resolved.n_microbatches}, pp={pp} × dp={mesh.dp}"
+        + (f" ({inputs.sharding.data_parallel}: dp_replicate={mesh.dp_replicate} × dp_shard={mesh.dp_shard})"
+           if runner.sharded else "")
         + (f", shared parameters {sorted(cut.shared)}" if cut.shared else "") + f"\n{plan.table()}"
     )
     return Pipeline(module=module, plan=plan, mesh=mesh, stage_ids=tuple(stage_ids), schedule=resolved.schedule,
                     n_microbatches=resolved.n_microbatches, split=resolved.split, frontend=cut.frontend, reason=cut.reason,
                     rank_kinds=tuple(rank_kinds), runner=runner, grads=grads)
+
+
+def _mesh(world: int, pp: int, inputs: SetupInputs, grid: list[list[int]] | None) -> Mesh:
+    """The rank grid of ``pp`` positions with the sharding options' data-parallel shape.
+
+    Raises:
+        ShardingError: ``tp_degree > 1`` (tensor parallelism inside a stage is not available yet), or an hsdp
+            ``dp_replicate`` that does not divide the replicas.
+    """
+    sharding = inputs.sharding
+    if sharding.tp_degree > 1:
+        raise ShardingError(f"`ShardingOptions(tp_degree={sharding.tp_degree})`: tensor parallelism inside a stage is not "
+                            f"available in this version. Use tp_degree=1 (shard the stages with data_parallel='fsdp' "
+                            f"instead), or more pipeline stages.")
+    if world % pp:
+        return Mesh.build(world, pp, inputs.rank, grid=grid)  # refused there, with the sizes
+    _, dp_shard = sharding.dp_dims(world // pp)
+    return Mesh.build(world, pp, inputs.rank, grid=grid, dp_shard=dp_shard)
+
+
+def _shard(root: nn.Module, plan: StagePlan, stages: dict[int, StageModule], mesh: Mesh,
+           inputs: SetupInputs) -> ShardedStages | None:
+    """FSDP2 on this rank's training stages when ``ShardingOptions`` asks for it (collective over the shard
+    groups), after the precision plugin cast them to their stages' dtypes; ``None`` for unsharded stages.
+
+    Raises:
+        ShardingError: an fp8 stage (its converted or emulated GEMMs keep per-weight scaling state that
+            FSDP2's sharded parameters do not carry yet).
+    """
+    sharding = inputs.sharding
+    if not sharding.sharded:
+        return None
+    precisions = inputs.precision.stage_precisions(plan, inputs.trainer_precision)
+    fp8 = [k for k, p in enumerate(precisions) if p == "fp8"]
+    if fp8:
+        raise ShardingError(
+            f"`ShardingOptions(data_parallel={sharding.data_parallel!r})` cannot shard fp8 stages yet (stage(s) {fp8}). "
+            f"Give those stages another precision (e.g. 'bf16-mixed'), or keep data_parallel='ddp'.")
+    return shard_stages(root, stages, {k: list(plan.stages[k].modules) for k in stages}, mesh.shard_mesh,
+                        sharding.reshard_after_forward)
 
 
 def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch: Any,

@@ -1,0 +1,92 @@
+"""Train a real model (tests.real_models) under HPPStrategy with sharded stages, for several configurations in one
+launch, and save what each rank holds, shards gathered.
+
+Every rank saves, per configuration, to OUT/<name>/rank{r}.pt: ``state`` (its stages' parameters, each FSDP2
+shard gathered with ``DTensor.full_tensor``), ``local`` (per parameter: the numel of its local shard, of its
+gradient's local shard and of its optimizer state's local shards, and its full numel), the loss of every step, the
+plan, the stages it holds and its place in the mesh (``position``, ``replica``, ``dp_shard``, ``dp_replicate``).
+Usage: python -m tests.workers.run_sharded '<json: {"devices": N, "runs": [config, ...]}>'
+
+Config keys as :mod:`tests.workers.run_real` (``model``, ``points``, ``precision``, ``schedule``, ``n_micro``,
+``pp``, ``steps``, ``batch``, ``n``, ``out``, ``model_kw``, ``strategy``, ``gradient_clip_val``) and ``clip``
+(``HPPPrecision(clip=...)``). A config with ``"refused": true`` records each rank's error
+(:mod:`tests.workers.refusals`) and the job goes on.
+"""
+
+import json
+import os
+import sys
+
+import lightning as L
+import torch
+
+from lightning_hpp import HPPPrecision, HPPStrategy, StagePlan
+from tests.real_models import LMWrapper, loader
+from tests.workers.run_real import StepLosses
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _local_numel(t) -> int:
+    return (t.to_local() if hasattr(t, "to_local") else t).numel()
+
+
+def run(cfg: dict, devices: int) -> None:
+    L.seed_everything(0)
+    model = LMWrapper(cfg["model"], **cfg.get("model_kw", {}))
+    train = loader(cfg["model"], cfg["batch"], n=cfg.get("n", 32))
+    fields = {"precision": cfg["precision"]} if cfg.get("precision") else {}
+    plan = StagePlan.split_at(cfg["points"], **fields) if cfg.get("points") else None
+    strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["n_micro"], pp_degree=cfg.get("pp"),
+                           timeout=120, **cfg.get("strategy", {}))
+    losses = StepLosses()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg["steps"], logger=False,
+                        plugins=[HPPPrecision(clip=cfg.get("clip", "global"))], callbacks=[losses],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=cfg["out"],
+                        gradient_clip_val=cfg.get("gradient_clip_val"))
+    try:
+        trainer.fit(model, train)
+    except BaseException as exc:
+        os.makedirs(cfg["out"], exist_ok=True)
+        with open(os.path.join(cfg["out"], f"rank{trainer.global_rank}_error.txt"), "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        raise
+    opt = trainer.optimizers[0]
+    local = {}
+    for name, p in model.named_parameters():
+        state = opt.state.get(p, {})
+        local[name] = {"param": _local_numel(p), "full": p.numel(), "dtensor": hasattr(p, "to_local"),
+                       "grad": None if p.grad is None else _local_numel(p.grad),
+                       "optim": sum(_local_numel(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim())}
+    mesh = strategy.mesh
+    out = {
+        # collective: every rank of a stage's shard group gathers its parameters in the same (state_dict) order
+        "state": {k: _full(v).detach().clone() for k, v in model.state_dict().items()},
+        "local": local,
+        "losses": losses.losses,
+        "stage_ids": strategy.stage_ids,
+        "plan": strategy.plan.to_dict(),
+        "position": mesh.position, "replica": mesh.replica, "dp_shard": mesh.dp_shard, "dp_replicate": mesh.dp_replicate,
+        "device_mesh_dims": list(model.device_mesh.mesh_dim_names),
+        "device_mesh_shape": list(model.device_mesh.mesh.shape),
+    }
+    os.makedirs(cfg["out"], exist_ok=True)
+    torch.save(out, os.path.join(cfg["out"], f"rank{trainer.global_rank}.pt"))
+
+
+if __name__ == "__main__":
+    import functools
+
+    from tests.workers.refusals import exit_status, try_case
+
+    spec = json.loads(sys.argv[1])
+    records = []
+    for cfg in spec["runs"]:
+        if cfg.get("refused"):
+            records.append(try_case(cfg["out"], spec["devices"], functools.partial(run, cfg, spec["devices"])))
+        else:
+            run(cfg, spec["devices"])
+    sys.exit(exit_status(records))
