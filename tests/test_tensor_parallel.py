@@ -1,0 +1,182 @@
+"""Tensor parallel inside a stage (lightning_hpp.pipeline.tensor_parallel): the plan a stage is split by (a
+transformers model's ``base_model_tp_plan``, else the LightningModule's ``parallelize_stage``), its refusals,
+and, on 2 gloo ranks, a tiny Llama split by its own plan: the user's modules as written and the model traced at
+its local width give the losses and, after AdamW steps, the whole parameters of the unsplit model trained in
+one process (1e-5); built on the meta device, each rank reads only its shards' rows and columns from a sharded
+``save_pretrained`` directory (the bytes read counted), or draws them with the modules' own initializers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_hpp.errors import PlanError
+from lightning_hpp.pipeline.tensor_parallel import HOOK, TPPlan, check_frontend, resolve_tp_plan, torch_style
+from tests.real_models import LMWrapper
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+META_LAYERS = 2
+
+
+# ------------------------------------------------------------------------------------------ plans, offline
+def test_a_transformers_llama_is_split_by_its_own_plan():
+    plan = resolve_tp_plan(LMWrapper("llama", layers=2), 2)
+    assert not plan.hook and "LlamaForCausalLM.config.base_model_tp_plan" in plan.source
+    for layer in (0, 1):
+        p = f"model.model.layers.{layer}"
+        assert {plan.styles[f"{p}.self_attn.{x}_proj"] for x in "qkv"} == {"colwise"}
+        assert plan.styles[f"{p}.self_attn.o_proj"] == "rowwise" and plan.styles[f"{p}.mlp.down_proj"] == "rowwise"
+        assert plan.styles[f"{p}.mlp.gate_proj"] == plan.styles[f"{p}.mlp.up_proj"] == "colwise"
+    assert len(plan.styles) == 14  # no head, no embedding, no norm: those stay whole
+
+
+def test_a_model_without_a_plan_is_refused_naming_the_fix():
+    with pytest.raises(PlanError, match=r"`LMWrapper` has no plan.*base_model_tp_plan.*parallelize_stage"):
+        resolve_tp_plan(LMWrapper("deep_mlp", blocks=2, width=8), 2)
+
+
+def test_head_counts_that_tp_does_not_divide_are_refused_naming_them():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1))
+
+    with pytest.raises(PlanError, match=r"tp_degree=2 does not divide: LlamaConfig.num_key_value_heads=1") as err:
+        resolve_tp_plan(Wrapper(), 2)
+    assert "num_attention_heads" not in str(err.value)  # 4 heads divide by 2
+    with pytest.raises(PlanError, match=r"num_attention_heads=4.*num_key_value_heads=2"):
+        resolve_tp_plan(LMWrapper("llama", layers=1), 3)
+
+
+def test_the_hook_wins_and_is_refused_on_traced_stages():
+    class Hooked(LMWrapper):
+        def parallelize_stage(self, module, mesh):
+            pass
+
+    plan = resolve_tp_plan(Hooked("llama", layers=1), 2)
+    assert plan.hook and plan.styles == {}
+    check_frontend(plan, "sequential", "Hooked")
+    with pytest.raises(PlanError, match=rf"`Hooked.{HOOK}.*traced"):
+        check_frontend(plan, "traced", "Hooked")
+    check_frontend(TPPlan({"x": "colwise"}), "traced", "M")  # a transformers plan is captured at its local width
+
+
+def test_styles_are_torch_styles_and_unknown_ones_are_refused():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    assert isinstance(torch_style("colwise", "linear"), ColwiseParallel)
+    row = torch_style("rowwise", "linear")
+    assert isinstance(row, RowwiseParallel) and row.input_layouts == (Shard(-1),) and row.output_layouts == (Replicate(),)
+    assert torch_style("colwise_rep", "linear").output_layouts == (Replicate(),)
+    with pytest.raises(PlanError, match=r"'packed_colwise' is not one lightning_hpp applies"):
+        torch_style("packed_colwise", "linear")
+    with pytest.raises(PlanError, match=r"'embedding_rowwise' splits an nn.Embedding, but the module is an nn.Linear"):
+        torch_style("embedding_rowwise", "linear")
+
+
+# ------------------------------------------------------------------------------------------ 2 gloo ranks
+def _reference():
+    """The unsplit Llama, one process, the worker's batches and optimizer."""
+    from tests.workers import tp_worker
+
+    torch.manual_seed(0)
+    model = LMWrapper("llama", layers=2)
+    torch.set_num_threads(1)
+    losses = tp_worker.train(model, lambda ids, mask: model(ids, attention_mask=mask))
+    return model.state_dict(), losses
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    from tests.bias_workers.launch import run_ranks
+
+    out = tmp_path_factory.mktemp("tp")
+    torch.manual_seed(0)
+    eager = LMWrapper("llama", layers=META_LAYERS)
+    eager.model.save_pretrained(out / "hf", max_shard_size="20KB")
+    (out / "cases.json").write_text(json.dumps({"weights": str(out / "hf"), "meta_layers": META_LAYERS}))
+    from pathlib import Path
+
+    ranks = run_ranks(Path(__file__).parent / "workers" / "tp_worker.py", 2, out, timeout=300)
+    return out, ranks, eager
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["eager", "traced"])
+def test_llama_split_over_two_ranks_trains_as_the_unsplit_model(job, case):
+    out, ranks, _ = job
+    ref_state, ref_losses = _reference()
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r[case]["losses"]), torch.tensor(ref_losses), **TOL)
+        shards = r[case]["shards"]
+        # every projection of the plan is split, each rank holding half of it; the rest is whole
+        q, o = (shards[f"model.model.layers.0.self_attn.{x}_proj.weight"] for x in "qo")
+        assert (q["dim"], q["local"], o["dim"], o["local"]) == (0, [16, 32], 1, [32, 16])
+        assert shards["model.model.embed_tokens.weight"]["dim"] is None
+        assert len(r[case]["split"]) == 14
+    if case == "traced":
+        assert ranks[0][case]["frontend"] == "traced"
+    got = torch.load(out / f"{case}.pt")
+    assert set(got) == set(ref_state)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(got[name], value, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert ref_losses[0] != ref_losses[-1]  # it trained
+
+
+@pytest.mark.slow
+def test_a_meta_llama_reads_only_its_shards_from_a_sharded_save_pretrained_directory(job):
+    from safetensors import safe_open
+
+    out, ranks, eager = job
+    files = sorted((out / "hf").glob("*.safetensors"))
+    assert len(files) > 1 and (out / "hf" / "model.safetensors.index.json").exists()
+    full = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            full.update({k: h.get_tensor(k) for k in h.keys()})
+    file_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    for rank, r in enumerate(ranks):
+        rep = r["meta_weights"]
+        assert rep["meta_left"] == [] and rep["materialized"] > 0
+        # every byte read is one of this rank's shards (or a whole tensor it holds whole), each read once
+        assert rep["read_bytes"] == rep["local_bytes"] < 0.75 * file_bytes, (rep["read_bytes"], rep["local_bytes"], file_bytes)
+        local = torch.load(out / f"meta_weights.rank{rank}.pt")
+        for name, value in local.items():
+            if name not in rep["shards"]:
+                continue  # buffers: built real, not read
+            whole = full[name.removeprefix("model.")] if name.removeprefix("model.") in full else full["model.embed_tokens.weight"]
+            dim = rep["shards"][name]["dim"]
+            expected = whole if dim is None else whole.chunk(2, dim=dim)[rank]
+            torch.testing.assert_close(value, expected, rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(eager.state_dict()[name], whole, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_meta_llama_split_draws_the_unsplit_models_initial_weights(job):
+    from lightning_hpp.model.materialize import init_on_meta, materialize
+
+    out, ranks, _ = job
+    with init_on_meta():
+        single = LMWrapper("llama", in_configure_model=True, layers=META_LAYERS)
+        single.configure_model()
+    materialize(single, torch.device("cpu"), seed=0)
+    expected = single.state_dict()
+    for rank, r in enumerate(ranks):
+        rep = r["meta_init"]
+        assert rep["read_bytes"] == 0 and rep["meta_left"] == []
+        local = torch.load(out / f"meta_init.rank{rank}.pt")
+        split = 0
+        for name, shard in rep["shards"].items():
+            dim = shard["dim"]
+            split += dim is not None
+            want = expected[name] if dim is None else expected[name].chunk(2, dim=dim)[rank]
+            torch.testing.assert_close(local[name], want, rtol=0, atol=0, msg=name)
+        assert split == 7 * META_LAYERS
