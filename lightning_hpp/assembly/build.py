@@ -32,11 +32,11 @@ from torch import nn
 from lightning_hpp._dist import broadcast_tensors
 from lightning_hpp.assembly.placement import auto_plan, gather_kinds, kind_grid, loss_probe
 from lightning_hpp.assembly.spec import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PipelineSpec, ResolvedPlan
-from lightning_hpp.errors import PlanError
+from lightning_hpp.errors import PlanError, ShardingError
 from lightning_hpp.model.frontend import balanced_plan, cut_model, planning_units
 from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, materialize_stages
 from lightning_hpp.model.units import find_units
-from lightning_hpp.options import InitOptions, PlacementOptions
+from lightning_hpp.options import InitOptions, PlacementOptions, ShardingOptions
 from lightning_hpp.pipeline.epoch_end import replay_epoch_ends
 from lightning_hpp.pipeline.grads import GradHandover, shared_gradient_groups
 from lightning_hpp.pipeline.mesh import Mesh, stages_of_position
@@ -63,7 +63,7 @@ class SetupInputs:
         fitting: Whether the entry point trains.
         split_batches: Whether the train loader's batches can be made smaller (``plan="auto"``).
         precision: The precision plugin; ``trainer_precision`` the Trainer's ``precision`` flag.
-        placement, init: The strategy's option sections.
+        placement, init, sharding: The strategy's option sections.
         global_step: The optimizer step being run (read by the precision guards).
         default_seed: The initializers' seed when ``init.seed`` is unset.
     """
@@ -78,6 +78,7 @@ class SetupInputs:
     trainer_precision: str | None
     placement: PlacementOptions = field(default_factory=PlacementOptions)
     init: InitOptions = field(default_factory=InitOptions)
+    sharding: ShardingOptions = field(default_factory=ShardingOptions)
     split_batches: bool = True
     global_step: Callable[[], int] = lambda: -1
     default_seed: int = 0
@@ -152,9 +153,10 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     check_schedule(resolved.schedule, plan.num_stages, pp, resolved.n_microbatches)
     positions = [stages_of_position(r, pp, plan.num_stages, resolved.kind.style) for r in range(pp)]
     grid = resolved.grid if resolved.grid is not None else kind_grid(plan, positions, rank_kinds, pp, world // pp)
-    mesh = Mesh.build(world, pp, inputs.rank, grid=grid)
+    mesh = _mesh(world, pp, inputs, grid)
     plan.meta["device_kinds"] = rank_kinds
     mesh.init_groups(device_type=device.type)
+    module._device_mesh = mesh.device_mesh  # what `LightningModule.device_mesh` reads, as under ModelParallelStrategy
     stage_ids = positions[mesh.position]
     cut.keep_only(module, stage_ids)
     bodies = [b for mode in ("train", "eval") for k in stage_ids for b in cut.bodies[mode][k]]
@@ -193,6 +195,24 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     return Pipeline(module=module, plan=plan, mesh=mesh, stage_ids=tuple(stage_ids), schedule=resolved.schedule,
                     n_microbatches=resolved.n_microbatches, split=resolved.split, frontend=cut.frontend, reason=cut.reason,
                     rank_kinds=tuple(rank_kinds), runner=runner, grads=grads)
+
+
+def _mesh(world: int, pp: int, inputs: SetupInputs, grid: list[list[int]] | None) -> Mesh:
+    """The rank grid of ``pp`` positions with the sharding options' data-parallel shape.
+
+    Raises:
+        ShardingError: ``tp_degree > 1`` (tensor parallelism inside a stage is not available yet), or an hsdp
+            ``dp_replicate`` that does not divide the replicas.
+    """
+    sharding = inputs.sharding
+    if sharding.tp_degree > 1:
+        raise ShardingError(f"`ShardingOptions(tp_degree={sharding.tp_degree})`: tensor parallelism inside a stage is not "
+                            f"available in this version. Use tp_degree=1 (shard the stages with data_parallel='fsdp' "
+                            f"instead), or more pipeline stages.")
+    if world % pp:
+        return Mesh.build(world, pp, inputs.rank, grid=grid)  # refused there, with the sizes
+    _, dp_shard = sharding.dp_dims(world // pp)
+    return Mesh.build(world, pp, inputs.rank, grid=grid, dp_shard=dp_shard)
 
 
 def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch: Any,
