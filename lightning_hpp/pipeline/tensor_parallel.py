@@ -120,11 +120,14 @@ class TPPlan:
         styles: Full module name (as in the LightningModule's ``named_modules()``) -> style name.
         source: Where the plan comes from (logged).
         hook: The LightningModule's ``parallelize_stage`` splits each stage instead (``styles`` empty).
+        kinds: The kind of each module of ``styles``.
     """
 
     styles: dict[str, str] = field(default_factory=dict)
     source: str = ""
     hook: bool = False
+    kinds: dict[str, str] = field(default_factory=dict)
+    """The kind of each planned module (``"linear"`` / ``"embedding"``), taken while the model is whole."""
 
 
 def module_kind(mod: nn.Module) -> str:
@@ -166,7 +169,8 @@ def transformers_tp_plan(module: nn.Module) -> TPPlan | None:
         sources.append(f"{type(model).__name__}.config.base_model_tp_plan at {path or 'the module itself'!r}")
     if not styles:
         return None
-    return TPPlan(styles, source="; ".join(sources))
+    modules = dict(module.named_modules())
+    return TPPlan(styles, source="; ".join(sources), kinds={n: module_kind(modules[n]) for n in styles})
 
 
 def resolve_tp_plan(module: nn.Module, tp: int) -> TPPlan:
@@ -322,3 +326,20 @@ def apply_tensor_parallel(stage_module: nn.Module, tp_mesh: DeviceMesh, plan: di
 def local_numel(t: torch.Tensor) -> int:
     """Elements this rank holds of ``t`` (a DTensor's local shard)."""
     return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
+
+
+def split_stages(module: nn.Module, stage_modules: list[nn.Module], plan: TPPlan, tp_mesh: DeviceMesh) -> list[str]:
+    """Split this rank's stage modules (every capture of each: a traced stage has one for training and one for
+    forward-only passes, on the same parameters) by ``plan`` over ``tp_mesh``: the LightningModule's hook once
+    per stage module, else :func:`apply_tensor_parallel` with the kinds of the user's modules (``plan.kinds``: the
+    stages of other ranks are gone by now). Returns the names
+    of the modules split by a plan (none for the hook)."""
+    unique = list({id(sm): sm for sm in stage_modules}.values())
+    if plan.hook:
+        for sm in unique:
+            getattr(module, HOOK)(sm, tp_mesh)
+        return []
+    split: set[str] = set()
+    for sm in unique:
+        split.update(apply_tensor_parallel(sm, tp_mesh, plan.styles, kinds=plan.kinds))
+    return sorted(split)

@@ -27,7 +27,7 @@ from lightning_hpp.model.frontend import cut_model
 from lightning_hpp.model.materialize import init_on_meta, materialize_stages
 from lightning_hpp.model.units import find_units
 from lightning_hpp.pipeline.stage import StageModule
-from lightning_hpp.pipeline.tensor_parallel import apply_tensor_parallel, at_local_width, local_numel, module_kind, resolve_tp_plan
+from lightning_hpp.pipeline.tensor_parallel import apply_tensor_parallel, at_local_width, local_numel, resolve_tp_plan
 from lightning_hpp.planning.plan import StagePlan, StageSpec
 from tests.real_models import LMWrapper, dataset
 
@@ -143,8 +143,7 @@ def main(out: Path) -> None:
     with at_local_width(model, plan, 2):
         cut = cut_model(model, one_stage, ((ids,), {"attention_mask": mask}), frontend="traced")
     stage = StageModule(cut.plan.stages[0].modules, cut.bodies["train"][0], 0, spread=cut.spread[0], captured=True)
-    kinds = {n: module_kind(model.get_submodule(n)) for n in plan.styles}
-    split = apply_tensor_parallel(stage, mesh, plan.styles, kinds=kinds)
+    split = apply_tensor_parallel(stage, mesh, plan.styles, kinds=plan.kinds)
     losses = train(model, lambda ids, mask: cut.unflatten(stage(*cut.flatten((ids,), {"attention_mask": mask}))))
     report["traced"] = {"losses": losses, "split": split, "frontend": cut.frontend, "shards": shard_report(model)}
     state = full_state(model)
