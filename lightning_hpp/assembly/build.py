@@ -237,6 +237,10 @@ def _tp_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, world: 
         raise ShardingError(f"{opt} with data_parallel={sharding.data_parallel!r}: sharded stages do not compose with "
                             f"tensor parallelism in this version. Use data_parallel='ddp' with tp_degree={tp}, or "
                             f"tp_degree=1.")
+    clipped = [k for k, s in enumerate(spec.plan.stages if isinstance(spec.plan, StagePlan) else []) if s.clip_norm is not None]
+    if clipped:
+        raise ShardingError(f"{opt}: stages {clipped} clip their gradients (`StageSpec(clip_norm=...)`), but clipping does not "
+                            f"take the norm over tensor-parallel shards in this version. Drop clip_norm, or use tp_degree=1.")
     pp = spec.pp_degree
     if pp is None:
         raise ShardingError(f"{opt}: give `HPPStrategy(pp_degree=...)` too, so that world_size = pp_degree × tp_degree "
