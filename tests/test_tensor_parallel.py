@@ -236,9 +236,17 @@ REFUSED = {
 }
 
 
+def _meta_llama(weights) -> dict:
+    """The 4-layer Llama of test_big_models built on the meta device, its shards read from its ``save_pretrained``
+    directory (written by ``test_big_models.write_weights``)."""
+    return {"name": "llama_meta_pp2_tp2", "model": "llama", "model_kw": {"layers": 4, "in_configure_model": True},
+            "points": ["model.model.layers.2"], **TP2,
+            "strategy": {**TP2["strategy"], "init": {"weights": str(weights), "rename": "model."}}}
+
+
 # The configurations of this module for the shared jobs of tests/conftest.py (``real_model_jobs``).
-def four_rank_runs(out) -> list[dict]:
-    return [{**r, "out": str(out / r["name"])} for r in (LLAMA_PP2_TP2, HOOK_PP2_TP2)]
+def four_rank_runs(out, weights) -> list[dict]:
+    return [{**r, "out": str(out / r["name"])} for r in (LLAMA_PP2_TP2, HOOK_PP2_TP2, _meta_llama(weights))]
 
 
 def refused_runs(out) -> list[dict]:
@@ -289,6 +297,20 @@ def test_llama_pp2_tp2_by_its_own_plan_trains_as_one_process(strategy_jobs):
         assert meta["frontend"] == "traced" and meta["tensor_parallel"]["degree"] == 2
         assert "LlamaForCausalLM.config.base_model_tp_plan" in meta["tensor_parallel"]["plan"]
         assert meta["tensor_parallel"]["split"] == sorted(split(r // 2))
+
+
+@pytest.mark.slow
+def test_a_meta_llama_pp2_tp2_materializes_and_reads_only_its_shards_and_trains_as_one_process(strategy_jobs):
+    out, _, _ = strategy_jobs
+
+    def split(stage):
+        return [f"model.model.layers.{i}.{m}.weight" for i in ((0, 1) if stage == 0 else (2, 3)) for m in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj")]
+
+    ranks = _check_pp2_tp2(out / "llama_meta_pp2_tp2", "llama", split, layers=4)
+    for r, o in enumerate(ranks):
+        assert o["meta_params"] == [] and set(split(r // 2)) <= set(o["materialized"])
 
 
 @pytest.mark.slow

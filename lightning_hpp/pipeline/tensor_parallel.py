@@ -52,6 +52,9 @@ STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise
           "embedding_rowwise", "embedding_colwise")
 """The style names a plan may use (transformers' names), each one of torch's styles (:func:`torch_style`)."""
 
+_SHOW = 4
+"""Modules named per error, at most."""
+
 _NARROWED = {"colwise": 0, "rowwise": 1}
 """Styles whose local program differs in shape from the module's (the dim of ``weight`` each rank holds
 ``1/tp`` of); the others gather or reduce to full width inside the module."""
@@ -220,7 +223,7 @@ def check_divisible(module: nn.Module, plan: TPPlan, tp: int) -> None:
     Raises:
         PlanError: naming the module (or config field), the number and ``tp``.
     """
-    problems = []
+    problems, widths = [], []
     for path, model in _pretrained_models(module):
         config = model.config
         heads = getattr(config, "num_attention_heads", None)
@@ -243,7 +246,8 @@ def check_divisible(module: nn.Module, plan: TPPlan, tp: int) -> None:
                 "rowwise_split_input": 1, "embedding_rowwise": 0, "embedding_colwise": 1}
         d = dims[style]
         if weight.shape[d] % tp:
-            problems.append(f"{name!r} ({style}): weight dim {d} has {weight.shape[d]} rows/columns")
+            widths.append(f"{name!r} ({style}): weight dim {d} has {weight.shape[d]} rows/columns")
+    problems += widths[:_SHOW] + ([f"... and {len(widths) - _SHOW} more modules"] if len(widths) > _SHOW else [])
     if problems:
         raise PlanError(f"tp_degree={tp} does not divide: " + "; ".join(problems)
                         + f". Fix: a tp_degree that divides them (e.g. 1 or a common divisor), or a model whose "
