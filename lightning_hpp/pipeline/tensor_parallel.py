@@ -55,6 +55,10 @@ STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise
 _SHOW = 4
 """Modules named per error, at most."""
 
+_SPLIT_DIM = {"colwise": 0, "colwise_rep": 0, "colwise_gather_output": 0, "rowwise": 1, "rowwise_rep": 1,
+              "rowwise_split_input": 1, "embedding_rowwise": 0, "embedding_colwise": 1}
+"""The dimension of ``weight`` each style splits."""
+
 _NARROWED = {"colwise": 0, "rowwise": 1}
 """Styles whose local program differs in shape from the module's (the dim of ``weight`` each rank holds
 ``1/tp`` of); the others gather or reduce to full width inside the module."""
@@ -242,9 +246,7 @@ def check_divisible(module: nn.Module, plan: TPPlan, tp: int) -> None:
         weight = getattr(mod, "weight", None)
         if weight is None:
             continue
-        dims = {"colwise": 0, "colwise_rep": 0, "colwise_gather_output": 0, "rowwise": 1, "rowwise_rep": 1,
-                "rowwise_split_input": 1, "embedding_rowwise": 0, "embedding_colwise": 1}
-        d = dims[style]
+        d = _SPLIT_DIM[style]
         if weight.shape[d] % tp:
             widths.append(f"{name!r} ({style}): weight dim {d} has {weight.shape[d]} rows/columns")
     problems += widths[:_SHOW] + ([f"... and {len(widths) - _SHOW} more modules"] if len(widths) > _SHOW else [])
