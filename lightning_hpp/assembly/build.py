@@ -46,6 +46,7 @@ from lightning_hpp.pipeline.runner import PipelineRunner
 from lightning_hpp.pipeline.schedules import check_schedule
 from lightning_hpp.pipeline.stage import StageModule
 from lightning_hpp.pipeline.steps import capture_input, count_forward_calls, second_call_error
+from lightning_hpp.pipeline.tensor_parallel import TPPlan, at_local_width, check_frontend, resolve_tp_plan, split_stages
 from lightning_hpp.planning.partition import MODELLED_SCHEDULES
 from lightning_hpp.planning.plan import StagePlan, StageSpec
 from lightning_hpp.precision.modes import MODES
@@ -133,6 +134,8 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
                         f"(`Trainer(devices=..., num_nodes=...)`).")
     inputs.placement.check_world(world)
     rank_kinds = gather_kinds(device, inputs.rank, inputs.placement.device_map)
+    tp = inputs.sharding.tp_degree
+    tp_plan = _tp_plan(module, spec, inputs, world) if tp > 1 else None
     meta = has_meta_parameters(module)
     if not meta:  # as DDP does: every replica (and every stage's copy of a shared weight) starts from rank 0's model
         broadcast_tensors([t for t in (*module.parameters(), *module.buffers()) if t is not None], src=0)
@@ -143,7 +146,10 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         resolved, example = resolve_plan(module, spec, inputs, batch, rank_kinds)
         example = _in_stage_dtype(module, resolved.plan, example, inputs)
         # both modes whatever the entry point: a pipeline built by `validate()` is the one a later `fit()` trains
-        cut = cut_model(module, resolved.plan, example, frontend=spec.frontend, modes=("train", "eval"))
+        with at_local_width(module, tp_plan, tp) if tp_plan is not None else contextlib.nullcontext():
+            cut = cut_model(module, resolved.plan, example, frontend=spec.frontend, modes=("train", "eval"))
+    if tp_plan is not None:
+        check_frontend(tp_plan, cut.frontend, type(module).__name__)
     plan = cut.plan
     pp = resolved.pp(plan)
     if plan.num_stages > world * resolved.kind.stages_per_rank or pp > world:
@@ -161,8 +167,6 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     stage_ids = positions[mesh.position]
     cut.keep_only(module, stage_ids)
     bodies = [b for mode in ("train", "eval") for k in stage_ids for b in cut.bodies[mode][k]]
-    if has_meta_parameters(module):
-        _materialize(module, inputs)
     traced = cut.frontend == "traced"
     recompute = [spec.activation_checkpointing if s.activation_checkpointing is None else s.activation_checkpointing
                  for s in plan.stages]
@@ -171,6 +175,11 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
                      for k in stage_ids} for mode in ("train", "eval")}
     if cut.frontend == "sequential":
         stages["eval"] = stages["train"]
+    if tp_plan is not None:  # before materializing: a meta model's ranks then materialize (and read) only their shards
+        split = split_stages(module, [*stages["train"].values(), *stages["eval"].values()], tp_plan, mesh.device_mesh["tp"])
+        plan.meta["tensor_parallel"] = {"degree": tp, "plan": tp_plan.source, "split": split}
+    if has_meta_parameters(module):
+        _materialize(module, inputs)
     module.to(device)
     for body in bodies:
         if hasattr(body, "place"):  # traced stages: their own constants, and the ops that create tensors, on this device
@@ -199,6 +208,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         f"n_microbatches={resolved.n_microbatches}, pp={pp} × dp={mesh.dp}"
         + (f" ({inputs.sharding.data_parallel}: dp_replicate={mesh.dp_replicate} × dp_shard={mesh.dp_shard})"
            if runner.sharded else "")
+        + (f" × tp={tp} ({tp_plan.source})" if tp_plan else "")
         + (f", shared parameters {sorted(cut.shared)}" if cut.shared else "") + f"\n{plan.table()}"
     )
     return Pipeline(module=module, plan=plan, mesh=mesh, stage_ids=tuple(stage_ids), schedule=resolved.schedule,
@@ -210,18 +220,46 @@ def _mesh(world: int, pp: int, inputs: SetupInputs, grid: list[list[int]] | None
     """The rank grid of ``pp`` positions with the sharding options' data-parallel shape.
 
     Raises:
-        ShardingError: ``tp_degree > 1`` (tensor parallelism inside a stage is not available yet), or an hsdp
-            ``dp_replicate`` that does not divide the replicas.
+        ShardingError: an hsdp ``dp_replicate`` that does not divide the replicas.
+    """
+    sharding, tp = inputs.sharding, inputs.sharding.tp_degree
+    if world % (pp * tp):
+        return Mesh.build(world, pp, inputs.rank, grid=grid, tp=tp)  # refused there, with the sizes
+    _, dp_shard = sharding.dp_dims(world // (pp * tp))
+    return Mesh.build(world, pp, inputs.rank, grid=grid, dp_shard=dp_shard, tp=tp)
+
+
+def _tp_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, world: int) -> TPPlan:
+    """The tensor-parallel plan of ``module``'s stages (``tp_degree > 1``), where this version composes it.
+
+    Raises:
+        ShardingError: tensor parallel with ``plan="auto"``, sharded (fsdp / hsdp) stages, or several replicas
+            of each stage (their gradients' all-reduce does not yet take ``DTensor`` shards).
+        PlanError: no plan for the model, or one that ``tp_degree`` does not divide (:func:`resolve_tp_plan`).
     """
     sharding = inputs.sharding
-    if sharding.tp_degree > 1:
-        raise ShardingError(f"`ShardingOptions(tp_degree={sharding.tp_degree})`: tensor parallelism inside a stage is not "
-                            f"available in this version. Use tp_degree=1 (shard the stages with data_parallel='fsdp' "
-                            f"instead), or more pipeline stages.")
-    if world % pp:
-        return Mesh.build(world, pp, inputs.rank, grid=grid)  # refused there, with the sizes
-    _, dp_shard = sharding.dp_dims(world // pp)
-    return Mesh.build(world, pp, inputs.rank, grid=grid, dp_shard=dp_shard)
+    tp = sharding.tp_degree
+    opt = f"`ShardingOptions(tp_degree={tp})`"
+    if spec.auto:
+        raise ShardingError(f"{opt} with plan='auto': the planner does not model tensor parallelism. Give the plan "
+                            f"(`StagePlan.split_at([...])` or pp_degree), or use tp_degree=1.")
+    if sharding.sharded:
+        raise ShardingError(f"{opt} with data_parallel={sharding.data_parallel!r}: sharded stages do not compose with "
+                            f"tensor parallelism in this version. Use data_parallel='ddp' with tp_degree={tp}, or "
+                            f"tp_degree=1.")
+    clipped = [k for k, s in enumerate(spec.plan.stages if isinstance(spec.plan, StagePlan) else []) if s.clip_norm is not None]
+    if clipped:
+        raise ShardingError(f"{opt}: stages {clipped} clip their gradients (`StageSpec(clip_norm=...)`), but clipping does not "
+                            f"take the norm over tensor-parallel shards in this version. Drop clip_norm, or use tp_degree=1.")
+    pp = spec.pp_degree
+    if pp is None:
+        raise ShardingError(f"{opt}: give `HPPStrategy(pp_degree=...)` too, so that world_size = pp_degree × tp_degree "
+                            f"(the pipeline degree is otherwise the number of processes).")
+    if world % (pp * tp) == 0 and world // (pp * tp) > 1:
+        raise ShardingError(f"{opt}: {world} processes with pp_degree={pp} are {world // (pp * tp)} replicas of each "
+                            f"stage, whose gradients' all-reduce does not take tensor-parallel shards in this version. "
+                            f"Use world_size = pp_degree × tp_degree ({pp * tp} processes), or tp_degree=1.")
+    return resolve_tp_plan(module, tp)
 
 
 def _shard(root: nn.Module, plan: StagePlan, stages: dict[int, StageModule], mesh: Mesh,

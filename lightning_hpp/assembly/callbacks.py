@@ -32,8 +32,10 @@ def pipeline_callbacks(callbacks: Sequence[Any], telemetry: TelemetryOptions | N
     return added
 
 
-def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fitting: bool, precision_flag: str | None) -> None:
-    """Refuse what a pipeline would silently ignore: a CheckpointIO plugin, manual optimization, two default precisions.
+def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fitting: bool, precision_flag: str | None,
+                         tp_degree: int = 1) -> None:
+    """Refuse what a pipeline would silently ignore: a CheckpointIO plugin, manual optimization, two default precisions;
+    and what does not compose with tensor-parallel stages yet: gradient clipping (a norm over their shards).
 
     Raises:
         PlanError: naming the setting and the fix.
@@ -49,6 +51,11 @@ def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fit
             f"the loss from `training_step`) and put custom clipping in `configure_gradient_clipping` (called per "
             f"stage), accumulation in `Trainer(accumulate_grad_batches=...)`, schedules in `configure_optimizers`."
         )
+    clip = getattr(getattr(module, "_trainer", None), "gradient_clip_val", None)
+    if tp_degree > 1 and fitting and clip:
+        raise PlanError(f"`Trainer(gradient_clip_val={clip})` with `ShardingOptions(tp_degree={tp_degree})`: clipping does not "
+                        f"take the norm over tensor-parallel shards in this version. Train without gradient clipping, or "
+                        f"with tp_degree=1.")
     if isinstance(precision, HPPPrecision) and precision.default not in (None, precision_flag) and precision_flag != "32-true":
         raise PlanError(f"`Trainer(precision={precision_flag!r})` and `HPPPrecision(default={precision.default!r})` disagree on "
                         f"the stages' default precision. Set it in one place.")
