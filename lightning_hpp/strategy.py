@@ -210,7 +210,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self._session.check_setup(fitting=fitting, checkpointing=bool(trainer.checkpoint_callbacks), tp_degree=self._sharding.tp_degree)
+        self._session.check_setup(fitting=fitting, checkpointing=bool(trainer.checkpoint_callbacks))
         refuse_unkept_setups(self.lightning_module, self.precision_plugin, checkpoint_io=self._checkpoint_io, fitting=fitting,
                              precision_flag=trainer._accelerator_connector._precision_flag, tp_degree=self._sharding.tp_degree)
         self.accelerator.setup(trainer)

@@ -4,7 +4,7 @@ One 4-rank job trains ``tests.models.MLP`` (SGD with momentum, a StepLR schedule
 under each layout in turn, each resuming (``resume="auto"``) from the checkpoint the previous one wrote into
 the same directory:
 
-    pp2 × fsdp2 (steps 1-2) → pp2 × ddp2 (steps 3-4) → pp4 (steps 5-6)
+    pp2 × fsdp2 (steps 1-2) → pp2 × ddp2 (steps 3-4) → pp4 (steps 5-6) → pp2 × tp2 (steps 7-8)
 
 The losses of every step (under dp=2: each replica's, of its half of the global batch) and the final
 parameters and momentum equal one uninterrupted single-process run (Lightning's own strategy, the same data
@@ -29,10 +29,11 @@ pytestmark = pytest.mark.slow
 TWO = [["layers.0-3"], ["layers.4-6"]]
 FOUR = [["layers.0-1"], ["layers.2-3"], ["layers.4-5"], ["layers.6"]]
 GLOBAL_BATCH = 16
-CHAIN = [  # (tag, stages, pp, per-replica batch, strategy options, steps at the end)
-    ("fsdp", TWO, 2, GLOBAL_BATCH // 2, {"sharding": {"data_parallel": "fsdp"}}, 2),
-    ("ddp", TWO, 2, GLOBAL_BATCH // 2, {}, 4),
-    ("pp4", FOUR, 4, GLOBAL_BATCH, {}, 6),
+CHAIN = [  # (tag, stages, pp, dp, per-replica batch, strategy options, steps at the end)
+    ("fsdp", TWO, 2, 2, GLOBAL_BATCH // 2, {"sharding": {"data_parallel": "fsdp"}}, 2),
+    ("ddp", TWO, 2, 2, GLOBAL_BATCH // 2, {}, 4),
+    ("pp4", FOUR, 4, 1, GLOBAL_BATCH, {}, 6),
+    ("tp", TWO, 2, 1, GLOBAL_BATCH, {"sharding": {"tp_degree": 2}}, 8),  # tests.workers.run_resume's MLP split by its hook
 ]
 
 
@@ -41,8 +42,9 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("reshard_chain")
     ckpt = str(out / "ckpt")
     runs = [{"stages": stages, "pp": pp, "devices": 4, "batch": batch, "steps": steps, "strategy": options,
-             "tag": tag, "out": str(out), "ckpt_dir": ckpt, "every": 2, "resume": "auto", "timeout": 300}
-            for tag, stages, pp, batch, options, steps in CHAIN]
+             "tag": tag, "out": str(out), "ckpt_dir": ckpt, "every": 2, "resume": "auto", "timeout": 300,
+             "tp_hook": tag == "tp"}
+            for tag, stages, pp, _, batch, options, steps in CHAIN]
     run_script("tests.workers.run_resume", {"runs": runs}, timeout=1200)
     return out
 
@@ -85,18 +87,18 @@ def _ranks(out: Path, tag: str) -> list[dict]:
 def test_losses_after_each_reshard_equal_the_uninterrupted_run(chain: Path) -> None:
     _, _, ref = _reference(CHAIN[-1][-1])
     start = 0
-    for tag, _, pp, *_, steps in CHAIN:
+    for tag, _, _, dp, *_, steps in CHAIN:
         expected = {part: [step[part] for step in ref[start:steps]] for part in ("all", "0", "1")}
         seen = []
         for r, got in enumerate(_ranks(chain, tag)):
             assert got["global_step"] == steps
             if start:
                 assert got["resumed_from"] == str(chain / "ckpt" / f"step-{start}"), (tag, r)
-            parts = ["all"] if pp == 4 else ["0", "1"]
+            parts = ["all"] if dp == 1 else ["0", "1"]
             match = [p for p in parts if got["losses"] == pytest.approx(expected[p], abs=1e-5)]
             assert match, (tag, r, got["losses"], expected)
             seen += match
-        assert sorted(seen) == (["all"] * 4 if pp == 4 else ["0", "0", "1", "1"]), (tag, seen)  # each replica's pipeline
+        assert sorted(seen) == (["all"] * 4 if dp == 1 else ["0", "0", "1", "1"]), (tag, seen)  # each replica's pipeline
         start = steps
 
 
@@ -116,7 +118,7 @@ def test_final_parameters_and_momentum_equal_the_uninterrupted_run(chain: Path) 
         torch.testing.assert_close(optim[name]["momentum_buffer"], slot["momentum_buffer"], rtol=0, atol=1e-5, msg=name)
 
 
-def test_the_fsdp_checkpoint_holds_shards_and_the_ddp_one_whole_tensors(chain: Path) -> None:
+def test_fsdp_and_tp_checkpoints_hold_shards_and_the_ddp_one_whole_tensors(chain: Path) -> None:
     from lightning_hpp.checkpoint.sharded import _read_index
 
     def chunks(step: int, key: str) -> list:
@@ -126,3 +128,6 @@ def test_the_fsdp_checkpoint_holds_shards_and_the_ddp_one_whole_tensors(chain: P
     for key in ("model/layers.0.weight", "optim/0/layers.0.weight/momentum_buffer"):
         assert chunks(2, key) == [([0, 0], [8, 8]), ([8, 0], [8, 8])]  # each dp_shard rank its half of the rows
         assert chunks(4, key) == [([0, 0], [16, 8])]
+        assert chunks(8, key) == [([0, 0], [8, 8]), ([8, 0], [8, 8])]  # colwise: each tp rank its half of the rows
+    # rowwise: each tp rank its half of the columns
+    assert chunks(8, "model/layers.2.weight") == [([0, 0], [16, 8]), ([0, 8], [16, 8])]

@@ -48,6 +48,19 @@ def _whole(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+class _SplitMLP(MLP):
+    """``MLP`` that a tensor-parallel run splits in its own hook: each stage's Linear units in pairs, colwise
+    then rowwise (the Tanh between acts on each rank's columns; the rowwise all-reduce makes the output whole)."""
+
+    def parallelize_stage(self, module, mesh):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        linears = [u for u in module.units if isinstance(u, torch.nn.Linear)]
+        for a, b in zip(linears[0::2], linears[1::2]):
+            parallelize_module(a, mesh, ColwiseParallel())
+            parallelize_module(b, mesh, RowwiseParallel())
+
+
 class _FirstStepStamp(Callback):
     def __init__(self, path: str) -> None:
         self.path, self.done = path, False
@@ -61,7 +74,7 @@ class _FirstStepStamp(Callback):
 
 def main(cfg: dict) -> None:
     L.seed_everything(0)
-    model = MLP()
+    model = _SplitMLP() if cfg.get("tp_hook") else MLP()
     plan = StagePlan([StageSpec(modules=m) for m in cfg["stages"]])
     # the strategy's own step-<N> checkpoints when ckpt_dir is set; "every" also paces the ModelCheckpoint of mc_dirpath
     ckpt_dir = cfg.get("ckpt_dir")
