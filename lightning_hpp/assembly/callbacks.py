@@ -9,8 +9,9 @@ from typing import Any
 
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from lightning_hpp.errors import PlanError
-from lightning_hpp.options import TelemetryOptions
+from lightning_hpp.bias.monitor import BiasMonitor
+from lightning_hpp.errors import PlanError, ShardingError
+from lightning_hpp.options import ShardingOptions, TelemetryOptions
 from lightning_hpp.precision.plugin import HPPPrecision
 from lightning_hpp.telemetry.callback import PipelineTelemetry
 from lightning_hpp.telemetry.report import PlacementReport
@@ -32,12 +33,20 @@ def pipeline_callbacks(callbacks: Sequence[Any], telemetry: TelemetryOptions | N
     return added
 
 
-def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fitting: bool, precision_flag: str | None) -> None:
-    """Refuse what a pipeline would silently ignore: a CheckpointIO plugin, manual optimization, two default precisions.
+def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fitting: bool, precision_flag: str | None,
+                         sharding: ShardingOptions | None = None, callbacks: Sequence[Any] = ()) -> None:
+    """Refuse what a pipeline would silently ignore: a CheckpointIO plugin, manual optimization, two default precisions,
+    a ``BiasMonitor`` over sharded stages.
 
     Raises:
-        PlanError: naming the setting and the fix.
+        PlanError: naming the setting and the fix (``ShardingError`` for what sharded stages cannot keep).
     """
+    if sharding is not None and sharding.sharded and any(isinstance(cb, BiasMonitor) for cb in callbacks):
+        raise ShardingError(
+            f"`BiasMonitor` compares each replica's gradient norm before the data-parallel reduction, but with "
+            f"`ShardingOptions(data_parallel={sharding.data_parallel!r})` FSDP2 reduce-scatters the gradients inside the "
+            f"schedule and no replica holds its own whole gradient afterwards. Remove `BiasMonitor` from "
+            f"`Trainer(callbacks=...)`, or use data_parallel='ddp' while auditing.")
     if checkpoint_io is not None and type(checkpoint_io) is not TorchCheckpointIO:  # Lightning's default
         raise PlanError(f"HPPStrategy writes sharded checkpoints itself; the CheckpointIO plugin {type(checkpoint_io).__name__} "
                         f"would not be used. Remove it from `Trainer(plugins=...)`.")

@@ -9,7 +9,7 @@ Usage: python -m tests.workers.run_sharded '<json: {"devices": N, "runs": [confi
 
 Config keys as :mod:`tests.workers.run_real` (``model``, ``points``, ``precision``, ``schedule``, ``n_micro``,
 ``pp``, ``steps``, ``batch``, ``n``, ``out``, ``model_kw``, ``strategy``, ``gradient_clip_val``) and ``clip``
-(``HPPPrecision(clip=...)``). A config with ``"refused": true`` records each rank's error
+(``HPPPrecision(clip=...)``), ``bias_monitor`` (``true``: a ``BiasMonitor`` among the callbacks). A config with ``"refused": true`` records each rank's error
 (:mod:`tests.workers.refusals`) and the job goes on.
 """
 
@@ -20,7 +20,7 @@ import sys
 import lightning as L
 import torch
 
-from lightning_hpp import HPPPrecision, HPPStrategy, StagePlan
+from lightning_hpp import BiasMonitor, HPPPrecision, HPPStrategy, StagePlan
 from tests.real_models import LMWrapper, loader
 from tests.workers.run_real import StepLosses
 
@@ -33,6 +33,29 @@ def _local_numel(t) -> int:
     return (t.to_local() if hasattr(t, "to_local") else t).numel()
 
 
+class Collectives(L.Callback):
+    """FSDP2's all-gathers and reduce-scatters (``all_gather_single`` / ``reduce_scatter_single``) in each step."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
+        self.per_step: list[dict[str, int]] = []
+        self._seen = dict(self.counts)
+        for name in self.counts:
+            real = getattr(dist, name)
+
+            def counting(*args, _real=real, _name=name, **kwargs):
+                self.counts[_name] += 1
+                return _real(*args, **kwargs)
+
+            setattr(dist, name, counting)
+
+    def on_train_batch_end(self, *args):
+        self.per_step.append({k: v - self._seen[k] for k, v in self.counts.items()})
+        self._seen = dict(self.counts)
+
+
 def run(cfg: dict, devices: int) -> None:
     L.seed_everything(0)
     model = LMWrapper(cfg["model"], **cfg.get("model_kw", {}))
@@ -41,14 +64,17 @@ def run(cfg: dict, devices: int) -> None:
     plan = StagePlan.split_at(cfg["points"], **fields) if cfg.get("points") else None
     strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["n_micro"], pp_degree=cfg.get("pp"),
                            timeout=120, **cfg.get("strategy", {}))
-    losses = StepLosses()
+    losses, collectives = StepLosses(), Collectives()
+    extra = [BiasMonitor()] if cfg.get("bias_monitor") else []
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg["steps"], logger=False,
-                        plugins=[HPPPrecision(clip=cfg.get("clip", "global"))], callbacks=[losses],
+                        plugins=[HPPPrecision(clip=cfg.get("clip", "global"))], callbacks=[losses, collectives, *extra],
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=cfg["out"],
+                        num_sanity_val_steps=0, limit_val_batches=cfg.get("limit_val_batches", 0),
+                        val_check_interval=cfg.get("val_check_interval"), default_root_dir=cfg["out"],
                         gradient_clip_val=cfg.get("gradient_clip_val"))
     try:
-        trainer.fit(model, train)
+        val = loader(cfg["model"], cfg["batch"], n=8) if cfg.get("limit_val_batches") else None
+        trainer.fit(model, train, val)
     except BaseException as exc:
         os.makedirs(cfg["out"], exist_ok=True)
         with open(os.path.join(cfg["out"], f"rank{trainer.global_rank}_error.txt"), "w") as f:
@@ -62,7 +88,11 @@ def run(cfg: dict, devices: int) -> None:
                        "grad": None if p.grad is None else _local_numel(p.grad),
                        "optim": sum(_local_numel(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim())}
     mesh = strategy.mesh
+    sharded = strategy.runner.sharded
+    groups = 0 if sharded is None else sum(m._get_fsdp_state()._fsdp_param_group is not None for m in sharded.modules)
     out = {
+        "collectives": collectives.per_step, "fsdp_groups": groups,
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         # collective: every rank of a stage's shard group gathers its parameters in the same (state_dict) order
         "state": {k: _full(v).detach().clone() for k, v in model.state_dict().items()},
         "local": local,
