@@ -73,13 +73,18 @@ RUNS = {
     # pp2 x fsdp2, the tied embedding / LM head on both stages, Trainer(gradient_clip_val): the norm over shards and
     # stages; a validation pass after every step (the stages gathered for it, and sharded again for the next step)
     "gpt2_fsdp": {"model": "gpt2", "points": GPT2_CUT, "gradient_clip_val": 0.5, "limit_val_batches": 1,
-                  "val_check_interval": 1, "strategy": FSDP},
-    # pp2 x fsdp2 Llama (RoPE, grouped-query attention), per-stage clipping and activation checkpointing
+                  "val_check_interval": 1, "strategy": {**FSDP, "telemetry": {"every_n_steps": 1}}},
+    # pp2 x fsdp2 Llama (RoPE, grouped-query attention), per-stage clipping and activation checkpointing, its
+    # blocks freed after every forward (reshard_after_forward=True)
     "llama_fsdp": {"model": "llama", "model_kw": {"tie": False}, "points": LLAMA_CUT, "gradient_clip_val": 0.3,
-                   "clip": "per-stage", "strategy": {**FSDP, "activation_checkpointing": True}},
+                   "clip": "per-stage", "strategy": {"sharding": {"data_parallel": "fsdp", "reshard_after_forward": True},
+                                                     "activation_checkpointing": True}},
     # a bf16-mixed stage 0 (autocast, fp32 parameters, a bf16 boundary), fp32 stage 1
     "gpt2_bf16": {"model": "gpt2", "points": GPT2_CUT, "precision": ["bf16-mixed", "32-true"], "steps": 4, "n": 8,
                   "strategy": FSDP},
+    # an fp16 stage whose gradients overflow at the first loss scale: the one decision skips the step on every rank
+    "gpt2_fp16_overflow": {"model": "gpt2", "points": GPT2_CUT, "precision": ["16-mixed", "32-true"], "steps": 1,
+                           "init_scale": 2.0**60, "strategy": FSDP},
     # pp1 x hsdp: 2 replica groups x 2 shards of the whole model
     "gpt2_hsdp": {"model": "gpt2", "points": None, "pp": 1, "strategy": {"sharding": {"data_parallel": "hsdp",
                                                                                          "dp_replicate": 2}}},
@@ -89,6 +94,7 @@ DEFAULTS = {"schedule": "1f1b", "pp": 2, "n_micro": 2, "steps": 3, "batch": 4}
 REFUSED = {
     "tp2": {"model": "gpt2", "points": GPT2_CUT, "strategy": {"sharding": {"data_parallel": "fsdp", "tp_degree": 2}}},
     "bias_monitor": {"model": "gpt2", "points": GPT2_CUT, "bias_monitor": True, "strategy": FSDP},
+    "checkpoints": {"model": "gpt2", "points": GPT2_CUT, "checkpointing": True, "strategy": FSDP},
 }
 
 
@@ -195,6 +201,8 @@ def test_pp2_fsdp2_gpt2_with_global_clipping_and_validation_equals_one_process(s
     assert outs[0]["device_mesh_dims"] == ["pp", "dp_replicate", "dp_shard", "tp"]
     assert outs[0]["device_mesh_shape"] == [2, 1, 2, 1]
     assert "val/loss" in outs[0]["metrics"]
+    # telemetry times the sharded stages like any others
+    assert 0 <= outs[0]["metrics"]["pipeline/bubble"] < 1 and outs[0]["metrics"]["pipeline/stage_1/fwd_ms"] > 0
 
 
 @pytest.mark.slow
@@ -227,11 +235,15 @@ def test_each_rank_holds_one_shard_of_its_stage_and_reduces_once_per_step(sharde
                 # parameter, gradient and optimizer state (SGD momentum): 1/dp_shard of the stage's each
                 assert n["dtensor"] and n["param"] * shard == n["full"], (name, pname, n)
                 assert n["grad"] * shard == n["full"] and n["optim"] * shard == n["full"], (name, pname, n)
-            # one all-gather and one reduce-scatter per FSDP2 group each step (after the first, whose shape
-            # inference runs its own pass), not one per micro-batch (n_micro = 2)
+            # one reduce-scatter per FSDP2 group each step (after the first, whose shape inference runs a pass of
+            # its own), not one per micro-batch (n_micro = 2); one all-gather too (reshard_after_forward=None), more
+            # where the blocks are freed after every forward (llama_fsdp: reshard_after_forward=True)
             for step in o["collectives"][1:]:
-                assert step == {"all_gather_single": o["fsdp_groups"], "reduce_scatter_single": o["fsdp_groups"]}, (
-                    name, o["collectives"], o["fsdp_groups"])
+                assert step["reduce_scatter_single"] == o["fsdp_groups"], (name, o["collectives"], o["fsdp_groups"])
+                if name == "llama_fsdp":
+                    assert step["all_gather_single"] > o["fsdp_groups"], (name, o["collectives"], o["fsdp_groups"])
+                else:
+                    assert step["all_gather_single"] == o["fsdp_groups"], (name, o["collectives"], o["fsdp_groups"])
             # each block of the model's block list is a group of its own (and the stage keeps the rest)
             assert o["fsdp_groups"] >= (3 if name == "gpt2_hsdp" else 2), (name, o["fsdp_groups"])
 
@@ -250,6 +262,21 @@ def test_hsdp_replicate2_x_shard2_equals_one_process(sharded_runs):
     want, want_losses = _reference(LMWrapper("gpt2", reference_microbatches=8), 3, 16)
     _assert_params(outs, want)
     torch.testing.assert_close(_replica_mean_losses(outs, [0, 1, 2, 3]), want_losses, **TOL)
+
+
+@pytest.mark.slow
+def test_an_fp16_overflow_skips_the_step_on_every_rank_of_a_sharded_pipeline(sharded_runs):
+    import lightning as L
+    import torch
+
+    from tests.real_models import LMWrapper
+
+    outs = _ranks(sharded_runs, "gpt2_fp16_overflow")
+    for o in outs:  # the stage-0 shards overflowed; the stage-1 ranks skipped with them
+        assert o["skipped_steps"] == 1 and o["loss_scale"] == 2.0**59, (o["position"], o["replica"])
+    L.seed_everything(0)
+    initial = {k: v.detach() for k, v in LMWrapper("gpt2").state_dict().items()}
+    _assert_params(outs, initial, tol={"rtol": 0, "atol": 0})
 
 
 def _replica_ordered_staged_reference(run: dict, replicas: int, bf16: bool = True):
@@ -313,6 +340,8 @@ def test_what_sharded_stages_cannot_keep_is_refused_at_setup_on_every_rank(job):
     expected = {
         "tp2": ("ShardingError", "`ShardingOptions(tp_degree=2)`: tensor parallelism inside a stage is not available"),
         "bias_monitor": ("ShardingError", "`BiasMonitor` compares each replica's gradient norm"),
+        "checkpoints": ("ShardingError", "Checkpoints of sharded stages (`ShardingOptions(data_parallel='fsdp')`) are "
+                                         "not available in this version, but `ModelCheckpoint`"),
     }
     for name, (kind, text) in expected.items():
         records = refusals.read(out / name, 4)
