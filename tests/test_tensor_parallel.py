@@ -116,8 +116,10 @@ def test_what_tensor_parallel_does_not_compose_with_yet_is_refused_at_setup():
             _tp_plan(llama, spec, inputs, world)
     llama._trainer = SimpleNamespace(gradient_clip_val=0.5)
     with pytest.raises(PlanError, match=r"gradient_clip_val=0.5\)` with `ShardingOptions\(tp_degree=2\)`"):
-        refuse_unkept_setups(llama, None, checkpoint_io=None, fitting=True, precision_flag="32-true", tp_degree=2)
-    refuse_unkept_setups(llama, None, checkpoint_io=None, fitting=True, precision_flag="32-true", tp_degree=1)
+        refuse_unkept_setups(llama, None, checkpoint_io=None, fitting=True, precision_flag="32-true",
+                             sharding=ShardingOptions(tp_degree=2))
+    refuse_unkept_setups(llama, None, checkpoint_io=None, fitting=True, precision_flag="32-true",
+                         sharding=ShardingOptions(tp_degree=1))
 
 
 # ------------------------------------------------------------------------------------------ 2 gloo ranks

@@ -33,7 +33,7 @@ from lightning_hpp._dist import broadcast_tensors
 from lightning_hpp.assembly.placement import auto_plan, gather_kinds, kind_grid, loss_probe
 from lightning_hpp.assembly.spec import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PipelineSpec, ResolvedPlan
 from lightning_hpp.errors import PlanError, ShardingError
-from lightning_hpp.model.frontend import balanced_plan, cut_model, planning_units
+from lightning_hpp.model.frontend import balanced_plan, block_names, cut_model, planning_units
 from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, materialize_stages
 from lightning_hpp.model.units import find_units
 from lightning_hpp.options import InitOptions, PlacementOptions, ShardingOptions
@@ -165,6 +165,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     mesh.init_groups(device_type=device.type)
     module._device_mesh = mesh.device_mesh  # what `LightningModule.device_mesh` reads, as under ModelParallelStrategy
     stage_ids = positions[mesh.position]
+    blocks = block_names(module) if inputs.sharding.sharded else []  # FSDP2's units, named before the cut drops any
     cut.keep_only(module, stage_ids)
     bodies = [b for mode in ("train", "eval") for k in stage_ids for b in cut.bodies[mode][k]]
     traced = cut.frontend == "traced"
@@ -192,7 +193,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
                      step_checks=runner.step_checks, repeated_names=repeated,
                      named_parameters=lambda: dict(module.named_parameters()))
     inputs.precision.configure_stages(plan, view, inputs.trainer_precision, device, rank_kinds[inputs.rank])
-    runner.sharded = _shard(module, plan, stages["train"], mesh, inputs)
+    runner.sharded = _shard(module, plan, stages["train"], mesh, inputs, blocks)
     if runner.sharded is not None:
         view.shard_group = mesh.dp_shard_group
     # after sharding: the parameters several stages use are the ones the stages hold now (shards, under FSDP2)
@@ -262,10 +263,12 @@ def _tp_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, world: 
     return resolve_tp_plan(module, tp)
 
 
-def _shard(root: nn.Module, plan: StagePlan, stages: dict[int, StageModule], mesh: Mesh,
-           inputs: SetupInputs) -> ShardedStages | None:
+def _shard(root: nn.Module, plan: StagePlan, stages: dict[int, StageModule], mesh: Mesh, inputs: SetupInputs,
+           blocks: list[str]) -> ShardedStages | None:
     """FSDP2 on this rank's training stages when ``ShardingOptions`` asks for it (collective over the shard
-    groups), after the precision plugin cast them to their stages' dtypes; ``None`` for unsharded stages.
+    groups), after the precision plugin cast them to their stages' dtypes; ``None`` for unsharded stages. Each
+    of the model's ``blocks`` and each unit of the plan a stage holds is sharded on its own (FSDP2 gathers one
+    group at a time).
 
     Raises:
         ShardingError: an fp8 stage (its converted or emulated GEMMs keep per-weight scaling state that
@@ -280,7 +283,7 @@ def _shard(root: nn.Module, plan: StagePlan, stages: dict[int, StageModule], mes
         raise ShardingError(
             f"`ShardingOptions(data_parallel={sharding.data_parallel!r})` cannot shard fp8 stages yet (stage(s) {fp8}). "
             f"Give those stages another precision (e.g. 'bf16-mixed'), or keep data_parallel='ddp'.")
-    return shard_stages(root, stages, {k: list(plan.stages[k].modules) for k in stages}, mesh.shard_mesh,
+    return shard_stages(root, stages, {k: [*blocks, *plan.stages[k].modules] for k in stages}, mesh.shard_mesh,
                         sharding.reshard_after_forward)
 
 

@@ -1,10 +1,10 @@
 """FSDP2 on pipeline stages: each stage sharded over its replicas (``ShardingOptions(data_parallel="fsdp")``),
 or sharded over groups of them and replicated over the groups (``"hsdp"``, a 2-D mesh).
 
-:func:`shard_stages` calls torch's ``fully_shard`` bottom-up: on each unit of a stage (a block of the
-user's model: the sequential frontend's units, the traced frontend's submodules of the plan's unit
-names) and then on the stage module, which becomes the root of its units and keeps whatever parameters
-no unit owns. A unit whose parameters other modules of the stage use too (a tied embedding and head in
+:func:`shard_stages` calls torch's ``fully_shard`` bottom-up: on each block of the model's longest block
+list and each unit of the plan that a stage holds (the user's modules: the sequential frontend runs them
+as written, the traced frontend's graph holds them under their names), deepest first, and then on the
+stage module, which becomes the root of its units and keeps whatever parameters no unit owns. A unit whose parameters other modules of the stage use too (a tied embedding and head in
 one stage) is left to the root: FSDP2 keeps a shared parameter in the group of the modules' common
 ancestor. The parameters become ``DTensor`` shards on the module itself (and, through the traced
 stages' linked registries, on the user's modules), so the optimizer Lightning builds afterwards, the
@@ -46,26 +46,28 @@ def default_reshard_after_forward(value: bool | None) -> bool:
     return False if value is None else bool(value)
 
 
-def unit_modules(stage_module: nn.Module, unit_names: list[str]) -> list[nn.Module]:
-    """The modules of ``stage_module`` to shard one by one: its units, each once and only if it holds
-    parameters that no module outside it uses.
+def unit_modules(stage_module: nn.Module, names: list[str], root: nn.Module) -> list[nn.Module]:
+    """The modules of ``stage_module`` to shard one by one, deepest first: those of ``names`` (the user's module
+    names: the model's blocks and the plan's units) inside the stage, each once and only if no module
+    outside it uses its parameters.
 
-    The sequential frontend's units are ``stage_module.units``; a traced stage (one captured graph) holds
-    the user's modules as submodules of its graph under their own names (``units[0].graph.<unit name>``).
+    The sequential frontend's stage holds the user's modules themselves (looked up in ``root``); a traced stage
+    (one captured graph) holds them as submodules of its graph under their own names (``units[0].graph``).
     """
     units = list(getattr(stage_module, "units", []))
-    if getattr(stage_module, "captured", False) and units:
-        graph = getattr(units[0], "graph", None)
-        names = dict(graph.named_modules()) if graph is not None else {}
-        units = [names[n] for n in unit_names if n in names]
-    outside_uses: dict[int, int] = {}
+    graph = getattr(units[0], "graph", None) if getattr(stage_module, "captured", False) and units else None
+    lookup = dict((graph if graph is not None else root).named_modules())
+    held = {id(m) for m in stage_module.modules()}
+    found = sorted(((n, lookup[n]) for n in dict.fromkeys(names) if n in lookup and id(lookup[n]) in held),
+                   key=lambda nm: -nm[0].count("."))
+    uses: dict[int, int] = {}
     for m in stage_module.modules():
         for p in m._parameters.values():
             if p is not None:
-                outside_uses[id(p)] = outside_uses.get(id(p), 0) + 1
+                uses[id(p)] = uses.get(id(p), 0) + 1
     chosen, seen = [], set()
-    for unit in units:
-        if id(unit) in seen:
+    for _, unit in found:
+        if id(unit) in seen or unit is stage_module:
             continue
         seen.add(id(unit))
         inside: dict[int, int] = {}
@@ -73,7 +75,7 @@ def unit_modules(stage_module: nn.Module, unit_names: list[str]) -> list[nn.Modu
             for p in m._parameters.values():
                 if p is not None:
                     inside[id(p)] = inside.get(id(p), 0) + 1
-        if inside and all(outside_uses[i] == n for i, n in inside.items()):
+        if inside and all(uses[i] == n for i, n in inside.items()):
             chosen.append(unit)
     return chosen
 
@@ -90,7 +92,8 @@ def shard_stages(root: nn.Module, stages: dict[int, nn.Module], unit_names: dict
     Args:
         root: The LightningModule holding the stages' modules.
         stages: This rank's training stage modules, by stage index.
-        unit_names: Each stage's unit names (the plan's ``StageSpec.modules``).
+        unit_names: Each stage's modules to shard one by one, by the user's names (the model's blocks, the plan's
+            units: :func:`unit_modules`).
         mesh: The 1-D ``dp_shard`` mesh (fsdp), or the 2-D ``(dp_replicate, dp_shard)`` mesh (hsdp).
         reshard_after_forward: As given in ``ShardingOptions`` (``None``: :func:`default_reshard_after_forward`).
     """
@@ -108,7 +111,7 @@ def shard_stages(root: nn.Module, stages: dict[int, nn.Module], unit_names: dict
             if p is not None:
                 slots.setdefault(id(p), []).append((m, name))
     for k, sm in sorted(stages.items()):
-        for unit in unit_modules(sm, unit_names.get(k, [])):
+        for unit in unit_modules(sm, unit_names.get(k, []), root):
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         fully_shard(sm, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     for aliases in slots.values():
