@@ -213,7 +213,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         self._session.check_setup(fitting=fitting, checkpointing=bool(trainer.checkpoint_callbacks))
         refuse_unkept_setups(self.lightning_module, self.precision_plugin, checkpoint_io=self._checkpoint_io, fitting=fitting,
                              precision_flag=trainer._accelerator_connector._precision_flag, sharding=self._sharding,
-                             callbacks=trainer.callbacks, checkpoint_dir=self._checkpoint.dir or self._checkpoint.resume)
+                             callbacks=trainer.callbacks)
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if self._pipeline is None or self._pipeline.module is not module:

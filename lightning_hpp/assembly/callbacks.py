@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hpp.bias.monitor import BiasMonitor
 from lightning_hpp.errors import PlanError, ShardingError
@@ -35,25 +34,14 @@ def pipeline_callbacks(callbacks: Sequence[Any], telemetry: TelemetryOptions | N
 
 
 def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fitting: bool, precision_flag: str | None,
-                         sharding: ShardingOptions | None = None, callbacks: Sequence[Any] = (),
-                         checkpoint_dir: str | None = None) -> None:
+                         sharding: ShardingOptions | None = None, callbacks: Sequence[Any] = ()) -> None:
     """Refuse what a pipeline would silently ignore: a CheckpointIO plugin, manual optimization, two default precisions;
-    what sharded stages cannot keep yet: a ``BiasMonitor``, checkpoints (``ModelCheckpoint``, the strategy's own
-    ``checkpoint_dir`` or resume); and what does not compose with tensor-parallel stages yet: gradient clipping (a
-    norm over their shards).
+    what sharded stages cannot keep yet: a ``BiasMonitor``; and what does not compose with tensor-parallel stages yet:
+    gradient clipping (a norm over their shards).
 
     Raises:
         PlanError: naming the setting and the fix (``ShardingError`` for what sharded stages cannot keep).
     """
-    if sharding is not None and sharding.sharded:
-        saver = next((type(cb).__name__ for cb in callbacks if isinstance(cb, ModelCheckpoint)), None)
-        if saver is not None or checkpoint_dir is not None:
-            what = f"`{saver}` (Lightning adds one unless `Trainer(enable_checkpointing=False)`)" if saver else (
-                f"`CheckpointOptions` ({checkpoint_dir!r})")
-            raise ShardingError(
-                f"Checkpoints of sharded stages (`ShardingOptions(data_parallel={sharding.data_parallel!r})`) are not "
-                f"available in this version, but {what} would save or load one. Pass "
-                f"`Trainer(enable_checkpointing=False)` and no checkpoint `dir`/`resume`, or use data_parallel='ddp'.")
     if sharding is not None and sharding.sharded and any(isinstance(cb, BiasMonitor) for cb in callbacks):
         raise ShardingError(
             f"`BiasMonitor` compares each replica's gradient norm before the data-parallel reduction, but with "
