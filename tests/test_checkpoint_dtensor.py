@@ -2,7 +2,8 @@
 
 One 2-rank gloo job (``tests/ckpt_workers/dtensor_worker.py``) trains a ``fully_shard`` model, saves it
 (synchronously and with ``async_save``) through the strategy's own save and load functions, loads it
-under the same layout, a tensor-parallel one and a replicated one, and resumes past a damaged shard.
+under the same layout, a tensor-parallel one and a replicated one, through the S3 store too (a local moto
+server), and resumes past a damaged shard.
 Each test asserts one finding against values recomputed here, never against copied numbers.
 """
 
@@ -22,6 +23,7 @@ from lightning_hpp.checkpoint.store import CORRUPT_DIR
 from tests.bias_workers.launch import run_ranks
 from tests.ckpt_workers import dtensor_worker as worker
 from tests.ckpt_workers.common import TinyNet
+from tests.s3_server import UNSET_AWS, aws_variables, fresh_bucket
 
 WORKER = Path(__file__).parent / "ckpt_workers" / "dtensor_worker.py"
 
@@ -30,9 +32,13 @@ WORKER = Path(__file__).parent / "ckpt_workers" / "dtensor_worker.py"
 def job(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("dtensor")
     root = out / "ckpt"
-    (out / "config.json").write_text(json.dumps({"root": str(root)}))
-    ranks = run_ranks(WORKER, 2, out, timeout=600)
-    return {"out": out, "root": root, "ranks": ranks, "full": torch.load(out / "full-state.pt", weights_only=True)}
+    with fresh_bucket() as s3:
+        (out / "config.json").write_text(json.dumps({"root": str(root), "s3_root": s3.root}))
+        env = {**aws_variables(s3), **dict.fromkeys(UNSET_AWS)}
+        ranks = run_ranks(WORKER, 2, out, env_of_rank={0: env, 1: env}, timeout=600)
+        s3_objects = sorted(s3.objects())
+    return {"out": out, "root": root, "ranks": ranks, "full": torch.load(out / "full-state.pt", weights_only=True),
+            "s3_objects": s3_objects}
 
 
 def _reference_losses(steps: int) -> list[float]:
@@ -104,3 +110,10 @@ def test_sharded_checkpoint_loads_whole_into_one_process(job: dict) -> None:
     opt.load_state_dict(ckpt["optimizer_states"][0])
     assert worker.differences(worker.full_state(model, opt), job["full"]["step2"]) == []
     assert isinstance(model.embed, nn.Linear) and ckpt["loops"] == {"fit_loop": {"step": 2}}
+
+
+def test_sharded_stages_save_to_s3_and_load_from_there_into_another_layout(job: dict) -> None:
+    step4 = [k.split("/", 2)[2] for k in job["s3_objects"] if k.startswith("run/step-4/")]
+    assert sorted(step4) == [".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json"]
+    for r in job["ranks"]:
+        assert r["s3_tp"] == [], r["s3_tp"]

@@ -1,7 +1,7 @@
 """Rank of a 2-rank job saving FSDP2-sharded stages (DTensor parameters and Adam state) and
 loading them under other layouts, through the functions the strategy uses.
 
-Argument: OUT_DIR holding config.json {"root": ROOT}. The model is ``common.TinyNet`` with
+Argument: OUT_DIR holding config.json {"root": ROOT, "s3_root": S3_URL (optional)}. The model is ``common.TinyNet`` with
 ``fully_shard`` on each unit and on the whole (a 2-rank ``dp_shard`` mesh); every rank trains on
 the same batches, so the replicated BatchNorm buffers stay equal. Steps, in one job:
 
@@ -10,7 +10,8 @@ the same batches, so the replicated BatchNorm buffers stay equal. Steps, in one 
 2. load step-3 into a fresh FSDP2 model: its local shards equal the saved ones, and one more step
    from it equals the 4th step of the original run (exact resume);
 3. load step-3 into a tensor-parallel layout (colwise / rowwise DTensors over the same 2 ranks) and
-   into a plain model held whole by both ranks (the data-parallel layout);
+   into a plain model held whole by both ranks (the data-parallel layout); with ``s3_root``, save the
+   step-4 state there and load it into the tensor-parallel layout;
 4. rank 0 flips a byte of rank 1's shard file of step-3: both ranks resume ``resume="auto"`` on
    fresh FSDP2 models and must fall back to step-2 together.
 
@@ -159,7 +160,8 @@ def differences(got: dict, expected: dict) -> list[str]:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    root = json.loads((out / "config.json").read_text())["root"]
+    config = json.loads((out / "config.json").read_text())
+    root = config["root"]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     count_gathers()
@@ -206,6 +208,14 @@ def main() -> None:
     model4, opt4 = plain_model(seed=3)
     restore(checkpoint_url(root, 3), model4, opt4)
     result["replicated"] = differences(full_state(model4, opt4), ref3)
+
+    # S3: the step-4 state through the S3 store, loaded from there into the tensor-parallel layout
+    if config.get("s3_root"):
+        ref4 = full_state(model, opt)
+        save(model, opt, config["s3_root"], 4)
+        model6, opt6 = tp_model(mesh, seed=5)
+        restore(checkpoint_url(config["s3_root"], 4), model6, opt6)
+        result["s3_tp"] = differences(full_state(model6, opt6), ref4)
 
     # 4. a damaged shard of rank 1: both ranks fall back to step-2 together
     dist.barrier()
