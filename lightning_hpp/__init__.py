@@ -7,7 +7,14 @@ described in ``lightning_hpp/*/__init__.py`` and the README's layout section.
 
 from lightning_hpp.bias import BiasMonitor, DistributedWeightedSampler
 from lightning_hpp.errors import PlanError
-from lightning_hpp.options import BiasOptions, CheckpointOptions, InitOptions, PlacementOptions, TelemetryOptions
+from lightning_hpp.options import (
+    BiasOptions,
+    CheckpointOptions,
+    InitOptions,
+    PlacementOptions,
+    ShardingOptions,
+    TelemetryOptions,
+)
 from lightning_hpp.planning.plan import StagePlan, StageSpec, stage
 from lightning_hpp.precision import HPPPrecision
 from lightning_hpp.strategy import HPPStrategy
@@ -24,6 +31,7 @@ __all__ = [
     "InitOptions",
     "PlacementOptions",
     "PlanError",
+    "ShardingOptions",
     "StagePlan",
     "StageSpec",
     "TelemetryOptions",

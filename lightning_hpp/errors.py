@@ -33,6 +33,10 @@ class PartitionError(ValueError):
     """No valid partition: impossible memory limits, missing devices or costs, bad arguments."""
 
 
+class ShardingError(PlanError):
+    """A sharding layout (``ShardingOptions``) that cannot run on this job or with these stages."""
+
+
 class PlacementError(ValueError):
     """Stages cannot be placed on the ranks (kinds absent or too few, or a bad device map)."""
 

@@ -10,7 +10,8 @@ section is::
                 checkpoint=CheckpointOptions(dir="s3://bucket/run", every_n_steps=500, keep_last=3, resume="auto"),
                 bias=BiasOptions(deterministic=True, audit="error"),
                 telemetry=TelemetryOptions(trace_step=20),
-                placement=PlacementOptions(device_map="0:a100,1:h100"))
+                placement=PlacementOptions(device_map="0:a100,1:h100"),
+                sharding=ShardingOptions(data_parallel="fsdp"))
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
-from lightning_hpp.errors import BiasConfigError, CheckpointError, PlacementError, TelemetryError
+from lightning_hpp.errors import BiasConfigError, CheckpointError, PlacementError, ShardingError, TelemetryError
 from lightning_hpp.planning.devices import ENV_VAR as DEVICE_KIND_ENV
 from lightning_hpp.planning.devices import parse_device_map
 from lightning_hpp.telemetry.watch import watch_options
@@ -208,7 +209,86 @@ class InitOptions:
         check_int(self.seed, "InitOptions(seed=...)", minimum=None, optional=True, error=self.error)
 
 
-Section = TypeVar("Section", CheckpointOptions, BiasOptions, TelemetryOptions, PlacementOptions, InitOptions)
+DATA_PARALLEL = ("ddp", "fsdp", "hsdp")
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """How the replicas of each stage share its work (the data-parallel mode) and split it (tensor parallel).
+
+    The job's ``world_size`` ranks form a ``pp × dp × tp`` layout: ``pp`` pipeline positions, ``dp``
+    data-parallel replicas of each stage (each reads its own part of every batch), ``tp`` ranks per
+    replica splitting the stage's layers. torch's ``DeviceMesh`` of the job has the dimensions
+    ``("pp", "dp_replicate", "dp_shard", "tp")`` (size 1 where unused; ``"dp"`` is the flattened pair), and
+    the LightningModule reads it as ``self.device_mesh`` (as under Lightning's ``ModelParallelStrategy``).
+
+    The hsdp shape rule: ``dp = world_size / (pp × tp)`` replicas are ``dp_replicate`` groups of
+    ``dp_shard = dp / dp_replicate`` ranks; each stage is sharded over the ``dp_shard`` ranks of a group and
+    replicated over the groups (``dp_replicate`` must divide ``dp``). ``"ddp"`` is ``dp_replicate = dp,
+    dp_shard = 1``, ``"fsdp"`` ``dp_replicate = 1, dp_shard = dp``.
+    """
+
+    data_parallel: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    """``"ddp"``: every replica holds the whole stage, gradients all-reduced (the default); ``"fsdp"``: each
+    stage's parameters, gradients and optimizer state sharded over its replicas (FSDP2 ``fully_shard`` on each
+    unit and on the stage); ``"hsdp"``: sharded over ``dp_shard`` ranks, replicated ``dp_replicate`` times."""
+    tp_degree: int = 1
+    """Ranks that split each stage replica's layers by tensor parallelism (1: none)."""
+    reshard_after_forward: bool | None = None
+    """FSDP2's choice of freeing the gathered parameters after each forward. ``None``: ``False``, the right
+    default for a micro-batched schedule: the stage's parameters are gathered once per step and stay gathered
+    until its last backward, instead of once per forward and once per backward of every micro-batch (what
+    ``True`` costs, in exchange for holding only the shards between micro-batches)."""
+    dp_replicate: int | None = None
+    """``"hsdp"`` only, and required there: the number of replica groups (see the shape rule above)."""
+
+    error: ClassVar[type[ValueError]] = ShardingError
+    """The error class of this section's checks."""
+
+    def __post_init__(self) -> None:
+        name, error = "ShardingOptions", self.error
+        check_choice(self.data_parallel, f"{name}(data_parallel=...)", DATA_PARALLEL, error=error)
+        check_int(self.tp_degree, f"{name}(tp_degree=...)", error=error)
+        check_bool(self.reshard_after_forward, f"{name}(reshard_after_forward=...)", optional=True, error=error)
+        check_int(self.dp_replicate, f"{name}(dp_replicate=...)", optional=True, error=error)
+        if self.data_parallel == "hsdp" and self.dp_replicate is None:
+            raise error(f"`{name}(data_parallel='hsdp')` shards each stage over `dp / dp_replicate` ranks and replicates "
+                        f"it `dp_replicate` times, but `dp_replicate` is not set. Give it, e.g. "
+                        f"`{name}(data_parallel='hsdp', dp_replicate=2)`.")
+        if self.data_parallel != "hsdp" and self.dp_replicate is not None:
+            raise error(f"`{name}(dp_replicate={self.dp_replicate})` applies to data_parallel='hsdp' only, but "
+                        f"data_parallel={self.data_parallel!r}. Drop `dp_replicate`, or use data_parallel='hsdp'.")
+        if self.data_parallel == "ddp" and self.reshard_after_forward is not None:
+            raise error(f"`{name}(reshard_after_forward={self.reshard_after_forward})` applies to sharded stages "
+                        f"(data_parallel='fsdp' or 'hsdp'), but data_parallel='ddp'. Drop it, or shard the stages.")
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each stage is sharded over (some of) its replicas."""
+        return self.data_parallel != "ddp"
+
+    def dp_dims(self, dp: int) -> tuple[int, int]:
+        """``(dp_replicate, dp_shard)`` of ``dp`` replicas of a stage (the shape rule of the class docstring).
+
+        Raises:
+            ShardingError: ``dp_replicate`` does not divide ``dp``.
+        """
+        if self.data_parallel == "ddp":
+            return dp, 1
+        if self.data_parallel == "fsdp":
+            return 1, dp
+        assert self.dp_replicate is not None
+        if dp % self.dp_replicate:
+            divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+            raise self.error(
+                f"`ShardingOptions(data_parallel='hsdp', dp_replicate={self.dp_replicate})`: each stage has {dp} "
+                f"replicas (world_size / (pp × tp)), which {self.dp_replicate} groups cannot split evenly. Use a "
+                f"dp_replicate that divides {dp} ({divisors}), or change the number of processes.")
+        return self.dp_replicate, dp // self.dp_replicate
+
+
+Section = TypeVar("Section", CheckpointOptions, BiasOptions, TelemetryOptions, PlacementOptions, InitOptions,
+                  ShardingOptions)
 
 
 def section(cls: type[Section], value: Any, arg: str) -> Section:

@@ -46,8 +46,8 @@ from lightning_hpp.checkpoint.session import CheckpointSession
 from lightning_hpp.errors import PlanError
 from lightning_hpp.launch import Launcher, check_backend, check_timeout, init_process_group
 from lightning_hpp.model.materialize import init_on_meta
-from lightning_hpp.options import BiasOptions, CheckpointOptions, InitOptions, PlacementOptions, TelemetryOptions
-from lightning_hpp.options import moved_option_hint, section
+from lightning_hpp.options import BiasOptions, CheckpointOptions, InitOptions, PlacementOptions, ShardingOptions
+from lightning_hpp.options import TelemetryOptions, moved_option_hint, section
 from lightning_hpp.pipeline.data import can_rebatch, first_loader, peek_batch, rebatch, resume_mid_epoch
 from lightning_hpp.pipeline.data import seed_workers_per_replica, shard_over_replicas
 from lightning_hpp.pipeline.steps import REDUCED, replay_logs
@@ -74,13 +74,11 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         bias: :class:`~lightning_hpp.options.BiasOptions`: the coded-bias audit, fingerprints, determinism.
         telemetry: :class:`~lightning_hpp.options.TelemetryOptions`, ``True`` (its defaults) or ``None``.
         placement: :class:`~lightning_hpp.options.PlacementOptions`: device kinds, ``plan="auto"`` profile.
-        init: :class:`~lightning_hpp.options.InitOptions`: initial weights of a model built on the meta
-            device (``configure_model()``, ``Trainer.init_module(empty_init=True)``), materialized per rank.
-        timeout: Timeout of every collective and pipeline send/recv (a ``timedelta`` or seconds); a
-            rank that stops answering ends the job after at most this long.
+        init: :class:`~lightning_hpp.options.InitOptions`: initial weights of a model built on the meta device.
+        sharding: :class:`~lightning_hpp.options.ShardingOptions`: each stage's replicas as ddp, fsdp or hsdp.
+        timeout: Timeout of every collective and pipeline send/recv (a ``timedelta`` or seconds; a silent rank ends the job).
         process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
-        precision_plugin: An :class:`~lightning_hpp.HPPPrecision` (precision options live there);
-            default one is installed with the Trainer's ``precision`` as the stages' default.
+        precision_plugin: An :class:`~lightning_hpp.HPPPrecision` (default: one with the Trainer's ``precision``).
     """
 
     strategy_name = "hpp"
@@ -99,6 +97,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         telemetry: TelemetryOptions | dict | bool | None = None,
         placement: PlacementOptions | dict | None = None,
         init: InitOptions | dict | None = None,
+        sharding: ShardingOptions | dict | None = None,
         timeout: timedelta | float = timedelta(minutes=5),
         process_group_backend: str | None = None,
         accelerator: Any = None,
@@ -122,6 +121,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         self._telemetry = None if telemetry in (None, False) else section(TelemetryOptions, None if telemetry is True else telemetry, "telemetry")
         self._placement = section(PlacementOptions, placement, "placement")
         self._init = section(InitOptions, init, "init")
+        self._sharding = section(ShardingOptions, sharding, "sharding")
         self._controls = BiasControls(self._bias)
         self._session = CheckpointSession(self._checkpoint)
         self._pipeline: Pipeline | None = None
@@ -213,7 +213,8 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._session.check_setup(fitting=fitting, checkpointing=bool(trainer.checkpoint_callbacks))
         refuse_unkept_setups(self.lightning_module, self.precision_plugin, checkpoint_io=self._checkpoint_io, fitting=fitting,
-                             precision_flag=trainer._accelerator_connector._precision_flag)
+                             precision_flag=trainer._accelerator_connector._precision_flag, sharding=self._sharding,
+                             callbacks=trainer.callbacks)
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if self._pipeline is None or self._pipeline.module is not module:
@@ -249,7 +250,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         return SetupInputs(
             world_size=self.world_size, rank=self.global_rank, device=self.root_device,
             step_fn=getattr(module, step_name), batch=batch, fitting=fitting, precision=self.precision_plugin,
-            trainer_precision=trainer_precision, placement=self._placement, init=self._init,
+            trainer_precision=trainer_precision, placement=self._placement, init=self._init, sharding=self._sharding,
             split_batches=fitting and can_rebatch(loader), global_step=lambda: int(trainer.global_step),
             recorded_speeds=self._session.recorded_speeds, default_seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
 

@@ -23,22 +23,25 @@ def real_model_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace
     1. 2 ranks: real models traced and the BatchNorm chain (test_real_models), tied-weight checkpoints,
        per-stage precisions and V schedules (test_traced_stages), the meta-device chain (test_big_models),
        the emulated fp8 checkpoints resumed (test_fp8_state);
-       4 ranks: GPT-2 pp=2 x dp=2 (test_real_models), the meta-device Llama in 4 stages (test_big_models);
+       4 ranks: GPT-2 pp=2 x dp=2 (test_real_models), the meta-device Llama in 4 stages (test_big_models),
+       Llama (eager, and on the meta device reading test_big_models' weights) and an MLP pp=2 x tp=2
+       (test_tensor_parallel);
     2. 3 ranks: Llama in 3 stages (test_real_models), the GPT-2 checkpoint of round 1 resumed under 3
        stages (test_traced_stages); 2 ranks: the traced GPT-2s whose setup must fail, tried in turn by
        the same ranks (test_traced_stages, tests/workers/refusals.py).
 
-    Returns the modules' directories (``real``, ``traced``, ``big``, ``refused``, ``fp8_state``), the refusal job's
+    Returns the modules' directories (``real``, ``traced``, ``big``, ``refused``, ``fp8_state``, ``tp``), the refusal job's
     finished process (``refusals``) and what test_big_models wrote the weights of (``llama``, ``chain``).
     """
     from tests import test_big_models as big
     from tests import test_fp8_state as fp8_state
     from tests import test_real_models as real
+    from tests import test_tensor_parallel as tp
     from tests import test_traced_stages as traced
     from tests.launch import run_scripts
 
     root = tmp_path_factory.mktemp("real_model_jobs")
-    dirs = {name: root / name for name in ("real", "traced", "big", "refused", "fp8_state")}
+    dirs = {name: root / name for name in ("real", "traced", "big", "refused", "fp8_state", "tp")}
     for d in dirs.values():
         d.mkdir()
     llama, chain = big.write_weights(dirs["big"])
@@ -49,11 +52,11 @@ def real_model_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace
     run_scripts([
         job(2, real.two_rank_runs(dirs["real"]) + traced.two_rank_runs(dirs["traced"]) + big.two_rank_runs(dirs["big"])
             + fp8_state.two_rank_runs(dirs["fp8_state"])),
-        job(4, real.four_rank_runs(dirs["real"]) + big.four_rank_runs(dirs["big"])),
+        job(4, real.four_rank_runs(dirs["real"]) + big.four_rank_runs(dirs["big"]) + tp.four_rank_runs(dirs["tp"], dirs["big"] / "hf")),
     ], timeout=900)
     resumed, refusals = run_scripts([
         job(3, real.three_rank_runs(dirs["real"]) + traced.three_rank_runs(dirs["traced"])),
-        job(2, traced.refused_runs(dirs["refused"])),
+        job(2, traced.refused_runs(dirs["refused"]) + tp.refused_runs(dirs["refused"])),
     ], timeout=600, check=False)
     assert resumed.returncode == 0, f"--- stdout\n{resumed.stdout[-4000:]}\n--- stderr\n{resumed.stderr[-8000:]}"
     return SimpleNamespace(**dirs, refusals=refusals, llama=llama, chain=chain)

@@ -25,12 +25,12 @@ def gpt2(layers: int = 4) -> nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
-def llama(layers: int = 3) -> nn.Module:
+def llama(layers: int = 3, kv_heads: int = 2, tie: bool = True) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=SEQ,
+                      tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return LlamaForCausalLM(cfg)
 
 
@@ -157,6 +157,25 @@ class LMWrapper(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class SplitMLP(LMWrapper):
+    """``deep_mlp`` whose stages a tensor-parallel job splits in the LightningModule's own hook: each pair of
+    consecutive blocks of a stage as a colwise then a rowwise Linear (Megatron's MLP: the Tanh between acts on
+    each rank's columns, the rowwise all-reduce makes the stage's output whole). Elsewhere it is ``deep_mlp``."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__("deep_mlp", **kw)
+        self.split_calls: list[list[str]] = []
+
+    def parallelize_stage(self, module, mesh):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        blocks = [(n, u) for n, u in zip(module.names, module.units) if isinstance(u, nn.Sequential)]
+        for (_, a), (_, b) in zip(blocks[0::2], blocks[1::2]):
+            parallelize_module(a[0], mesh, ColwiseParallel())
+            parallelize_module(b[0], mesh, RowwiseParallel())
+        self.split_calls.append(list(module.names))
 
 
 def dataset(kind: str, n: int = 32, seed: int = 0) -> TensorDataset:

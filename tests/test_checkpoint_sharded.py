@@ -31,7 +31,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("save")
     root = tmp_path_factory.mktemp("ckpts")
     (out / "config.json").write_text(json.dumps({"root": str(root), "step": 10}))
-    results = run_ranks(WORKERS / "save_worker.py", 2, out)
+    results = run_ranks(WORKERS / "save_worker.py", 2, out, timeout=300)
     return {"root": root, "ranks": results}
 
 
@@ -66,7 +66,7 @@ def test_reshard_two_stage_and_dp2_checkpoints_into_three_ranks(saved: dict, tmp
     root = saved["root"]
     urls = [str(root / "pp2" / "step-10"), str(root / "dp2" / "step-10"), str(root / "pp2" / "step-11")]
     (tmp_path / "config.json").write_text(json.dumps({"urls": urls}))
-    results = run_ranks(WORKERS / "load_worker.py", 3, tmp_path)
+    results = run_ranks(WORKERS / "load_worker.py", 3, tmp_path, timeout=300)
     names = [n for r in results for n in r["names"]]
     assert sorted(names) == sorted(reference_model().state_dict())  # 3 different subsets, all keys
     for r in results:

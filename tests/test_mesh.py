@@ -1,6 +1,7 @@
 """The pp × dp layout on torch's ``DeviceMesh``: four real gloo processes build every layout below, and
-each rank's place, its groups (what an all-reduce over each reaches) and the ``("pp", "dp")`` mesh are
-checked against the grid; a grid whose pipeline does not ascend is refused on every rank.
+each rank's place, its groups (what an all-reduce over each reaches) and the ``("pp", "dp_replicate",
+"dp_shard", "tp")`` mesh are checked against the grid; a grid whose pipeline does not ascend is refused
+on every rank.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ CASES = [
     {"name": "a row out of rank order", "pp": 2, "grid": [[0, 1], [3, 2]]},
     {"name": "pp=1", "pp": 1},
     {"name": "dp=1", "pp": 4, "position_sets": [[0, 3], [1, 2]]},
+    {"name": "pp=2 fsdp", "pp": 2, "dp_shard": 2},  # each stage sharded over its 2 replicas
+    {"name": "hsdp 2x2", "pp": 1, "dp_shard": 2},  # 2 replica groups of 2 shards
+    {"name": "fsdp interleaved", "pp": 2, "dp_shard": 2, "grid": [[0, 2], [1, 3]]},
     {"name": "pipeline descends", "pp": 2, "grid": [[1, 3], [0, 2]]},
 ]
 
@@ -53,10 +57,19 @@ def test_every_rank_sees_its_place_and_groups(results, i):
         # torch pipelining addresses peers by group rank: the pipeline group's rank is the position
         assert got["pp_group_ranks"] == pipeline
         assert got["pp_group_rank"] == position
-        assert got["dim_names"] == ["pp", "dp"]
-        assert got["mesh"] == grid
+        shard = case.get("dp_shard", 1)
+        dp = len(grid[0])
+        assert got["dim_names"] == ["pp", "dp_replicate", "dp_shard", "tp"]
+        assert got["mesh"] == [[[[rank_] for rank_ in row[g * shard:(g + 1) * shard]] for g in range(dp // shard)]
+                               for row in grid]
         assert got["device_type"] == "cpu"  # gloo's default, or given
-        assert got["coordinate"] == [position, replica]
+        assert got["coordinate"] == [position, replica // shard, replica % shard, 0]
+        # the shard group: this position's replicas of one replica group; the replicate group: one shard index
+        group = replica // shard
+        assert got["shard_reached"] == sorted(grid[position][group * shard:(group + 1) * shard])
+        assert got["replicate_reached"] == sorted(grid[position][replica % shard::shard])
+        assert got["tp_reached"] == [rank]
+        assert got["shard_mesh_dims"] == (["dp_shard"] if shard == dp else ["dp_replicate", "dp_shard"])
         assert got["dp_slice_is_dp_group"] and got["pp_slice_is_pp_group"]
         if "position_sets" in case:
             expected = [sorted(grid[r][replica] for r in s) for s in case["position_sets"]]

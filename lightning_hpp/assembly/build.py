@@ -32,12 +32,13 @@ from torch import nn
 from lightning_hpp._dist import broadcast_tensors
 from lightning_hpp.assembly.placement import auto_plan, gather_kinds, kind_grid, loss_probe
 from lightning_hpp.assembly.spec import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PipelineSpec, ResolvedPlan
-from lightning_hpp.errors import PlanError
-from lightning_hpp.model.frontend import balanced_plan, cut_model, planning_units
+from lightning_hpp.errors import PlanError, ShardingError
+from lightning_hpp.model.frontend import balanced_plan, block_names, cut_model, planning_units
 from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, materialize_stages
 from lightning_hpp.model.units import find_units
-from lightning_hpp.options import InitOptions, PlacementOptions
+from lightning_hpp.options import InitOptions, PlacementOptions, ShardingOptions
 from lightning_hpp.pipeline.epoch_end import replay_epoch_ends
+from lightning_hpp.pipeline.fsdp import ShardedStages, shard_stages
 from lightning_hpp.pipeline.grads import GradHandover, shared_gradient_groups
 from lightning_hpp.pipeline.mesh import Mesh, stages_of_position
 from lightning_hpp.pipeline.microbatch import batch_size_of, split_batch
@@ -45,6 +46,7 @@ from lightning_hpp.pipeline.runner import PipelineRunner
 from lightning_hpp.pipeline.schedules import check_schedule
 from lightning_hpp.pipeline.stage import StageModule
 from lightning_hpp.pipeline.steps import capture_input, count_forward_calls, second_call_error
+from lightning_hpp.pipeline.tensor_parallel import TPPlan, at_local_width, check_frontend, resolve_tp_plan, split_stages
 from lightning_hpp.planning.partition import MODELLED_SCHEDULES
 from lightning_hpp.planning.plan import StagePlan, StageSpec
 from lightning_hpp.precision.modes import MODES
@@ -63,7 +65,7 @@ class SetupInputs:
         fitting: Whether the entry point trains.
         split_batches: Whether the train loader's batches can be made smaller (``plan="auto"``).
         precision: The precision plugin; ``trainer_precision`` the Trainer's ``precision`` flag.
-        placement, init: The strategy's option sections.
+        placement, init, sharding: The strategy's option sections.
         global_step: The optimizer step being run (read by the precision guards).
         default_seed: The initializers' seed when ``init.seed`` is unset.
         recorded_speeds: Collective: the per-rank speeds the straggler watch recorded in the checkpoint the
@@ -80,6 +82,7 @@ class SetupInputs:
     trainer_precision: str | None
     placement: PlacementOptions = field(default_factory=PlacementOptions)
     init: InitOptions = field(default_factory=InitOptions)
+    sharding: ShardingOptions = field(default_factory=ShardingOptions)
     split_batches: bool = True
     global_step: Callable[[], int] = lambda: -1
     default_seed: int = 0
@@ -134,6 +137,8 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
                         f"(`Trainer(devices=..., num_nodes=...)`).")
     inputs.placement.check_world(world)
     rank_kinds = gather_kinds(device, inputs.rank, inputs.placement.device_map)
+    tp = inputs.sharding.tp_degree
+    tp_plan = _tp_plan(module, spec, inputs, world) if tp > 1 else None
     meta = has_meta_parameters(module)
     if not meta:  # as DDP does: every replica (and every stage's copy of a shared weight) starts from rank 0's model
         broadcast_tensors([t for t in (*module.parameters(), *module.buffers()) if t is not None], src=0)
@@ -144,7 +149,10 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         resolved, example = resolve_plan(module, spec, inputs, batch, rank_kinds)
         example = _in_stage_dtype(module, resolved.plan, example, inputs)
         # both modes whatever the entry point: a pipeline built by `validate()` is the one a later `fit()` trains
-        cut = cut_model(module, resolved.plan, example, frontend=spec.frontend, modes=("train", "eval"))
+        with at_local_width(module, tp_plan, tp) if tp_plan is not None else contextlib.nullcontext():
+            cut = cut_model(module, resolved.plan, example, frontend=spec.frontend, modes=("train", "eval"))
+    if tp_plan is not None:
+        check_frontend(tp_plan, cut.frontend, type(module).__name__)
     plan = cut.plan
     pp = resolved.pp(plan)
     if plan.num_stages > world * resolved.kind.stages_per_rank or pp > world:
@@ -155,15 +163,14 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     check_schedule(resolved.schedule, plan.num_stages, pp, resolved.n_microbatches)
     positions = [stages_of_position(r, pp, plan.num_stages, resolved.kind.style) for r in range(pp)]
     grid = resolved.grid if resolved.grid is not None else kind_grid(plan, positions, rank_kinds, pp, world // pp)
-    mesh = Mesh.build(world, pp, inputs.rank, grid=grid)
+    mesh = _mesh(world, pp, inputs, grid)
     plan.meta["device_kinds"] = rank_kinds
     mesh.init_groups(device_type=device.type)
+    module._device_mesh = mesh.device_mesh  # what `LightningModule.device_mesh` reads, as under ModelParallelStrategy
     stage_ids = positions[mesh.position]
+    blocks = block_names(module) if inputs.sharding.sharded else []  # FSDP2's units, named before the cut drops any
     cut.keep_only(module, stage_ids)
     bodies = [b for mode in ("train", "eval") for k in stage_ids for b in cut.bodies[mode][k]]
-    if has_meta_parameters(module):
-        _materialize(module, inputs)
-    shared = shared_gradient_groups(cut.shared, dict(module.named_parameters()), positions, mesh)
     traced = cut.frontend == "traced"
     recompute = [spec.activation_checkpointing if s.activation_checkpointing is None else s.activation_checkpointing
                  for s in plan.stages]
@@ -172,6 +179,11 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
                      for k in stage_ids} for mode in ("train", "eval")}
     if cut.frontend == "sequential":
         stages["eval"] = stages["train"]
+    if tp_plan is not None:  # before materializing: a meta model's ranks then materialize (and read) only their shards
+        split = split_stages(module, [*stages["train"].values(), *stages["eval"].values()], tp_plan, mesh.device_mesh["tp"])
+        plan.meta["tensor_parallel"] = {"degree": tp, "plan": tp_plan.source, "split": split}
+    if has_meta_parameters(module):
+        _materialize(module, inputs)
     module.to(device)
     for body in bodies:
         if hasattr(body, "place"):  # traced stages: their own constants, and the ops that create tensors, on this device
@@ -184,18 +196,98 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
                      step_checks=runner.step_checks, repeated_names=repeated,
                      named_parameters=lambda: dict(module.named_parameters()))
     inputs.precision.configure_stages(plan, view, inputs.trainer_precision, device, rank_kinds[inputs.rank])
-    grads = GradHandover(stages["train"], mesh.dp_group, mesh.dp, shared=shared)
+    runner.sharded = _shard(module, plan, stages["train"], mesh, inputs, blocks)
+    if runner.sharded is not None:
+        view.shard_group = mesh.dp_shard_group
+    # after sharding: the parameters several stages use are the ones the stages hold now (shards, under FSDP2)
+    shared = shared_gradient_groups(cut.shared, dict(module.named_parameters()), positions, mesh)
+    # FSDP2 reduces a sharded stage's gradients itself (reduce-scatter, and all-reduce over hsdp's replicas)
+    grads = GradHandover(stages["train"], None if runner.sharded else mesh.dp_group, 1 if runner.sharded else mesh.dp,
+                         shared=shared)
     runner.last_backward_window = grads.last_backward
     replay_epoch_ends(module, holds_last=runner.holds_last, pp_group=mesh.pp_group if pp > 1 else None,
                       last_position=runner.last_position, dp_group=mesh.dp_group)
     rank_zero_info(
         f"HPPStrategy: {plan.num_stages} stages, frontend={cut.frontend} ({cut.reason}), schedule={resolved.schedule}, "
         f"n_microbatches={resolved.n_microbatches}, pp={pp} × dp={mesh.dp}"
+        + (f" ({inputs.sharding.data_parallel}: dp_replicate={mesh.dp_replicate} × dp_shard={mesh.dp_shard})"
+           if runner.sharded else "")
+        + (f" × tp={tp} ({tp_plan.source})" if tp_plan else "")
         + (f", shared parameters {sorted(cut.shared)}" if cut.shared else "") + f"\n{plan.table()}"
     )
     return Pipeline(module=module, plan=plan, mesh=mesh, stage_ids=tuple(stage_ids), schedule=resolved.schedule,
                     n_microbatches=resolved.n_microbatches, split=resolved.split, frontend=cut.frontend, reason=cut.reason,
                     rank_kinds=tuple(rank_kinds), runner=runner, grads=grads)
+
+
+def _mesh(world: int, pp: int, inputs: SetupInputs, grid: list[list[int]] | None) -> Mesh:
+    """The rank grid of ``pp`` positions with the sharding options' data-parallel shape.
+
+    Raises:
+        ShardingError: an hsdp ``dp_replicate`` that does not divide the replicas.
+    """
+    sharding, tp = inputs.sharding, inputs.sharding.tp_degree
+    if world % (pp * tp):
+        return Mesh.build(world, pp, inputs.rank, grid=grid, tp=tp)  # refused there, with the sizes
+    _, dp_shard = sharding.dp_dims(world // (pp * tp))
+    return Mesh.build(world, pp, inputs.rank, grid=grid, dp_shard=dp_shard, tp=tp)
+
+
+def _tp_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, world: int) -> TPPlan:
+    """The tensor-parallel plan of ``module``'s stages (``tp_degree > 1``), where this version composes it.
+
+    Raises:
+        ShardingError: tensor parallel with ``plan="auto"``, sharded (fsdp / hsdp) stages, or several replicas
+            of each stage (their gradients' all-reduce does not yet take ``DTensor`` shards).
+        PlanError: no plan for the model, or one that ``tp_degree`` does not divide (:func:`resolve_tp_plan`).
+    """
+    sharding = inputs.sharding
+    tp = sharding.tp_degree
+    opt = f"`ShardingOptions(tp_degree={tp})`"
+    if spec.auto:
+        raise ShardingError(f"{opt} with plan='auto': the planner does not model tensor parallelism. Give the plan "
+                            f"(`StagePlan.split_at([...])` or pp_degree), or use tp_degree=1.")
+    if sharding.sharded:
+        raise ShardingError(f"{opt} with data_parallel={sharding.data_parallel!r}: sharded stages do not compose with "
+                            f"tensor parallelism in this version. Use data_parallel='ddp' with tp_degree={tp}, or "
+                            f"tp_degree=1.")
+    clipped = [k for k, s in enumerate(spec.plan.stages if isinstance(spec.plan, StagePlan) else []) if s.clip_norm is not None]
+    if clipped:
+        raise ShardingError(f"{opt}: stages {clipped} clip their gradients (`StageSpec(clip_norm=...)`), but clipping does not "
+                            f"take the norm over tensor-parallel shards in this version. Drop clip_norm, or use tp_degree=1.")
+    pp = spec.pp_degree
+    if pp is None:
+        raise ShardingError(f"{opt}: give `HPPStrategy(pp_degree=...)` too, so that world_size = pp_degree × tp_degree "
+                            f"(the pipeline degree is otherwise the number of processes).")
+    if world % (pp * tp) == 0 and world // (pp * tp) > 1:
+        raise ShardingError(f"{opt}: {world} processes with pp_degree={pp} are {world // (pp * tp)} replicas of each "
+                            f"stage, whose gradients' all-reduce does not take tensor-parallel shards in this version. "
+                            f"Use world_size = pp_degree × tp_degree ({pp * tp} processes), or tp_degree=1.")
+    return resolve_tp_plan(module, tp)
+
+
+def _shard(root: nn.Module, plan: StagePlan, stages: dict[int, StageModule], mesh: Mesh, inputs: SetupInputs,
+           blocks: list[str]) -> ShardedStages | None:
+    """FSDP2 on this rank's training stages when ``ShardingOptions`` asks for it (collective over the shard
+    groups), after the precision plugin cast them to their stages' dtypes; ``None`` for unsharded stages. Each
+    of the model's ``blocks`` and each unit of the plan a stage holds is sharded on its own (FSDP2 gathers one
+    group at a time).
+
+    Raises:
+        ShardingError: an fp8 stage (its converted or emulated GEMMs keep per-weight scaling state that
+            FSDP2's sharded parameters do not carry yet).
+    """
+    sharding = inputs.sharding
+    if not sharding.sharded:
+        return None
+    precisions = inputs.precision.stage_precisions(plan, inputs.trainer_precision)
+    fp8 = [k for k, p in enumerate(precisions) if p == "fp8"]
+    if fp8:
+        raise ShardingError(
+            f"`ShardingOptions(data_parallel={sharding.data_parallel!r})` cannot shard fp8 stages yet (stage(s) {fp8}). "
+            f"Give those stages another precision (e.g. 'bf16-mixed'), or keep data_parallel='ddp'.")
+    return shard_stages(root, stages, {k: [*blocks, *plan.stages[k].modules] for k in stages}, mesh.shard_mesh,
+                        sharding.reshard_after_forward)
 
 
 def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch: Any,

@@ -43,6 +43,12 @@ class PipelineProperties:
         return self._pipeline.mesh if self._pipeline else None
 
     @property
+    def device_mesh(self) -> Any:
+        """The job's ``DeviceMesh`` (dimensions ``("pp", "dp_replicate", "dp_shard", "tp")``), once set up; the
+        LightningModule reads it as ``self.device_mesh``, as under Lightning's ``ModelParallelStrategy``."""
+        return self._pipeline.mesh.device_mesh if self._pipeline else None
+
+    @property
     def runner(self) -> PipelineRunner | None:
         return self._pipeline.runner if self._pipeline else None
 

@@ -12,6 +12,12 @@ everything by name or owner, so it loads under any other layout::
     fp8/dp<r>          fp8 scaling state per layer or weight         (every rank of replica r)
     epoch, global_step, hyper_parameters, pytorch-lightning_version (global rank 0)
 
+A sharded stage (FSDP2, HSDP or tensor parallel: :func:`is_sharded`) is written by every rank of it,
+``model``, ``optim/<i>`` and ``position_pp<r>`` alike: its DTensors as each rank's own shards, its
+plain tensors and JSON (buffers, Adam's ``step``, param groups) once, as replicas. Loading into a
+sharded stage asks for its parameters and their optimizer state as DTensors of the live layout
+(:func:`load_template`), so each rank reads only its shards, whatever layout saved them.
+
 A tensor registered under several names (tied weights: GPT-2's ``transformer.wte.weight`` is
 ``lm_head.weight``) is one entry, under its first name in ``named_parameters()`` /
 ``named_buffers()`` (:func:`tensor_aliases`), with its optimizer state once; loading fills it under
@@ -48,6 +54,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_hpp.checkpoint.fp8_state import (
     STATE_KEY,
@@ -58,6 +65,7 @@ from lightning_hpp.checkpoint.fp8_state import (
     te_extra_state_keys,
 )
 from lightning_hpp.checkpoint.sharded import (
+    KeyInfo,
     checkpoint_keys,
     holds_pickle,
     is_extra_state,
@@ -69,6 +77,11 @@ from lightning_hpp.checkpoint.store import Retention
 
 _SPLIT = ("state_dict", "optimizer_states", "lr_schedulers")
 _TOP = ("epoch", "global_step", "hyper_parameters", "hparams_name", "pytorch-lightning_version")
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds DTensor parameters (FSDP2, tensor parallel): its ranks hold different shards."""
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def param_names(module: torch.nn.Module) -> dict[int, str]:
@@ -173,7 +186,7 @@ def to_sharded(
         saved = fp8_state(fp8)
         if saved:
             state[STATE_KEY] = {f"dp{replica}": saved}
-    if replica == 0:
+    if replica == 0 or is_sharded(module):  # a sharded stage: every rank writes its own shards
         model = dict(checkpoint["state_dict"])
         for names_of in tensor_aliases(module).values():  # a tied tensor once, under its first name
             if names_of[0] in model:
@@ -196,13 +209,27 @@ def to_sharded(
     return state
 
 
-def load_template(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], saved_keys: Collection[tuple],
-                  fp8_extra_states: Collection[str] = ()) -> dict[str, Any]:
+def _state_template(param: torch.Tensor | None, saved_keys: Collection[tuple], i: int, name: str) -> dict[str, Any] | None:
+    """What a parameter's optimizer state is asked for as: ``None`` (whatever was saved, whole) for a
+    plain parameter; for a DTensor one, each saved entry of the parameter's shape as a DTensor laid out
+    like it, so that each rank reads only its own shards (scalars such as Adam's ``step`` whole)."""
+    if not isinstance(param, DTensor) or not isinstance(saved_keys, Mapping):
+        return None
+    entries = {k[3]: info for k, info in saved_keys.items() if len(k) == 4 and k[:3] == ("optim", str(i), name)}
+    return {key: torch.empty_like(param.detach(), dtype=info.dtype)
+            if info.kind == "tensor" and info.shape == tuple(param.shape) else None for key, info in entries.items()}
+
+
+def load_template(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                  saved_keys: Collection[tuple] | Mapping[tuple, KeyInfo], fp8_extra_states: Collection[str] = ()) -> dict[str, Any]:
     """What this rank asks a checkpoint for: its own parameters and whatever else exists.
 
+    ``saved_keys``: what the checkpoint holds (:func:`~lightning_hpp.checkpoint.sharded.checkpoint_keys`);
+    with their shapes, the optimizer state of DTensor parameters is asked for shard by shard.
     ``_extra_state`` entries are asked for whole (any shape), when saved; those in ``fp8_extra_states``
     (Transformer Engine's, whose content is under ``fp8/``) are not asked for otherwise."""
     names = param_names(module)
+    params = dict(module.named_parameters(remove_duplicate=False))
     aliases = tensor_aliases(module)
     tops = {k[0] for k in saved_keys}
     model = dict(module.state_dict())
@@ -233,7 +260,7 @@ def load_template(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
                     other = _saved_name(aliases[n], present)
                     if other in present:
                         wanted.add(other)
-        optim[str(i)] = {n: None for n in sorted(wanted)}
+        optim[str(i)] = {n: _state_template(params.get(n), saved_keys, i, n) for n in sorted(wanted)}
     if optim:
         template["optim"] = optim
     for k in tops:
@@ -330,7 +357,7 @@ def load_lightning_checkpoint(url: str, module: torch.nn.Module, optimizers: lis
     slots = fp8 or {}
     saved = checkpoint_keys(url)
     extra_states = te_extra_state_keys(slots)
-    template = load_template(module, optimizers, set(saved), extra_states)
+    template = load_template(module, optimizers, saved, extra_states)
     wanted = fp8_template(slots, saved, replica)
     if wanted:
         template[STATE_KEY] = wanted

@@ -6,6 +6,13 @@ replicas) must hold the same value; torch.distributed.checkpoint writes it once.
 names, not positions, a checkpoint saved under one stage layout loads under any other: each rank
 of the new layout simply asks for the keys it now holds.
 
+A sharded stage's tensors are ``DTensor`` s (FSDP2 shards over the data-parallel ranks, tensor
+parallel splits): each rank writes its own shards, and the index records each shard's offset in
+the whole tensor, under the same name as an unsharded tensor. A rank asking for a tensor gets the
+part its template covers: a ``DTensor`` template reads only its own shard (from whichever saved
+shards overlap it), a plain one the whole tensor. So a checkpoint moves between unsharded, FSDP2,
+HSDP and tensor-parallel stages, and between pipeline cuts, with nothing gathered on any rank.
+
 What is stored, and how (never a pickle):
 
 * tensors, as they are (one torch.distributed.checkpoint entry each);
@@ -30,9 +37,17 @@ a module is refused where the module's state is rebuilt
 (:func:`~lightning_hpp.checkpoint.lightning_state.from_sharded`). Transformer Engine's fp8 state is
 saved as tensors and JSON instead (:mod:`~lightning_hpp.checkpoint.fp8_state`).
 
+Saving follows this package's commit protocol inside torch.distributed.checkpoint's own steps
+(:class:`_Writer`): the coordinator un-commits an older save of the step before any rank writes,
+every rank hashes the files it writes, and the coordinator writes ``metadata.json`` (every file's
+size and sha256: the commit) once the index is written. ``async_save=True`` is
+:func:`torch.distributed.checkpoint.async_save` with a staging step (a CPU copy taken before it
+returns) and the same writer, on a gloo group of its own.
+
 Retries: every file is read and written through
 :func:`~lightning_hpp.checkpoint.store.filesystem`, so on ``s3://`` botocore retries each request;
-elsewhere a save or load that fails transiently is re-run whole by
+elsewhere each step of a save (the target directory, this rank's files, the index, the commit) is
+retried on its own by the rank that does it, and a load that fails transiently is re-run whole by
 :meth:`~lightning_hpp.checkpoint.store.RetryPolicy.call` (see the store module's docstring).
 """
 
@@ -51,10 +66,10 @@ import warnings
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import quote, unquote
 
 import fsspec
@@ -66,7 +81,16 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _Fsspe
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_hpp._dist import all_gather_object, initialized
 from lightning_hpp.checkpoint.s3 import redact
@@ -88,6 +112,8 @@ from lightning_hpp.errors import CheckpointError, CheckpointSaveError, CorruptCh
 from lightning_hpp.validation import check_choice, check_int, check_path, is_int
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _JSON = "@json"  # last path component of a JSON entry; '@' never survives quote()
 EXTRA_STATE = "_extra_state"  # torch's state_dict name (last part) for what `get_extra_state()` returns
@@ -380,15 +406,6 @@ def _basename(path: Any) -> str:
     return str(path).rstrip("/").rsplit("/", 1)[-1]
 
 
-class _Writer(FsspecWriter):
-    def __init__(self, url: str, retry: RetryPolicy) -> None:
-        fs, _ = filesystem(url, retry)
-        local = isinstance(fs, fsspec.implementations.local.LocalFileSystem)
-        # fsync is meaningless for object stores (and falls back to a host-wide sync())
-        super().__init__(url, sync_files=local, overwrite=True, **storage_options(url, retry))
-        self.fs = _HashingFileSystem(fs)  # the configured filesystem, retries included
-
-
 class _Reader(FsspecReader):
     """fsspec reader that never unpickles: it is handed the index already read safely."""
 
@@ -567,60 +584,54 @@ def _failure(exc: CheckpointException) -> StorageFailure:
 
 # ============================================================================ save
 
+_FILE_RECORD = "@file"  # index name of the write results that carry one written file's size and sha256
 
-@dataclass
-class _SaveJob:
-    tensors: dict[str, torch.Tensor]
-    url: str
-    step: int
-    extra_metadata: dict[str, Any]
-    group: Any
-    retry: RetryPolicy
-    retention: Retention | None
-    protect: tuple[str, ...]
 
-    def run(self) -> CheckpointInfo:
-        rank, world = _rank(self.group), _world(self.group)
-        error: BaseException | None = None
-        if rank == 0:
-            # an older save at this step must not stay committed while its files are replaced
-            try:
-                self._retry(lambda: self._uncommit(), "clearing the target directory")
-            except CheckpointSaveError as exc:
-                error = exc
-        _agree(error, self.group, f"to prepare {self.url!r}", CheckpointSaveError)
+class _Writer(FsspecWriter):
+    """torch.distributed.checkpoint's fsspec writer, carrying this package's commit protocol.
 
-        files = self._retry(self._write_shards, "writing the shards")
-        every_rank = all_gather_object(files, self.group)
+    torch.distributed.checkpoint calls it in this order, so the protocol needs no collective of
+    its own, and runs the same in :func:`torch.distributed.checkpoint.save` and in ``async_save``'s
+    background thread:
 
-        meta, report = None, None
-        if rank == 0:
-            try:
-                shards = [
-                    {"path": name, "size": size, "sha256": sha}
-                    for per_rank in every_rank
-                    for name, (size, sha) in per_rank.items()
-                ]
-                meta = build_metadata(
-                    step=self.step, shards=shards, world_size=world, extra_metadata=self.extra_metadata
-                )
-                self._retry(lambda: write_metadata(self.url, meta, retry=self.retry), f"writing {METADATA_FILE}")
-            except Exception as exc:  # reported to every rank below, so that none waits forever
-                report = redact(f"{type(exc).__name__}: {exc}")
-        meta, report = all_gather_object((meta, report), self.group)[0]
-        if report is not None:
-            raise CheckpointSaveError(report)
+    * ``prepare_local_plan``: the target directory is made; on the coordinator (rank 0 of the
+      group), whose plan is gathered before any rank may write, an older save of this step is
+      un-committed first (its ``metadata.json`` and ``.metadata`` removed), so that it never stays
+      committed while its files are replaced;
+    * ``write_data``, on every rank: its own files, hashed while written and retried whole (they
+      are this rank's alone); their names, sizes and sha256 travel to the coordinator beside the
+      write results (as records under :data:`_FILE_RECORD`, taken out again before the index is
+      written);
+    * ``finish``, on the coordinator, once every rank has written: ``.metadata`` (the shard index),
+      then ``metadata.json`` with every file's checksum (the commit), then ``retention``.
 
-        if rank == 0 and self.retention is not None:
-            url = self.url.rstrip("/")
-            root = url.rsplit("/", 1)[0] if "://" in url else os.path.dirname(url)
-            try:
-                deleted = self.retention.apply(root, protect=(*self.protect, self.url))
-                if deleted:
-                    log.info("retention deleted %s", deleted)
-            except Exception as exc:  # retention must never fail a save that committed
-                _warn(f"Retention on {root!r} failed ({type(exc).__name__}: {exc}); nothing else changed.")
-        return CheckpointInfo(url=self.url, step=self.step, metadata=meta)
+    Each step retries transient errors with ``retry.for_url(url)`` (on ``s3://`` botocore
+    retries each request instead) and fails with :class:`CheckpointSaveError` naming the step.
+    """
+
+    def __init__(self, url: str, step: int, extra_metadata: dict[str, Any], retry: RetryPolicy,
+                 retention: Retention | None, protect: tuple[str, ...]) -> None:
+        fs, _ = filesystem(url, retry)
+        local = isinstance(fs, fsspec.implementations.local.LocalFileSystem)
+        # fsync is meaningless for object stores (and falls back to a host-wide sync())
+        super().__init__(url, sync_files=local, overwrite=True, **storage_options(url, retry))
+        self.fs = _HashingFileSystem(fs)  # the configured filesystem, retries included
+        self.url, self.step, self.extra_metadata, self.retry = url, step, extra_metadata, retry
+        self.retention, self.protect = retention, protect
+        self.coordinator = False
+        self.committed: dict[str, Any] | None = None  # metadata.json as written (coordinator)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self.coordinator = is_coordinator
+
+    def _metadata_exists(self) -> bool:
+        return False  # an older save of this step is un-committed below, never "overwritten" with a warning
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self.coordinator:
+            self._step(self._uncommit, "clearing the target directory")
+        return self._step(lambda: FsspecWriter.prepare_local_plan(self, plan), "preparing the target directory")
 
     def _uncommit(self) -> None:
         remove_metadata(self.url, retry=self.retry)
@@ -630,25 +641,42 @@ class _SaveJob:
         except FileNotFoundError:
             pass
 
-    def _write_shards(self) -> dict[str, tuple[int, str]]:
-        writer = _Writer(self.url, self.retry)
-        _quiet_single_process()
-        try:
-            dcp.save(
-                self.tensors,
-                storage_writer=writer,
-                planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-                process_group=self.group,
-                no_dist=not initialized(),
-            )
-        except CheckpointException as exc:
-            raise _failure(exc) from None
-        return dict(writer.fs.files)
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
+        def attempt() -> list[WriteResult]:
+            self.fs.files.clear()
+            return FsspecWriter.write_data(self, plan, planner).value()
 
-    def _retry(self, fn: Callable[[], Any], what: str) -> Any:
+        results = self._step(attempt, "writing the shards")
+        records = [WriteResult(index=MetadataIndex(_FILE_RECORD), size_in_bytes=size, storage_data=(name, sha))
+                   for name, (size, sha) in self.fs.files.items()]
+        done: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        done.set_result(results + records)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        files = [(wr.storage_data, wr.size_in_bytes) for rank in results for wr in rank if wr.index.fqn == _FILE_RECORD]
+        writes = [[wr for wr in rank if wr.index.fqn != _FILE_RECORD] for rank in results]
+        self.fs.files.clear()
+        self._step(lambda: FsspecWriter.finish(self, metadata, writes), f"writing {_DCP_INDEX}")
+        shards = [{"path": name, "size": size, "sha256": sha} for (name, sha), size in files]
+        shards += [{"path": name, "size": size, "sha256": sha} for name, (size, sha) in self.fs.files.items()]
+        meta = build_metadata(step=self.step, shards=shards, world_size=len(results), extra_metadata=self.extra_metadata)
+        self._step(lambda: write_metadata(self.url, meta, retry=self.retry), f"writing {METADATA_FILE}")
+        self.committed = meta
+        if self.retention is not None:
+            url = self.url.rstrip("/")
+            root = url.rsplit("/", 1)[0] if "://" in url else os.path.dirname(url)
+            try:
+                deleted = self.retention.apply(root, protect=(*self.protect, self.url))
+                if deleted:
+                    log.info("retention deleted %s", deleted)
+            except Exception as exc:  # retention must never fail a save that committed
+                _warn(f"Retention on {root!r} failed ({type(exc).__name__}: {exc}); nothing else changed.")
+
+    def _step(self, fn: Callable[[], T], what: str) -> T:
         tries = 0
 
-        def attempt() -> Any:
+        def attempt() -> T:
             nonlocal tries
             tries += 1
             return fn()
@@ -656,15 +684,30 @@ class _SaveJob:
         try:
             return self.retry.for_url(self.url).call(attempt, what=f"{what} of {self.url!r}")
         except Exception as exc:
-            raise CheckpointSaveError(
-                redact(
-                    f"Saving checkpoint {self.url!r} (step {self.step}) failed while {what} "
-                    f"{self.retry.describe(self.url, tries)}: {type(exc).__name__}: {exc}. Earlier "
-                    f"checkpoints are untouched and this one is not committed. Check the storage "
-                    f"(endpoint, credentials, free space), or pass on_error='warn' to keep training "
-                    f"without this checkpoint."
-                )
-            ) from exc
+            raise CheckpointSaveError(redact(
+                f"Saving checkpoint {self.url!r} (step {self.step}) failed while {what} "
+                f"{self.retry.describe(self.url, tries)}: {type(exc).__name__}: {exc}. {_UNTOUCHED}"
+            )) from exc
+
+    def info(self) -> CheckpointInfo:
+        """The committed checkpoint; ranks other than the coordinator read its ``metadata.json``."""
+        meta = self.committed if self.committed is not None else read_metadata(self.url, retry=self.retry)
+        return CheckpointInfo(url=self.url, step=self.step, metadata=meta)
+
+
+_UNTOUCHED = ("Earlier checkpoints are untouched and this one is not committed. Check the storage (endpoint, "
+              "credentials, free space), or pass on_error='warn' to keep training without this checkpoint.")
+
+
+def _save_error(exc: CheckpointException, url: str, step: int, world: int) -> CheckpointSaveError:
+    """One error for every rank of a failed save: the failing step's own message where a step of
+    :class:`_Writer` failed (naming its rank), else what torch.distributed.checkpoint raised."""
+    failures = sorted(exc.failures.items())
+    for rank, (err, _) in failures:
+        if isinstance(err, CheckpointSaveError):
+            return CheckpointSaveError(f"rank {rank}: {err}" if world > 1 else str(err))
+    lines = "; ".join(f"rank {rank}: {type(err).__name__}: {err}" for rank, (err, _) in failures)
+    return CheckpointSaveError(redact(f"Saving checkpoint {url!r} (step {step}) failed: {lines}. {_UNTOUCHED}"))
 
 
 class PendingSave:
@@ -675,17 +718,24 @@ class PendingSave:
         step: Its step.
     """
 
-    def __init__(self, future: Future, url: str, step: int, on_error: str) -> None:
+    def __init__(self, future: Future, writer: _Writer, on_error: str, world: int) -> None:
         self._future = future
-        self.url = url
-        self.step = step
+        self._world = world
+        self._writer = writer
+        self.url = writer.url
+        self.step = writer.step
         self._on_error = on_error
         self._warned = False
+        self._info: CheckpointInfo | None = None
         self.reported = False  # result() has handed the outcome to the caller
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""
         return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the save to end, without raising what it failed with."""
+        self._future.exception(timeout)
 
     def result(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Wait for the save.
@@ -697,22 +747,24 @@ class PendingSave:
             CheckpointSaveError: the save failed and ``on_error="raise"``.
         """
         try:
-            info = self._future.result(timeout)
-        except CheckpointSaveError as exc:
+            self._future.result(timeout)
+            if self._info is None:
+                self._info = self._writer.info()
+        except (CheckpointException, CheckpointSaveError) as exc:
             self.reported = True
+            error = _save_error(exc, self.url, self.step, self._world) if isinstance(exc, CheckpointException) else exc
             if self._on_error == "raise":
-                raise
+                raise error from None
             if not self._warned:
                 self._warned = True
-                _warn(str(exc))
+                _warn(str(error))
             return None
         self.reported = True
-        return info
+        return self._info
 
 
 _PENDING: PendingSave | None = None
 _PENDING_LOCK = threading.Lock()
-_EXECUTOR: ThreadPoolExecutor | None = None
 
 
 def wait_for_pending_save(timeout: float | None = None) -> CheckpointInfo | None:
@@ -726,14 +778,17 @@ def wait_for_pending_save(timeout: float | None = None) -> CheckpointInfo | None
     if pending is None:
         return None
     if pending.reported:
-        pending._future.exception(timeout)  # wait, without raising twice
+        pending.wait(timeout)  # without raising twice
         return None
     return pending.result(timeout)
 
 
-def _stage(tensor: torch.Tensor) -> torch.Tensor:
-    # a private CPU copy, so training may change the original while the copy is written
-    return tensor.detach().to("cpu", copy=True)
+def _stager() -> DefaultStager:
+    # the staging step of an asynchronous save: a private CPU copy of every tensor (DTensors: of
+    # their local shards), taken before `async_save` returns, so that training may change the
+    # originals while the copy is written; pinned where it is copied from a GPU
+    return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
 
 
 def save_sharded(
@@ -752,20 +807,23 @@ def save_sharded(
     """Save this rank's part of the training state as one checkpoint; collective over the group.
 
     Every rank of ``process_group`` calls it with the same ``url`` and ``step``. The checkpoint
-    counts only once ``metadata.json`` is written, after every shard is complete.
+    counts only once ``metadata.json`` is written, after every shard is complete. DTensors (the
+    parameters and optimizer state of FSDP2 or tensor-parallel stages) are written as their local
+    shards: no rank gathers a whole tensor.
 
     Args:
         state: This rank's state: a dict with str keys nesting dicts/lists/tuples of tensors
             and JSON values (see the module docstring). Keys present on several ranks must hold
-            equal values.
+            equal values (or be DTensors: each rank's shards).
         url: Checkpoint directory, normally ``checkpoint_url(root, step)``.
         step: Steps completed (stored in ``metadata.json``).
         extra_metadata: ``plan``, ``fingerprint``, ``metrics`` and any other JSON facts for
             ``metadata.json`` (only rank 0's copy is used; secrets are redacted).
         process_group: Group of ranks writing this checkpoint; default: the whole world.
-        async_save: Copy the tensors to CPU memory, return at once and write in a background
-            thread. At most one save is in flight: a new save first waits for the previous one.
-        retry: Retries of transient storage errors (per request on S3, of the whole save
+        async_save: Stage the tensors (a CPU copy), return at once and write them with
+            :func:`torch.distributed.checkpoint.async_save` in a background thread. At most one
+            save is in flight: a new save first waits for the previous one.
+        retry: Retries of transient storage errors (per request on S3, of each step of the save
             elsewhere); default ``RetryPolicy()``.
         on_error: ``"raise"``: a save that fails after its retries raises
             :class:`CheckpointSaveError`; ``"warn"``: it emits a :class:`CheckpointWarning` and
@@ -782,6 +840,7 @@ def save_sharded(
             values under one key.
         CheckpointSaveError: storage failed after the retries (``on_error="raise"``).
     """
+    global _PENDING
     check_choice(on_error, "save_sharded(on_error=...)", ("raise", "warn"), error=CheckpointError)
     url = check_path(url, "save_sharded(url=...)", error=CheckpointError, kind="a path or fsspec URL",
                      hint="For example 's3://bucket/run/step-10'.")
@@ -804,33 +863,27 @@ def save_sharded(
     flat = dict(tensors)
     for fqn, data in docs.items():
         flat[fqn] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    job = _SaveJob(
-        tensors=flat,
-        url=url,
-        step=step,
-        extra_metadata=dict(extra_metadata or {}),
-        group=group,
-        retry=retry or RetryPolicy(),
-        retention=retention,
-        protect=tuple(str(p) for p in protect),
-    )
+    writer = _Writer(url, step, copy.deepcopy(dict(extra_metadata or {})), retry or RetryPolicy(), retention,
+                     tuple(str(p) for p in protect))
+    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    _quiet_single_process()
     if async_save:
-        global _EXECUTOR, _PENDING
-        job.tensors = {k: _stage(v) for k, v in flat.items()}
-        job.extra_metadata = copy.deepcopy(job.extra_metadata)
-        job.group = _async_group(group)
-        if _EXECUTOR is None:
-            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-hpp-ckpt")
-        pending = PendingSave(_EXECUTOR.submit(job.run), url, step, on_error)
+        stager = _stager()
+        future = dcp.async_save(flat, storage_writer=writer, planner=planner, process_group=_async_group(group),
+                                async_stager=stager, no_dist=not initialized())
+        future.add_done_callback(lambda _: stager.close())
+        pending = PendingSave(future, writer, on_error, _world(group))
         with _PENDING_LOCK:
             _PENDING = pending
         return pending
     try:
-        return job.run()
-    except CheckpointSaveError as exc:
+        dcp.save(flat, storage_writer=writer, planner=planner, process_group=group, no_dist=not initialized())
+        return writer.info()
+    except CheckpointException as exc:
+        failure = _save_error(exc, url, step, _world(group))
         if on_error == "raise":
-            raise
-        _warn(str(exc))
+            raise failure from None
+        _warn(str(failure))
         return None
 
 

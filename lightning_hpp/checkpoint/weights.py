@@ -14,7 +14,8 @@ Sources:
 * a transformers checkpoint directory (``save_pretrained``): ``model.safetensors``, or a sharded
   ``model.safetensors.index.json`` and its shards: only the shards that hold wanted tensors are
   opened (safetensors' lazy ``safe_open``; a shard's header gives the shapes, its data is read one
-  wanted tensor at a time);
+  wanted tensor at a time); a tensor-parallel shard (a ``DTensor`` destination) reads only its own
+  rows or columns (``get_slice``), so no rank reads a whole split weight;
 * a checkpoint of this project (a directory with ``metadata.json``, written by
   :func:`~lightning_hpp.checkpoint.save_sharded` / ``HPPStrategy``; also on ``s3://``): its model
   entries (``state["model"][name]``) are read through torch.distributed.checkpoint with a template
@@ -248,7 +249,27 @@ class _Safetensors:
 
     def read(self, targets: list[tuple[str, torch.Tensor]]) -> None:
         for name, dest in targets:
-            dest.copy_(self._open(self.where[name]).get_tensor(name))
+            handle = self._open(self.where[name])
+            region = _local_region(dest)
+            if region is None:
+                dest.copy_(handle.get_tensor(name))
+            else:  # a shard (tensor parallel): only its rows / columns are read
+                local, index = region
+                local.copy_(handle.get_slice(name)[index])
+
+
+def _local_region(dest: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]] | None:
+    """For a ``DTensor`` destination, its local shard and where that lies in the whole tensor (the index of a
+    safetensors ``get_slice``); ``None`` for a plain tensor. The offsets are torch's own for the DTensor's
+    placements (``compute_local_shape_and_global_offset``, what DCP reads shards with)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(dest, DTensor):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(dest.shape, dest.device_mesh, dest.placements)
+    return dest.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 def _weight_map(index: str) -> dict[str, str]:

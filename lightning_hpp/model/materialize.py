@@ -115,9 +115,33 @@ def materialize(module: nn.Module, device: torch.device, *, seed: int = 0, initi
             if not own:
                 continue
             torch.manual_seed((seed + zlib.crc32(name.encode())) % 2**63)
-            _initialize(module, name, mod)
+            with _whole(mod):
+                _initialize(module, name, mod)
             done.update(id(p) for p in mod.parameters(recurse=False))
     return names
+
+
+@contextlib.contextmanager
+def _whole(mod: nn.Module) -> Iterator[None]:
+    """While inside, ``mod``'s tensor-parallel shards (``DTensor`` parameters) are stood in for by whole tensors;
+    on the way out each shard takes its own slice of them. The initializer then draws what it draws for the
+    unsplit module (the same values on every rank, whatever ``tp``), and at most one module is whole at a time."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    shards = {key: p for key, p in mod._parameters.items() if isinstance(p, DTensor)}
+    if not shards:
+        yield
+        return
+    whole = {key: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device), requires_grad=p.requires_grad)
+             for key, p in shards.items()}
+    mod._parameters.update(whole)
+    try:
+        yield
+    finally:
+        mod._parameters.update(shards)
+    with torch.no_grad():
+        for key, p in shards.items():  # every rank holds the whole tensor: each keeps its slice, nothing is sent
+            p.to_local().copy_(distribute_tensor(whole[key].detach(), p.device_mesh, p.placements, src_data_rank=None).to_local())
 
 
 def _initialize(root: nn.Module, name: str, mod: nn.Module) -> None:

@@ -1,17 +1,25 @@
-"""The pp × dp world layout: which global rank holds which pipeline position of which replica.
+"""The pp × dp × tp world layout: which global rank holds which pipeline position of which replica.
 
-``grid[r][d]`` is the global rank at pipeline position ``r`` of data-parallel replica ``d``. The
-default is pipeline-outer (``grid[r][d] = r * dp + d``), so the ranks that hold one stage are
-contiguous — on a cluster whose nodes are one device kind each, a stage stays on one node kind. A
-plan may give any other arrangement (``planning`` puts stages on ranks of the kind they ask for), as
-long as every replica's pipeline ascends in global rank: torch pipelining addresses a stage's peers
-by group rank, and a group's ranks follow global-rank order.
+``grid[r][c]`` is the global rank at pipeline position ``r`` of pipeline ``c``: one pipeline per
+data-parallel replica and tensor-parallel rank, ``c = replica · tp + tp_rank`` (``c = replica`` without
+tensor parallelism). The default is pipeline-outer (``grid[r][c] = r · dp · tp + c``), so the ranks that
+hold one stage are contiguous — on a cluster whose nodes are one device kind each, a stage stays on one
+node kind — and a replica's tensor-parallel ranks are neighbours. A plan may give any other arrangement
+(``planning`` puts stages on ranks of the kind they ask for), as long as every pipeline ascends in global
+rank: torch pipelining addresses a stage's peers by group rank, and a group's ranks follow global-rank order.
+
+The ``dp`` replicas of a stage are ``dp_replicate`` groups of ``dp_shard`` ranks (``replica =
+i_replicate · dp_shard + i_shard``): DDP stages are ``dp_replicate = dp``, FSDP stages ``dp_shard = dp``,
+HSDP stages both (:class:`~lightning_hpp.options.ShardingOptions`).
 
 :meth:`Mesh.init_groups` builds a :class:`torch.distributed.device_mesh.DeviceMesh` whose mesh tensor
-is the grid (shape ``pp × dp``) with dimensions named ``("pp", "dp")``: the pipeline group is the
-``pp`` dimension's group (this replica's ranks, one per position) and the data-parallel group the
-``dp`` dimension's group (this position's ranks, one per replica). ``Mesh.device_mesh`` is that
-``DeviceMesh``, to slice for FSDP2 / tensor parallelism (``mesh.device_mesh["dp"]``).
+is the grid reshaped to ``pp × dp_replicate × dp_shard × tp``, with dimensions named
+``("pp", "dp_replicate", "dp_shard", "tp")`` (size 1 where unused), and ``"dp"`` the flattened
+``("dp_replicate", "dp_shard")`` pair: the pipeline group is the ``pp`` dimension's group (this pipeline's
+ranks, one per position), the data-parallel group the ``dp`` group (this position's ranks of this
+tensor-parallel rank, one per replica). ``Mesh.device_mesh`` is that ``DeviceMesh``, to slice for FSDP2
+(``mesh.device_mesh["dp_shard"]``, or ``["dp_replicate", "dp_shard"]`` for HSDP), tensor parallelism
+(``["tp"]``) or the whole data-parallel dimension (``Mesh.dp_mesh``, also ``["dp"]``).
 
 Which virtual stages live on pipeline position ``r`` follows torch's placement styles: ``"loop"``
 (stage ``s`` on position ``s % pp``) or ``"v"`` (stages ``r`` and ``2·pp − 1 − r``).
@@ -33,7 +41,10 @@ from lightning_hpp.errors import PlanError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-DIM_NAMES = ("pp", "dp")
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+"""The ``DeviceMesh`` dimensions, outermost first."""
+DP_DIM = "dp"
+"""The flattened ``("dp_replicate", "dp_shard")`` dimension: every replica of a stage."""
 
 
 def stages_of_position(position: int, pp: int, num_stages: int, style: str) -> list[int]:
@@ -56,12 +67,17 @@ class Mesh:
     """The layout of this job and this rank's place in it.
 
     Attributes:
-        pp: Pipeline degree (positions per replica).
-        dp: Data-parallel degree (replicas).
-        grid: ``grid[r][d]`` = global rank of position ``r`` in replica ``d``.
+        pp: Pipeline degree (positions per pipeline).
+        dp: Data-parallel degree (replicas of each stage): ``dp_replicate × dp_shard``.
+        grid: ``grid[r][c]`` = global rank of position ``r`` in pipeline ``c`` (``dp × tp`` pipelines).
         rank: This process's global rank.
-        device_mesh: The ``("pp", "dp")`` :class:`~torch.distributed.device_mesh.DeviceMesh` over
-            ``grid``; ``None`` until :meth:`init_groups`.
+        dp_shard: Ranks each stage is sharded over (FSDP2; 1: every replica holds the whole stage).
+        tp: Tensor-parallel degree (ranks splitting one replica of a stage).
+        dp_mesh: The 1-D flattened ``"dp"`` mesh (every replica of this rank's stages); ``None`` until
+            :meth:`init_groups`. ``device_mesh["dp"]`` reaches it too (torch warns that slicing a flattened
+            dimension from the root mesh will go).
+        device_mesh: The ``("pp", "dp_replicate", "dp_shard", "tp")``
+            :class:`~torch.distributed.device_mesh.DeviceMesh` over ``grid``; ``None`` until :meth:`init_groups`.
     """
 
     pp: int
@@ -69,30 +85,50 @@ class Mesh:
     grid: list[list[int]]
     rank: int
     device_mesh: DeviceMesh | None = field(default=None, repr=False)
+    dp_shard: int = 1
+    tp: int = 1
+    dp_mesh: DeviceMesh | None = field(default=None, repr=False)
+    _groups: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def build(cls, world_size: int, pp: int, rank: int, grid: list[list[int]] | None = None) -> Mesh:
+    def build(cls, world_size: int, pp: int, rank: int, grid: list[list[int]] | None = None, *,
+              dp_shard: int = 1, tp: int = 1) -> Mesh:
         """The layout of ``world_size`` ranks in ``pp`` positions (pipeline-outer unless ``grid`` is given).
 
+        Args:
+            dp_shard: Ranks each stage is sharded over; must divide ``dp = world_size / (pp · tp)``.
+            tp: Tensor-parallel degree.
+
         Raises:
-            PlanError: ``world_size`` not a multiple of ``pp``, a grid that is no ``pp × dp``
-                arrangement of the ranks, or a pipeline whose ranks do not ascend.
+            PlanError: ``world_size`` not a multiple of ``pp · tp``, ``dp_shard`` not dividing ``dp``, a grid
+                that is no ``pp × (dp · tp)`` arrangement of the ranks, or a pipeline whose ranks do not ascend.
         """
-        if pp < 1 or world_size % pp != 0:
+        if pp < 1 or tp < 1 or world_size % (pp * tp) != 0:
             raise PlanError(
-                f"World size {world_size} is not divisible by pp_degree={pp}; world_size must equal "
-                f"pp_degree × dp_degree. Use devices × num_nodes = a multiple of {pp}, or change pp_degree."
+                f"World size {world_size} is not divisible by pp_degree={pp}" + (f" × tp_degree={tp}" if tp > 1 else "")
+                + "; world_size must equal pp_degree × dp_degree" + (" × tp_degree" if tp > 1 else "")
+                + f". Use devices × num_nodes = a multiple of {pp * tp}, or change pp_degree"
+                + (" or tp_degree." if tp > 1 else ".")
             )
-        dp = world_size // pp
+        dp = world_size // (pp * tp)
+        if dp_shard < 1 or dp % dp_shard:
+            raise PlanError(f"Each stage has {dp} replicas, which cannot be sharded over groups of {dp_shard} ranks; "
+                            f"dp_shard must divide {dp}. Change `ShardingOptions(dp_replicate=...)` or the number of processes.")
+        width = dp * tp
         if grid is None:
-            grid = [[r * dp + d for d in range(dp)] for r in range(pp)]
+            grid = [[r * width + c for c in range(width)] for r in range(pp)]
         grid = [list(row) for row in grid]
         flat = sorted(x for row in grid for x in row)
-        if flat != list(range(world_size)) or len(grid) != pp or any(len(row) != dp for row in grid):
-            raise PlanError(f"Rank grid {grid} is not a {pp}×{dp} arrangement of ranks 0..{world_size - 1}.")
-        mesh = cls(pp=pp, dp=dp, grid=grid, rank=rank)
+        if flat != list(range(world_size)) or len(grid) != pp or any(len(row) != width for row in grid):
+            raise PlanError(f"Rank grid {grid} is not a {pp}×{width} arrangement of ranks 0..{world_size - 1}.")
+        mesh = cls(pp=pp, dp=dp, grid=grid, rank=rank, dp_shard=dp_shard, tp=tp)
         mesh._check_pipelines_ascend()
         return mesh
+
+    @property
+    def dp_replicate(self) -> int:
+        """Replica groups of each stage (``dp / dp_shard``; every replica under DDP)."""
+        return self.dp // self.dp_shard
 
     @property
     def position(self) -> int:
@@ -100,39 +136,87 @@ class Mesh:
         return next(r for r, row in enumerate(self.grid) if self.rank in row)
 
     @property
-    def replica(self) -> int:
-        """This rank's data-parallel replica index."""
+    def column(self) -> int:
+        """This rank's pipeline: ``replica · tp + tp_rank``."""
         return self.grid[self.position].index(self.rank)
 
     @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica index (``i_replicate · dp_shard + i_shard``)."""
+        return self.column // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index among its replica's tensor-parallel ranks."""
+        return self.column % self.tp
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's index among the ranks its stages are sharded over."""
+        return self.replica % self.dp_shard
+
+    def _group(self, dim: str) -> Any:
+        if self.device_mesh is None:
+            return None
+        if dim not in self._groups:  # slicing makes a new DeviceMesh each time: read each group once
+            self._groups[dim] = self.device_mesh[dim].get_group()
+        return self._groups[dim]
+
+    @property
     def pp_group(self) -> Any:
-        """This replica's pipeline group (the ``pp`` dimension's group); ``None`` before :meth:`init_groups`."""
-        return None if self.device_mesh is None else self.device_mesh.get_group("pp")
+        """This pipeline's group (the ``pp`` dimension's group); ``None`` before :meth:`init_groups`."""
+        return self._group("pp")
 
     @property
     def dp_group(self) -> Any:
-        """This position's data-parallel group (the ``dp`` dimension's group); ``None`` before :meth:`init_groups`."""
-        return None if self.device_mesh is None else self.device_mesh.get_group("dp")
+        """This position's data-parallel group (the flattened ``dp`` dimension: every replica of its stages);
+        ``None`` before :meth:`init_groups`."""
+        return self._group(DP_DIM)
 
-    def pipeline_ranks(self, replica: int | None = None) -> list[int]:
-        d = self.replica if replica is None else replica
-        return [self.grid[r][d] for r in range(self.pp)]
+    @property
+    def dp_shard_group(self) -> Any:
+        """The ranks this rank's stages are sharded over (the ``dp_shard`` dimension's group)."""
+        return self._group("dp_shard")
+
+    @property
+    def dp_replicate_group(self) -> Any:
+        """The replicas of this rank's shard (the ``dp_replicate`` dimension's group)."""
+        return self._group("dp_replicate")
+
+    @property
+    def tp_group(self) -> Any:
+        """This replica's tensor-parallel ranks at this position (the ``tp`` dimension's group)."""
+        return self._group("tp")
+
+    @property
+    def shard_mesh(self) -> DeviceMesh | None:
+        """The ``DeviceMesh`` FSDP2 shards this rank's stages over: ``["dp_shard"]``, or the 2-D
+        ``["dp_replicate", "dp_shard"]`` where each shard is also replicated (HSDP)."""
+        if self.device_mesh is None:
+            return None
+        return self.device_mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.device_mesh["dp_shard"]
+
+    def pipeline_ranks(self, column: int | None = None) -> list[int]:
+        """The ranks of pipeline ``column`` (default: this rank's), one per position."""
+        c = self.column if column is None else column
+        return [self.grid[r][c] for r in range(self.pp)]
 
     def replica_ranks(self, position: int | None = None) -> list[int]:
+        """Every rank at pipeline ``position`` (default: this rank's)."""
         r = self.position if position is None else position
         return list(self.grid[r])
 
     def _check_pipelines_ascend(self) -> None:
         # torch pipelining addresses peers by group rank, which follows global-rank order; the
         # pipeline order must therefore be ascending in global rank.
-        for d in range(self.dp):
-            ranks = self.pipeline_ranks(d)
+        for c in range(self.dp * self.tp):
+            ranks = self.pipeline_ranks(c)
             if ranks != sorted(ranks):
-                raise PlanError(f"Pipeline {d} has ranks {ranks} out of order; pipeline positions must ascend in rank.")
+                raise PlanError(f"Pipeline {c} has ranks {ranks} out of order; pipeline positions must ascend in rank.")
 
     def init_groups(self, device_type: str | None = None) -> None:
-        """Build :attr:`device_mesh` and with it the pipeline and data-parallel groups (collective:
-        every rank calls it, after the default process group exists).
+        """Build :attr:`device_mesh` and with it the pipeline, data-parallel, shard and tensor-parallel groups
+        (collective: every rank calls it, after the default process group exists).
 
         Args:
             device_type: The mesh's device type (``"cpu"``, ``"cuda"``, ...); default: what the default
@@ -149,12 +233,15 @@ class Mesh:
         # every rank passes the same tensor; DeviceMesh creates the groups of each dimension in turn
         # (new_group / split_group, both collective, both ordering a group's ranks by global rank) and
         # reuses the default group for a dimension that spans the world
-        self.device_mesh = DeviceMesh(device_type or default_device_type(), torch.tensor(self.grid, dtype=torch.int),
-                                      mesh_dim_names=DIM_NAMES)
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        mesh = DeviceMesh(device_type or default_device_type(), torch.tensor(self.grid, dtype=torch.int).reshape(shape),
+                          mesh_dim_names=DIM_NAMES)
+        self.dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(DP_DIM)
+        self.device_mesh, self._groups = mesh, {"dp": self.dp_mesh.get_group()}
 
     def groups_over_positions(self, position_sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], Any]:
-        """For each set of pipeline positions, the group of this replica's ranks at them (collective:
-        every rank creates every replica's group, in the same order). ``None`` where this rank is not
+        """For each set of pipeline positions, the group of this pipeline's ranks at them (collective:
+        every rank creates every pipeline's group, in the same order). ``None`` where this rank is not
         in the set.
 
         Made with ``new_group`` rather than from :attr:`device_mesh`: a ``DeviceMesh`` has groups for
@@ -163,8 +250,8 @@ class Mesh:
 
         mine: dict[tuple[int, ...], Any] = {}
         for positions in position_sets:
-            for d in range(self.dp):
-                ranks = sorted(self.grid[r][d] for r in positions)
+            for c in range(self.dp * self.tp):
+                ranks = sorted(self.grid[r][c] for r in positions)
                 g = dist.new_group(ranks)
                 if self.rank in ranks:
                     mine[positions] = g

@@ -36,7 +36,7 @@ def reached(group, world: int) -> list[int]:
 
 def one(case: dict, rank: int, world: int) -> dict:
     try:
-        mesh = Mesh.build(world, case["pp"], rank, grid=case.get("grid"))
+        mesh = Mesh.build(world, case["pp"], rank, grid=case.get("grid"), dp_shard=case.get("dp_shard", 1))
         mesh.init_groups(**({"device_type": case["device_type"]} if "device_type" in case else {}))
     except PlanError as e:
         return {"error": type(e).__name__, "message": str(e)}
@@ -52,8 +52,12 @@ def one(case: dict, rank: int, world: int) -> dict:
         "mesh": dm.mesh.tolist(),
         "device_type": dm.device_type,
         "coordinate": list(dm.get_coordinate()),
-        "dp_slice_is_dp_group": dm["dp"].get_group() is mesh.dp_group,
+        "dp_slice_is_dp_group": mesh.dp_mesh.get_group() is mesh.dp_group and dm["dp"].get_group() is mesh.dp_group,
         "pp_slice_is_pp_group": dm["pp"].get_group() is mesh.pp_group,
+        "shard_reached": reached(mesh.dp_shard_group, world),
+        "replicate_reached": reached(mesh.dp_replicate_group, world),
+        "tp_reached": reached(mesh.tp_group, world),
+        "shard_mesh_dims": list(mesh.shard_mesh.mesh_dim_names),
     }
     if case.get("position_sets"):
         sets = [tuple(s) for s in case["position_sets"]]

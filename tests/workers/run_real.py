@@ -8,7 +8,7 @@ Usage: python -m tests.workers.run_real '<json: {"devices": N, "runs": [config, 
 Config keys: ``model`` (a tests.real_models kind, or ``"mlp"``: tests.models.MLP), ``points`` (cut
 points, or None), ``precision`` (one per stage, with ``points``), ``schedule``, ``n_micro``, ``pp``,
 ``frontend``, ``steps``, ``batch``, ``n``, ``limit_val_batches``, ``out``, ``model_kw`` (for the
-model, e.g. ``{"in_configure_model": true}``), ``strategy`` (more HPPStrategy keyword arguments), and for checkpoints
+model, e.g. ``{"in_configure_model": true}``), ``wrapper`` (``"split_mlp"``: tests.real_models.SplitMLP), ``strategy`` (more HPPStrategy keyword arguments), and for checkpoints
 ``ckpt_dir``, ``every`` (steps between saves), ``resume`` (``"auto"`` or a path), ``fp8_backend``
 (``HPPPrecision(fp8_backend=...)``; the rank then also saves its fp8 scaling state at the start and at
 the end of training, ``fp8_start`` / ``fp8_end``: layer or weight name -> tensor name -> tensor), and
@@ -69,7 +69,12 @@ def _model_and_data(cfg: dict):
 
         train, val = loaders(cfg["batch"], n=cfg.get("n", 128))
         return MLP(**cfg.get("model_kw", {})), train, val if cfg.get("limit_val_batches") else None, "train_loss"
-    model = LMWrapper(cfg["model"], **cfg.get("model_kw", {}))
+    if cfg.get("wrapper") == "split_mlp":  # deep_mlp with a parallelize_stage hook
+        from tests.real_models import SplitMLP
+
+        model = SplitMLP(**cfg.get("model_kw", {}))
+    else:
+        model = LMWrapper(cfg["model"], **cfg.get("model_kw", {}))
     train = loader(cfg["model"], cfg["batch"], n=cfg.get("n", 32))
     val = loader(cfg["model"], cfg["batch"], n=16) if cfg.get("limit_val_batches") else None
     return model, train, val, "train/loss"
@@ -133,14 +138,20 @@ def _run(cfg: dict, devices: int) -> None:
     from lightning_hpp.checkpoint.lightning_state import optimizer_to_named, param_names
 
     optim, _ = optimizer_to_named(trainer.optimizers[0], param_names(model))
+    from torch.distributed.tensor import DTensor
+
+    # a tensor-parallel shard saved whole (collective over its tp group: every rank of it calls this in one order)
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
     out = {
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "state": state,
+        "local_shapes": {n: list(p.to_local().shape) for n, p in model.named_parameters() if isinstance(p, DTensor)},
+        "param_bytes": sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters()),
         "meta_params": [n for n, p in model.named_parameters() if p.is_meta],
         "materialized": materialized,
         "losses": losses.losses,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "stage_ids": strategy.stage_ids,
+        "split_calls": getattr(model, "split_calls", None),
         "plan": strategy.plan.to_dict(),
         "optim": optim,
         "global_step": trainer.global_step,

@@ -33,6 +33,34 @@ class _KillAt(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class _Losses(Callback):
+    """The loss of every step trained here (the last stage's, which reaches every rank)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, *args):
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def _whole(t):
+    # a sharded stage's DTensor, gathered (collective over its group: every rank saves in the same order)
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class _SplitMLP(MLP):
+    """``MLP`` that a tensor-parallel run splits in its own hook: each stage's Linear units in pairs, colwise
+    then rowwise (the Tanh between acts on each rank's columns; the rowwise all-reduce makes the output whole)."""
+
+    def parallelize_stage(self, module, mesh):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        linears = [u for u in module.units if isinstance(u, torch.nn.Linear)]
+        for a, b in zip(linears[0::2], linears[1::2]):
+            parallelize_module(a, mesh, ColwiseParallel())
+            parallelize_module(b, mesh, RowwiseParallel())
+
+
 class _FirstStepStamp(Callback):
     def __init__(self, path: str) -> None:
         self.path, self.done = path, False
@@ -46,7 +74,7 @@ class _FirstStepStamp(Callback):
 
 def main(cfg: dict) -> None:
     L.seed_everything(0)
-    model = MLP()
+    model = _SplitMLP() if cfg.get("tp_hook") else MLP()
     plan = StagePlan([StageSpec(modules=m) for m in cfg["stages"]])
     # the strategy's own step-<N> checkpoints when ckpt_dir is set; "every" also paces the ModelCheckpoint of mc_dirpath
     ckpt_dir = cfg.get("ckpt_dir")
@@ -58,7 +86,8 @@ def main(cfg: dict) -> None:
         plan=plan, schedule=cfg.get("schedule", "1f1b"), n_microbatches=cfg.get("n_micro", 4), pp_degree=cfg.get("pp"),
         checkpoint=checkpoint, timeout=cfg.get("timeout", 60), **cfg.get("strategy", {}),
     )
-    callbacks = []
+    losses = _Losses()
+    callbacks = [losses]
     if "kill_at" in cfg:
         callbacks.append(_KillAt(cfg["kill_at"], cfg.get("kill_rank", 1), os.path.join(cfg["out"], "killed_at")))
         callbacks.append(_FirstStepStamp(os.path.join(cfg["out"], "first_step_after_restart" if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" else "first_step")))
@@ -78,8 +107,9 @@ def main(cfg: dict) -> None:
 
     optim, groups = optimizer_to_named(trainer.optimizers[0], param_names(model))
     out = {
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "optim": optim,
+        "state": {k: _whole(v).detach().clone() for k, v in model.state_dict().items()},
+        "optim": {n: {k: _whole(v) for k, v in s.items()} for n, s in optim.items()},
+        "losses": losses.losses,
         "groups": groups,
         "global_step": trainer.global_step,
         "lr": trainer.optimizers[0].param_groups[0]["lr"],
