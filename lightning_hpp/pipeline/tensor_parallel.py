@@ -321,9 +321,22 @@ def apply_tensor_parallel(stage_module: nn.Module, tp_mesh: DeviceMesh, plan: di
     Each rank keeps its own slice of the values it holds (``src_data_rank=None``: every rank starts from the
     same weights, so nothing is sent); a parameter still on the meta device becomes a meta shard.
     """
-    targets = stage_targets(stage_module, list(plan)) if hasattr(stage_module, "units") else {
-        n: m for n, m in stage_module.named_modules() if n in plan}
+    return _split(_targets(stage_module, plan), tp_mesh, plan, kinds, done=set())
+
+
+def _targets(stage_module: nn.Module, plan: dict[str, str]) -> dict[str, nn.Module]:
+    if hasattr(stage_module, "units"):
+        return stage_targets(stage_module, list(plan))
+    return {n: m for n, m in stage_module.named_modules() if n in plan}
+
+
+def _split(targets: dict[str, nn.Module], tp_mesh: DeviceMesh, plan: dict[str, str], kinds: dict[str, str] | None,
+           done: set[int]) -> list[str]:
+    """``parallelize_module`` on each target not in ``done`` (ids; a module two stage modules share is split once)."""
     for name, target in targets.items():
+        if id(target) in done:
+            continue
+        done.add(id(target))
         kind = (kinds or {}).get(name) or module_kind(target)
         parallelize_module(target, tp_mesh, torch_style(plan[name], kind), src_data_rank=None)
     return sorted(targets)
@@ -346,6 +359,7 @@ def split_stages(module: nn.Module, stage_modules: list[nn.Module], plan: TPPlan
             getattr(module, HOOK)(sm, tp_mesh)
         return []
     split: set[str] = set()
+    done: set[int] = set()
     for sm in unique:
-        split.update(apply_tensor_parallel(sm, tp_mesh, plan.styles, kinds=plan.kinds))
+        split.update(_split(_targets(sm, plan.styles), tp_mesh, plan.styles, plan.kinds, done))
     return sorted(split)

@@ -3,8 +3,8 @@ plan, three ways, and what this rank saw. Writes ``OUT/rank{r}.json`` and, for r
 
 * ``eager``: the user's modules split in place (:func:`apply_tensor_parallel` on the LightningModule), trained
   with AdamW on the same batches as the one-process reference;
-* ``traced``: the model captured at its local width (:func:`at_local_width`) as one traced stage, the
-  stage split, trained alike;
+* ``traced``: the model captured at its local width (:func:`at_local_width`) as one traced stage (in training
+  and in eval mode), both captures split, trained alike, then the eval capture run on the first batch;
 * ``meta_weights`` / ``meta_init``: the Llama built on the meta device, split (meta shards), then
   materialized: its shards read from a sharded ``save_pretrained`` directory (the bytes each rank reads
   counted by wrapping ``safetensors.safe_open``), or drawn by the modules' own initializers.
@@ -141,12 +141,17 @@ def main(out: Path) -> None:
     ids, mask, _ = batches()[0]
     one_stage = StagePlan([StageSpec(modules=[n for n, _ in find_units(model)])])
     with at_local_width(model, plan, 2):
-        cut = cut_model(model, one_stage, ((ids,), {"attention_mask": mask}), frontend="traced")
-    stage = StageModule(cut.plan.stages[0].modules, cut.bodies["train"][0], 0, spread=cut.spread[0], captured=True)
+        cut = cut_model(model, one_stage, ((ids,), {"attention_mask": mask}), frontend="traced", modes=("train", "eval"))
+    stage, evaluate = (StageModule(cut.plan.stages[0].modules, cut.bodies[mode][0], 0, spread=cut.spread[0], captured=True)
+                       for mode in ("train", "eval"))
     split = apply_tensor_parallel(stage, mesh, plan.styles, kinds=plan.kinds)
+    assert evaluate.units[0] is not stage.units[0]  # captured apart, on the same parameters
+    apply_tensor_parallel(evaluate, mesh, plan.styles, kinds=plan.kinds)
     losses = train(model, lambda ids, mask: cut.unflatten(stage(*cut.flatten((ids,), {"attention_mask": mask}))))
     report["traced"] = {"losses": losses, "split": split, "frontend": cut.frontend, "shards": shard_report(model)}
     state = full_state(model)
+    with torch.no_grad():
+        state["eval_logits"] = cut.unflatten(evaluate(*cut.flatten((ids,), {"attention_mask": mask}))).clone()
     if rank == 0:
         torch.save(state, out / "traced.pt")
 
