@@ -210,9 +210,10 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self._session.check_setup(fitting=fitting, checkpointing=bool(trainer.checkpoint_callbacks), tp_degree=self._sharding.tp_degree)
+        self._session.check_setup(fitting=fitting, checkpointing=bool(trainer.checkpoint_callbacks))
         refuse_unkept_setups(self.lightning_module, self.precision_plugin, checkpoint_io=self._checkpoint_io, fitting=fitting,
-                             precision_flag=trainer._accelerator_connector._precision_flag, tp_degree=self._sharding.tp_degree)
+                             precision_flag=trainer._accelerator_connector._precision_flag, sharding=self._sharding,
+                             callbacks=trainer.callbacks, checkpoint_dir=self._checkpoint.dir or self._checkpoint.resume)
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if self._pipeline is None or self._pipeline.module is not module:
@@ -254,7 +255,6 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        assert self.model is not None
         self.model.to(self.root_device)
 
     # ------------------------------------------------------------------ steps

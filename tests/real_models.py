@@ -25,12 +25,12 @@ def gpt2(layers: int = 4) -> nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
-def llama(layers: int = 3, kv_heads: int = 2) -> nn.Module:
+def llama(layers: int = 3, tie: bool = True, kv_heads: int = 2) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=SEQ,
-                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                      tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return LlamaForCausalLM(cfg)
 
 

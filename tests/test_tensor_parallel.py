@@ -95,9 +95,8 @@ def test_what_tensor_parallel_does_not_compose_with_yet_is_refused_at_setup():
     from lightning_hpp.assembly.build import _tp_plan
     from lightning_hpp.assembly.callbacks import refuse_unkept_setups
     from lightning_hpp.assembly.spec import PipelineSpec
-    from lightning_hpp.checkpoint.session import CheckpointSession
-    from lightning_hpp.errors import CheckpointError, ShardingError
-    from lightning_hpp.options import CheckpointOptions, ShardingOptions
+    from lightning_hpp.errors import ShardingError
+    from lightning_hpp.options import ShardingOptions
     from lightning_hpp.planning.plan import StagePlan
 
     llama = LMWrapper("llama", layers=2)
@@ -115,13 +114,20 @@ def test_what_tensor_parallel_does_not_compose_with_yet_is_refused_at_setup():
     for spec, inputs, world, match in cases:
         with pytest.raises(ShardingError, match=match):
             _tp_plan(llama, spec, inputs, world)
-    with pytest.raises(CheckpointError, match=r"tp_degree=2\)`: checkpoints of tensor-parallel stages are not"):
-        CheckpointSession(CheckpointOptions()).check_setup(fitting=True, checkpointing=True, tp_degree=2)
-    CheckpointSession(CheckpointOptions()).check_setup(fitting=True, checkpointing=False, tp_degree=2)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def refuse(**kw):
+        refuse_unkept_setups(llama, None, checkpoint_io=None, fitting=True, precision_flag="32-true", **kw)
+
+    sharding = ShardingOptions(tp_degree=2)
+    for kw in ({"callbacks": [ModelCheckpoint()]}, {"checkpoint_dir": "/ckpt"}):
+        with pytest.raises(ShardingError, match=r"Checkpoints of tensor-parallel stages \(`ShardingOptions\(tp_degree=2\)`\)"):
+            refuse(sharding=sharding, **kw)
+    refuse(sharding=sharding)  # no checkpoint: fine
     llama._trainer = SimpleNamespace(gradient_clip_val=0.5)
-    with pytest.raises(PlanError, match=r"gradient_clip_val=0.5\)` with `ShardingOptions\(tp_degree=2\)`"):
-        refuse_unkept_setups(llama, None, checkpoint_io=None, fitting=True, precision_flag="32-true", tp_degree=2)
-    refuse_unkept_setups(llama, None, checkpoint_io=None, fitting=True, precision_flag="32-true", tp_degree=1)
+    with pytest.raises(ShardingError, match=r"gradient_clip_val=0.5\)` with `ShardingOptions\(tp_degree=2\)`"):
+        refuse(sharding=sharding)
+    refuse(sharding=ShardingOptions())
 
 
 # ------------------------------------------------------------------------------------------ 2 gloo ranks

@@ -33,11 +33,12 @@ from lightning_hpp._dist import broadcast_tensors
 from lightning_hpp.assembly.placement import auto_plan, gather_kinds, kind_grid, loss_probe
 from lightning_hpp.assembly.spec import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PipelineSpec, ResolvedPlan
 from lightning_hpp.errors import PlanError, ShardingError
-from lightning_hpp.model.frontend import balanced_plan, cut_model, planning_units
+from lightning_hpp.model.frontend import balanced_plan, block_names, cut_model, planning_units
 from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, materialize_stages
 from lightning_hpp.model.units import find_units
 from lightning_hpp.options import InitOptions, PlacementOptions, ShardingOptions
 from lightning_hpp.pipeline.epoch_end import replay_epoch_ends
+from lightning_hpp.pipeline.fsdp import ShardedStages, shard_stages
 from lightning_hpp.pipeline.grads import GradHandover, shared_gradient_groups
 from lightning_hpp.pipeline.mesh import Mesh, stages_of_position
 from lightning_hpp.pipeline.microbatch import batch_size_of, split_batch
@@ -164,6 +165,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     mesh.init_groups(device_type=device.type)
     module._device_mesh = mesh.device_mesh  # what `LightningModule.device_mesh` reads, as under ModelParallelStrategy
     stage_ids = positions[mesh.position]
+    blocks = block_names(module) if inputs.sharding.sharded else []  # FSDP2's units, named before the cut drops any
     cut.keep_only(module, stage_ids)
     bodies = [b for mode in ("train", "eval") for k in stage_ids for b in cut.bodies[mode][k]]
     traced = cut.frontend == "traced"
@@ -179,7 +181,6 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         plan.meta["tensor_parallel"] = {"degree": tp, "plan": tp_plan.source, "split": split}
     if has_meta_parameters(module):
         _materialize(module, inputs)
-    shared = shared_gradient_groups(cut.shared, dict(module.named_parameters()), positions, mesh)
     module.to(device)
     for body in bodies:
         if hasattr(body, "place"):  # traced stages: their own constants, and the ops that create tensors, on this device
@@ -192,13 +193,22 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
                      step_checks=runner.step_checks, repeated_names=repeated,
                      named_parameters=lambda: dict(module.named_parameters()))
     inputs.precision.configure_stages(plan, view, inputs.trainer_precision, device, rank_kinds[inputs.rank])
-    grads = GradHandover(stages["train"], mesh.dp_group, mesh.dp, shared=shared)
+    runner.sharded = _shard(module, plan, stages["train"], mesh, inputs, blocks)
+    if runner.sharded is not None:
+        view.shard_group = mesh.dp_shard_group
+    # after sharding: the parameters several stages use are the ones the stages hold now (shards, under FSDP2)
+    shared = shared_gradient_groups(cut.shared, dict(module.named_parameters()), positions, mesh)
+    # FSDP2 reduces a sharded stage's gradients itself (reduce-scatter, and all-reduce over hsdp's replicas)
+    grads = GradHandover(stages["train"], None if runner.sharded else mesh.dp_group, 1 if runner.sharded else mesh.dp,
+                         shared=shared)
     runner.last_backward_window = grads.last_backward
     replay_epoch_ends(module, holds_last=runner.holds_last, pp_group=mesh.pp_group if pp > 1 else None,
                       last_position=runner.last_position, dp_group=mesh.dp_group)
     rank_zero_info(
         f"HPPStrategy: {plan.num_stages} stages, frontend={cut.frontend} ({cut.reason}), schedule={resolved.schedule}, "
-        f"n_microbatches={resolved.n_microbatches}, pp={pp} × dp={mesh.dp}" + (f" × tp={tp} ({tp_plan.source})" if tp_plan else "")
+        f"n_microbatches={resolved.n_microbatches}, pp={pp} × dp={mesh.dp}"
+        + (f" ({inputs.sharding.data_parallel}: dp_replicate={mesh.dp_replicate} × dp_shard={mesh.dp_shard})"
+           if runner.sharded else "") + (f" × tp={tp} ({tp_plan.source})" if tp_plan else "")
         + (f", shared parameters {sorted(cut.shared)}" if cut.shared else "") + f"\n{plan.table()}"
     )
     return Pipeline(module=module, plan=plan, mesh=mesh, stage_ids=tuple(stage_ids), schedule=resolved.schedule,
@@ -250,6 +260,30 @@ def _tp_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, world: 
                             f"stage, whose gradients' all-reduce does not take tensor-parallel shards in this version. "
                             f"Use world_size = pp_degree × tp_degree ({pp * tp} processes), or tp_degree=1.")
     return resolve_tp_plan(module, tp)
+
+
+def _shard(root: nn.Module, plan: StagePlan, stages: dict[int, StageModule], mesh: Mesh, inputs: SetupInputs,
+           blocks: list[str]) -> ShardedStages | None:
+    """FSDP2 on this rank's training stages when ``ShardingOptions`` asks for it (collective over the shard
+    groups), after the precision plugin cast them to their stages' dtypes; ``None`` for unsharded stages. Each
+    of the model's ``blocks`` and each unit of the plan a stage holds is sharded on its own (FSDP2 gathers one
+    group at a time).
+
+    Raises:
+        ShardingError: an fp8 stage (its converted or emulated GEMMs keep per-weight scaling state that
+            FSDP2's sharded parameters do not carry yet).
+    """
+    sharding = inputs.sharding
+    if not sharding.sharded:
+        return None
+    precisions = inputs.precision.stage_precisions(plan, inputs.trainer_precision)
+    fp8 = [k for k, p in enumerate(precisions) if p == "fp8"]
+    if fp8:
+        raise ShardingError(
+            f"`ShardingOptions(data_parallel={sharding.data_parallel!r})` cannot shard fp8 stages yet (stage(s) {fp8}). "
+            f"Give those stages another precision (e.g. 'bf16-mixed'), or keep data_parallel='ddp'.")
+    return shard_stages(root, stages, {k: [*blocks, *plan.stages[k].modules] for k in stages}, mesh.shard_mesh,
+                        sharding.reshard_after_forward)
 
 
 def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch: Any,

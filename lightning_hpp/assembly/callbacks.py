@@ -8,9 +8,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_hpp.errors import PlanError
-from lightning_hpp.options import TelemetryOptions
+from lightning_hpp.bias.monitor import BiasMonitor
+from lightning_hpp.errors import PlanError, ShardingError
+from lightning_hpp.options import ShardingOptions, TelemetryOptions
 from lightning_hpp.precision.plugin import HPPPrecision
 from lightning_hpp.telemetry.callback import PipelineTelemetry
 from lightning_hpp.telemetry.report import PlacementReport
@@ -33,13 +35,34 @@ def pipeline_callbacks(callbacks: Sequence[Any], telemetry: TelemetryOptions | N
 
 
 def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fitting: bool, precision_flag: str | None,
-                         tp_degree: int = 1) -> None:
+                         sharding: ShardingOptions | None = None, callbacks: Sequence[Any] = (),
+                         checkpoint_dir: str | None = None) -> None:
     """Refuse what a pipeline would silently ignore: a CheckpointIO plugin, manual optimization, two default precisions;
-    and what does not compose with tensor-parallel stages yet: gradient clipping (a norm over their shards).
+    and what sharded or tensor-parallel stages cannot keep yet: a ``BiasMonitor`` (sharded), checkpoints
+    (``ModelCheckpoint``, the strategy's own ``checkpoint_dir`` or resume), gradient clipping (tensor parallel: a norm
+    over its shards).
 
     Raises:
-        PlanError: naming the setting and the fix.
+        PlanError: naming the setting and the fix (``ShardingError`` for what sharded stages cannot keep).
     """
+    tp = sharding.tp_degree if sharding is not None else 1
+    if sharding is not None and (sharding.sharded or tp > 1):
+        saver = next((type(cb).__name__ for cb in callbacks if isinstance(cb, ModelCheckpoint)), None)
+        if saver is not None or checkpoint_dir is not None:
+            what = f"`{saver}` (Lightning adds one unless `Trainer(enable_checkpointing=False)`)" if saver else (
+                f"`CheckpointOptions` ({checkpoint_dir!r})")
+            kind, other = ((f"sharded stages (`ShardingOptions(data_parallel={sharding.data_parallel!r})`)",
+                            "data_parallel='ddp'") if sharding.sharded else
+                           (f"tensor-parallel stages (`ShardingOptions(tp_degree={tp})`)", "tp_degree=1"))
+            raise ShardingError(
+                f"Checkpoints of {kind} are not available in this version, but {what} would save or load one. Pass "
+                f"`Trainer(enable_checkpointing=False)` and no checkpoint `dir`/`resume`, or use {other}.")
+    if sharding is not None and sharding.sharded and any(isinstance(cb, BiasMonitor) for cb in callbacks):
+        raise ShardingError(
+            f"`BiasMonitor` compares each replica's gradient norm before the data-parallel reduction, but with "
+            f"`ShardingOptions(data_parallel={sharding.data_parallel!r})` FSDP2 reduce-scatters the gradients inside the "
+            f"schedule and no replica holds its own whole gradient afterwards. Remove `BiasMonitor` from "
+            f"`Trainer(callbacks=...)`, or use data_parallel='ddp' while auditing.")
     if checkpoint_io is not None and type(checkpoint_io) is not TorchCheckpointIO:  # Lightning's default
         raise PlanError(f"HPPStrategy writes sharded checkpoints itself; the CheckpointIO plugin {type(checkpoint_io).__name__} "
                         f"would not be used. Remove it from `Trainer(plugins=...)`.")
@@ -52,8 +75,8 @@ def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fit
             f"stage), accumulation in `Trainer(accumulate_grad_batches=...)`, schedules in `configure_optimizers`."
         )
     clip = getattr(getattr(module, "_trainer", None), "gradient_clip_val", None)
-    if tp_degree > 1 and fitting and clip:
-        raise PlanError(f"`Trainer(gradient_clip_val={clip})` with `ShardingOptions(tp_degree={tp_degree})`: clipping does not "
+    if tp > 1 and fitting and clip:
+        raise ShardingError(f"`Trainer(gradient_clip_val={clip})` with `ShardingOptions(tp_degree={tp})`: clipping does not "
                         f"take the norm over tensor-parallel shards in this version. Train without gradient clipping, or "
                         f"with tp_degree=1.")
     if isinstance(precision, HPPPrecision) and precision.default not in (None, precision_flag) and precision_flag != "32-true":

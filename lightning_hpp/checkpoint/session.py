@@ -62,17 +62,11 @@ class CheckpointSession:
                                                       callback_dirs=[d for d in callback_dirs if d])
         return self._fit_request
 
-    def check_setup(self, *, fitting: bool, checkpointing: bool, tp_degree: int = 1) -> None:
-        """Refuse a checkpoint ``dir`` that would never be written to, and checkpoints of tensor-parallel stages
-        (their shards are not written as such in this version)."""
+    def check_setup(self, *, fitting: bool, checkpointing: bool) -> None:
+        """Refuse a checkpoint ``dir`` that would never be written to."""
         if self.options.dir is not None and fitting and not checkpointing:
             raise CheckpointError(f"`HPPStrategy(checkpoint=CheckpointOptions(dir={self.options.dir!r}))` saves checkpoints, "
                                   f"but `Trainer(enable_checkpointing=False)` turns checkpointing off. Drop one of the two.")
-        if tp_degree > 1 and (self.options.dir is not None or self.options.resume is not None or (fitting and checkpointing)):
-            raise CheckpointError(f"`ShardingOptions(tp_degree={tp_degree})`: checkpoints of tensor-parallel stages are not "
-                                  f"written or read in this version (each rank holds shards of its stage's weights). Train "
-                                  f"with `Trainer(enable_checkpointing=False)` and without `CheckpointOptions(dir=..., "
-                                  f"resume=...)`, or with tp_degree=1.")
 
     def step_callback(self, callbacks: Sequence[Any]) -> ModelCheckpoint | None:
         """The callback writing ``step-<N>`` checkpoints into ``dir``, unless one of ``callbacks`` already does."""

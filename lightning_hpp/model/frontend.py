@@ -269,6 +269,15 @@ def _blocks(module: nn.Module, num_stages: int) -> tuple[str, nn.Module]:
     return max(containers, key=lambda nm: (len(nm[1]), -nm[0].count(".")))
 
 
+def block_names(module: nn.Module) -> list[str]:
+    """The names of the blocks of ``module``'s longest ``ModuleList`` / ``Sequential`` (of at least 2), or ``[]``."""
+    try:
+        name, blocks = _blocks(module, 2)
+    except PlanError:
+        return []
+    return [f"{name}.{i}" if name else str(i) for i in range(len(blocks))]
+
+
 def balanced_plan(module: nn.Module, num_stages: int) -> StagePlan:
     """Cut points for a model without a plan: over its longest ``ModuleList`` / ``Sequential`` of blocks,
     balanced by parameter count (the modules before the blocks count towards the first stage, those

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_hpp._dist import group_device
+from lightning_hpp.pipeline.fsdp import local
 
 _IN_PLACE_NUMEL = 1 << 16
 """Gradients at least this large are all-reduced where they are; smaller ones travel flattened together."""
@@ -48,7 +49,7 @@ class GradHandover:
     Args:
         stage_modules: This rank's stages, by stage index.
         dp_group: The data-parallel group of this rank's stages (``None`` or ``dp_size == 1``: no
-            all-reduce).
+            all-reduce; FSDP2 stages reduce their own gradients, see :mod:`lightning_hpp.pipeline.fsdp`).
         dp_size: Its size.
         shared: Parameters that stages on other ranks use too (tied embeddings and heads), each list
             with the group of the ranks of this replica holding them: their gradients are summed
@@ -236,7 +237,8 @@ class GradHandover:
                     i = index[id(p)]
                     if fresh[i] is None:
                         fresh[i] = torch.zeros_like(p)
-                _all_reduce_sum([fresh[index[id(p)]] for p in params], group)
+                # a sharded stage's copies are shards of one layout on every holder: their local parts add up
+                _all_reduce_sum([local(fresh[index[id(p)]]) for p in params], group)
         for p, g in zip(self.params, fresh):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)

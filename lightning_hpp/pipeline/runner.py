@@ -22,6 +22,7 @@ from torch.distributed.pipelining import schedules as S
 
 from lightning_hpp._dist import group_device
 from lightning_hpp.errors import PlanError
+from lightning_hpp.pipeline.fsdp import ShardedStages
 from lightning_hpp.pipeline.mesh import Mesh
 from lightning_hpp.pipeline.microbatch import batch_size_of, largest_divisor_at_most, split_batch
 from lightning_hpp.pipeline.schedules import ForwardOnlyV, schedule_kind
@@ -100,6 +101,8 @@ class PipelineRunner:
         # wraps each stage's last backward of a training step (the gradient hand-over's overlap window)
         self.last_backward_window: Callable[[int], Any] | None = None
         self._schedules: dict[tuple, Any] = {}
+        # this rank's FSDP2 stages (:mod:`lightning_hpp.pipeline.fsdp`), ``None`` when unsharded
+        self.sharded: ShardedStages | None = None
         self._mb: list[Any] = []
         self._mb_size = 0
         self._step_fn: Callable[..., Any] | None = None
@@ -221,6 +224,8 @@ class PipelineRunner:
                 sched.step(*args, target=self._target)
         finally:
             self._step_fn, self._mb, self._target = None, [], None
+            if self.sharded is not None:  # the schedule's gradient reduction freed them; a failed step may not have
+                self.sharded.reshard()
         loss, logs, error = None, None, None
         if self.holds_last:
             if any(x is None for x in self._losses):
@@ -248,7 +253,8 @@ class PipelineRunner:
             check.reset()
         args = self._flatten(*capture_input(self.module, step_fn, batch, *step_args)) if self.holds_first else ()
         self._reset_counters()
-        with torch.no_grad():
+        # sharded stages are gathered for the pass (a traced stage's evaluation graph reads the full parameters)
+        with torch.no_grad(), self.sharded.gathered() if self.sharded is not None else contextlib.nullcontext():
             out = sched.step(*args)
         payload, metrics = None, {}
         if self.holds_last:

@@ -45,6 +45,7 @@ from lightning_hpp.planning.devices import (
     stage_kind_orders,
     supports_fp8,
 )
+from lightning_hpp.planning.memory import describe_memory, stage_memory_bytes
 from lightning_hpp.planning.plan import StagePlan, StageSpec, normalize_precision
 from lightning_hpp.planning.profile import CostProfile, Overheads
 from lightning_hpp.validation import check_int
@@ -351,6 +352,8 @@ class StageEstimate:
     cost_source: str
     optimizer_ms: float = 0.0
     replica_kinds: list[str] | None = None
+    memory_detail: str = ""
+    """How ``memory_bytes`` adds up (:func:`~lightning_hpp.planning.memory.describe_memory`), where known."""
 
     @property
     def stage_ms(self) -> float:
@@ -424,6 +427,22 @@ class PartitionResult:
     @property
     def fits(self) -> bool:
         return all(s.fits for s in self.stages)
+
+    def require_fit(self) -> PartitionResult:
+        """This placement, if every stage fits its device's memory.
+
+        Raises:
+            PartitionError: naming the first stage over its limit, its bytes, the limit and how they add up.
+        """
+        for k, est in enumerate(self.stages):
+            if not est.fits:
+                detail = f" ({est.memory_detail})" if est.memory_detail else ""
+                raise PartitionError(
+                    f"Stage {k} ({_units_text(est.units)} on {est.device}) needs {_fmt_bytes(est.memory_bytes)} per rank"
+                    f"{detail} but the device has {_fmt_bytes(est.memory_limit)}. Use more stages, shard the stages "
+                    f"over their replicas (`ShardingOptions(data_parallel='fsdp')`), more or larger devices, or fewer "
+                    f"micro-batches in flight.")
+        return self
 
     @property
     def cuts(self) -> list[int]:
@@ -533,11 +552,13 @@ def _precision_map(precision: str | Mapping[str, str] | None, kinds: Sequence[st
 
 def _estimate(
     costs: KindCosts, group: DeviceGroup, i: int, j: int, s: int, p: int, m: int, dp: int, schedule: str,
-    optimizer_factor: float, unit_names: Sequence[str],
+    optimizer_factor: float, unit_names: Sequence[str], dp_shard: int = 1, reshard_after_forward: bool = False,
 ) -> StageEstimate:
     link = group.link_gbps * 1e6  # bytes per ms
     fl = _in_flight(schedule, s, p, m)
     params = costs.params(i, j)
+    sharding = dict(dp_shard=dp_shard, reshard_after_forward=reshard_after_forward,
+                    largest_unit_bytes=max(costs.params(u, u + 1) for u in range(i, j)))
     return StageEstimate(
         units=list(unit_names[i:j]),
         device=group.kind,
@@ -545,10 +566,11 @@ def _estimate(
         compute_ms=costs.compute_ms(i, j),
         comm_ms=costs.comm_bytes(i, j) / link,
         allreduce_ms=_ring(dp) * params / link,
-        memory_bytes=params * (1 + optimizer_factor) + fl * costs.stash(i, j),
+        memory_bytes=stage_memory_bytes(params, optimizer_factor, fl, costs.stash(i, j), **sharding),
         memory_limit=group.memory_limit,
         in_flight=fl,
         cost_source=costs.source,
+        memory_detail=describe_memory(params, optimizer_factor, fl, costs.stash(i, j), fmt=_fmt_bytes, **sharding),
     )
 
 
@@ -564,6 +586,8 @@ def evaluate(
     precision: str | Mapping[str, str] | None = None,
     optimizer_factor: float = 3.0,
     label: str = "given",
+    dp_shard: int = 1,
+    reshard_after_forward: bool = False,
 ) -> PartitionResult:
     """Predict the numbers of a given placement (the cost model :func:`partition` minimises).
 
@@ -574,6 +598,9 @@ def evaluate(
         stage_kinds: Device kind of every stage.
         schedule, n_microbatches, dp_degree, precision, optimizer_factor: As for :func:`partition`.
         label: Name shown in the table.
+        dp_shard, reshard_after_forward: Stages sharded over ``dp_shard`` of their ``dp_degree`` replicas
+            (FSDP2; 1: unsharded) and FSDP2's choice for them: the memory model of
+            :mod:`lightning_hpp.planning.memory` (:meth:`PartitionResult.require_fit` refuses what does not fit).
 
     Returns:
         The estimates; ``result.fits`` tells whether every stage fits its device's memory.
@@ -584,6 +611,9 @@ def evaluate(
     schedule = _schedule(schedule)
     m = check_int(n_microbatches, "n_microbatches", error=PartitionError)
     dp = check_int(dp_degree, "dp_degree", error=PartitionError)
+    shard = check_int(dp_shard, "dp_shard", error=PartitionError)
+    if dp % shard:
+        raise PartitionError(f"dp_shard={shard} must divide dp_degree={dp}: a stage is sharded over some of its replicas.")
     cluster = Cluster.parse(cluster)
     stages = [list(s) for s in stages]
     if len(stage_kinds) != len(stages):
@@ -606,7 +636,8 @@ def evaluate(
                 f"dp {dp}) but the cluster has {have} ({cluster.describe()})."
             )
         costs = _choose_costs(profile, kind, fixed.get(kind))
-        out.append(_estimate(costs, group, i, i + len(units), s, p, m, dp, schedule, optimizer_factor, profile.unit_names))
+        out.append(_estimate(costs, group, i, i + len(units), s, p, m, dp, schedule, optimizer_factor, profile.unit_names,
+                             dp_shard=shard, reshard_after_forward=reshard_after_forward))
         i += len(units)
     return PartitionResult(out, schedule, m, dp, profile.microbatch_size, label)
 

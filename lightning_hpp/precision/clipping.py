@@ -15,7 +15,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+
+from lightning_hpp.pipeline.fsdp import local
 
 
 class StageOptimizer:
@@ -47,14 +50,34 @@ class StageOptimizer:
 
 
 def stage_grads(params: Iterable[Tensor]) -> list[Tensor]:
-    return [p.grad for p in params if p.grad is not None]
+    """The gradients of ``params`` this rank holds: a sharded (FSDP2) parameter's local shard of its gradient
+    (a view: clipping it in place clips the ``DTensor``)."""
+    return [local(p.grad) for p in params if p.grad is not None]
 
 
-def stage_norm(grads: list[Tensor]) -> Tensor:
-    """The 2-norm of a stage's gradients (float64 accumulation, on their device), 0 without gradients."""
+def stage_norm(grads: list[Tensor], shard_group: Any = None) -> Tensor:
+    """The 2-norm of a stage's gradients (float64 accumulation, on their device), 0 without gradients.
+
+    With ``shard_group`` (a sharded stage: ``grads`` are this rank's shards) the squared norms of every
+    shard of the group are summed first (collective over the group)."""
+    if shard_group is not None:
+        return sharded_sq_norms([grads], shard_group)[0].sqrt()
     if not grads:
         return torch.zeros((), dtype=torch.float64)
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
+
+
+def sharded_sq_norms(groups_of_grads: list[list[Tensor]], shard_group: Any, device: Any = None) -> Tensor:
+    """For each list of gradient shards, the squared 2-norm of the whole (float64): each rank's local squares,
+    summed over ``shard_group`` in one all-reduce (collective: every rank of the group passes as many lists)."""
+    held = next((gs[0].device for gs in groups_of_grads if gs), torch.device("cpu"))
+    device = device or held
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    sq = torch.stack([torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double()).pow(2).to(device)
+                      if gs else zero for gs in groups_of_grads]) if groups_of_grads else zero.reshape(0)
+    if shard_group is not None and dist.get_world_size(shard_group) > 1:
+        dist.all_reduce(sq, group=shard_group)
+    return sq
 
 
 def clip_stages(

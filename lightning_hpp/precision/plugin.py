@@ -45,6 +45,7 @@ from lightning_hpp.precision.clipping import (
     algorithm_name,
     clip_stages,
     overrides_clipping,
+    sharded_sq_norms,
     stage_grads,
     stage_norm,
 )
@@ -64,6 +65,8 @@ class StageView:
             separately); default ``stages``.
         pp_group: The pipeline group (stage norms are summed over it); ``None`` when pp is 1.
         dp_group: The data-parallel group of this rank's stages (Transformer Engine's amax reduction).
+        shard_group: The ranks this rank's stages are sharded over (FSDP2), ``None`` for unsharded stages: a
+            stage's gradient norm is then the square root of its shards' squared norms summed over it.
         microbatch: The index of the micro-batch a held stage is computing, ``stage -> index``.
         step: The optimizer step being run.
         step_checks: The runner's per-step checks (:class:`~lightning_hpp.pipeline.runner.StepCheck`); the
@@ -77,6 +80,7 @@ class StageView:
     eval_stages: dict[int, nn.Module] | None = None
     pp_group: Any = None
     dp_group: Any = None
+    shard_group: Any = None
     microbatch: Callable[[int], int] = lambda stage: -1
     step: Callable[[], int] = lambda: -1
     step_checks: list[Any] = field(default_factory=list)
@@ -264,7 +268,7 @@ class HPPPrecision(Precision):
         """
         if not self._scaled:
             return False
-        grads = [p.grad for p in self._params() if p.grad is not None]
+        grads = stage_grads(self._params())  # a sharded parameter's local shard: each rank checks its own
         bad = torch.zeros(1)
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
@@ -321,10 +325,17 @@ class HPPPrecision(Precision):
         held = next((gs[0].device for gs in per_stage.values() if gs), torch.device("cpu"))
         device = group_device(pp_group) if reduce else held
         zero = torch.zeros((), dtype=torch.float64, device=device)
-        local = {k: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double()).to(device)
-                 for k, gs in per_stage.items() if gs}
-        repeated = {k: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double()).pow(2).to(device)
-                    for k, ps in view.repeated_params.items() if (gs := stage_grads(ps))}
+        if view.shard_group is not None:  # sharded stages: each rank's shards' squares, summed over the shard group
+            ks = sorted(per_stage)
+            sq = sharded_sq_norms([per_stage[k] for k in ks] + [stage_grads(view.repeated_params.get(k, [])) for k in ks],
+                                  view.shard_group, device=group_device(view.shard_group)).to(device)
+            local = {k: sq[i].sqrt() for i, k in enumerate(ks)}
+            repeated = {k: sq[len(ks) + i] for i, k in enumerate(ks)}
+        else:
+            local = {k: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double()).to(device)
+                     for k, gs in per_stage.items() if gs}
+            repeated = {k: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double()).pow(2).to(device)
+                        for k, ps in view.repeated_params.items() if (gs := stage_grads(ps))}
         both = torch.stack([torch.stack([local.get(k, zero) for k in range(num)]),
                             torch.stack([repeated.get(k, zero) for k in range(num)])])
         if reduce:  # each stage's entries come from one rank of the pipeline
@@ -354,7 +365,7 @@ class HPPPrecision(Precision):
             repeated = self._repeated_sq
         else:
             repeated = None
-            norms = {k: stage_norm(g) for k, g in per_stage.items()}
+            norms = {k: stage_norm(g, view.shard_group) for k, g in per_stage.items()}
         limits = {k: s.clip_norm for k, s in enumerate(plan.stages)}
         clip_stages(per_stage, norms, limits, algorithm_name(gradient_clip_algorithm), self.clip, clip_val, repeated)
 
