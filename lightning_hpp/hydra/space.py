@@ -3,8 +3,8 @@
 ``hydra.sweeper.params`` (and sweep overrides on the command line) use Hydra's override grammar:
 
 * ``interval(0.1, 5.0)`` -> ``FloatDistribution(0.1, 5.0)``; ``tag(log, interval(1e-5, 1e-2))`` its
-  log-uniform form; an ``interval`` of two ints -> ``IntDistribution``;
-* ``range(1, 9, 2)`` -> ``IntDistribution(1, 8, step=2)`` (floats: ``FloatDistribution`` with a step);
+  log-uniform form; ``int(interval(1, 8))`` -> ``IntDistribution``;
+* ``range(1, 9, 2)`` -> ``IntDistribution(1, 7, step=2)`` (floats: ``FloatDistribution`` with a step);
   ``shuffle(range(...))`` and ``choice(a, b, c)`` / ``a,b,c`` -> ``CategoricalDistribution``;
 * anything else is a fixed value, passed to every trial as it is.
 """

@@ -89,7 +89,7 @@ def open_storage(
     *,
     heartbeat_interval: int | None = None,
     grace_period: int | None = None,
-    failed_trial_callback: Callable[..., None] | None = None,
+    stale_trial_callback: Callable[..., None] | None = None,
 ) -> Any:
     """The Optuna storage at ``url``: ``RDBStorage`` for an SQLAlchemy URL, a journal file otherwise.
 
@@ -97,7 +97,7 @@ def open_storage(
         url: ``journal:///path`` or an SQLAlchemy URL.
         heartbeat_interval: Seconds between a running trial's heartbeats (None: no heartbeats).
         grace_period: Seconds without a heartbeat after which a running trial is stale (None: 2 x interval).
-        failed_trial_callback: Called with each trial failed for being stale (``RetryFailedTrialCallback``).
+        stale_trial_callback: Called with each trial failed for being stale (``RetryHeartbeatStaleTrialCallback``).
     """
     import optuna
 
@@ -109,7 +109,7 @@ def open_storage(
         )
         if heartbeat_interval is None:
             return optuna.storages.JournalStorage(backend)
-        return heartbeat_journal_storage(backend, heartbeat_interval, grace_period, failed_trial_callback)
+        return heartbeat_journal_storage(backend, heartbeat_interval, grace_period, stale_trial_callback)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     kwargs: dict[str, Any] = {}
     if str(url).startswith("sqlite"):  # wait for another connection's write (a driver, a trial) instead of failing after 5 s
@@ -118,7 +118,7 @@ def open_storage(
         url,
         heartbeat_interval=heartbeat_interval,
         grace_period=grace_period,
-        failed_trial_callback=failed_trial_callback,
+        heartbeat_stale_trial_callback=stale_trial_callback,
         **kwargs,
     )
 
@@ -127,7 +127,7 @@ def heartbeat_journal_storage(backend: Any, heartbeat_interval: int, grace_perio
     """A ``JournalStorage`` with heartbeats (Optuna keeps them for ``RDBStorage`` only).
 
     A running trial's last heartbeat is its system attribute ``lightning_hpp:heartbeat`` (its start
-    before the first one), so Optuna's ``fail_stale_trials`` and ``RetryFailedTrialCallback`` work on a
+    before the first one), so Optuna's ``fail_stale_trials`` and ``RetryHeartbeatStaleTrialCallback`` work on a
     journal as on a database. (A class made here: Optuna is imported only when a sweep runs.)
     """
     import optuna
@@ -141,8 +141,8 @@ def heartbeat_journal_storage(backend: Any, heartbeat_interval: int, grace_perio
         def _get_stale_trial_ids(self, study_id: int) -> list[int]:
             now, stale = time.time(), []
             for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,)):
-                beat = t.system_attrs.get(_HEARTBEAT_ATTR)
-                last = float(beat) if beat is not None else t.datetime_start.timestamp()
+                # a retry inherits its original's system attributes: its own start counts as a heartbeat
+                last = max(float(t.system_attrs.get(_HEARTBEAT_ATTR, 0.0)), t.datetime_start.timestamp())
                 if now - last > (grace_period if grace_period is not None else 2 * heartbeat_interval):
                     stale.append(t._trial_id)
             return stale
@@ -150,7 +150,7 @@ def heartbeat_journal_storage(backend: Any, heartbeat_interval: int, grace_perio
         def get_heartbeat_interval(self) -> int | None:
             return heartbeat_interval
 
-        def get_failed_trial_callback(self) -> Any:
+        def get_heartbeat_stale_trial_callback(self) -> Any:
             return callback
 
     return HeartbeatJournalStorage(backend)

@@ -12,7 +12,7 @@ one Optuna study:
   (:mod:`lightning_hpp.hydra.trial`); the driver then records it COMPLETE, PRUNED or FAIL;
 * while a trial runs, the driver records its heartbeat. A driver that dies leaves its trial RUNNING
   with a stale heartbeat: the next driver on the study marks it FAIL and retries it once
-  (``RetryFailedTrialCallback``) in the same trial directory with ``ckpt_path=last``, so it resumes
+  (``RetryHeartbeatStaleTrialCallback``) in the same trial directory with ``ckpt_path=last``, so it resumes
   from its checkpoints when it had any; finished and pruned trials are never run again;
 * ``n_trials`` is the size of the study (trials of every driver, a retry counting as its original):
   a driver counts the study and asks it for a trial under the study's ask lock
@@ -165,14 +165,16 @@ class StudySweeper(Sweeper):
         o = self._checked()
         params = [f"{k}={v}" for k, v in (o.get("params") or {}).items()]
         space, fixed = search_space(params + list(arguments))
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        # this driver records the heartbeats of the trials it asks for itself (`_heartbeat`)
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
         storage = open_storage(
             o["storage"],
             heartbeat_interval=o["heartbeat_interval"],
             grace_period=o["grace_period"],
-            failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=o["max_retry"]),
+            stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=o["max_retry"]),
         )
         name = o["study_name"]
-        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # this driver logs each trial itself
         optuna.create_study(storage=storage, study_name=name, direction=o["direction"], load_if_exists=True)
         sweep_dir = Path(self.config.hydra.sweep.dir)
@@ -225,7 +227,7 @@ class StudySweeper(Sweeper):
         from optuna.trial import TrialState
 
         frozen = storage.get_trial(trial._trial_id)
-        retry_of = optuna.storages.RetryFailedTrialCallback.retried_trial_number(frozen)
+        retry_of = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
         overrides = [f"{k}={v}" for k, v in {**trial.params, **fixed}.items()]
         if retry_of is not None and not any(_key(x) == "ckpt_path" for x in overrides):
             overrides.append("ckpt_path=last")  # its checkpoints, where it had any, are in the same trial dir
