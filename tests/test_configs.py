@@ -267,6 +267,7 @@ def check_callbacks_none(tmp_path):
 def check_callbacks_early_stopping(tmp_path):
     es = _callbacks(tmp_path, "experiment=mlp_tiny")["early_stopping"]
     assert isinstance(es, EarlyStopping) and es.monitor == "val_loss" and es.mode == "min" and es.check_finite
+    assert es._check_on_train_epoch_end is False  # after a validation: a run ending before one has nothing to check
 
 
 def check_callbacks_lr_monitor(tmp_path):
