@@ -401,7 +401,7 @@ def test_two_drivers_on_postgresql_share_one_study_and_retry_the_killed_drivers_
     assert summary["storage"] == public_url(url) and summary["storage"].startswith("postgresql+psycopg2://hpp:***@/hpp?")
     assert summary["study_name"] == "mlp_sweep_asha"
     files = [p for p in root.rglob("*") if p.is_file()]
-    assert {"multirun.yaml", "trial.log", "config.yaml", "snapshot.json", "driver1.log"} <= {p.name for p in files}
+    assert {"summary.json", "study.json", "trial.log", "config.yaml", "snapshot.json", "driver1.log"} <= {p.name for p in files}
     leaks = [str(p) for p in files if PG_SECRET.encode() in p.read_bytes()]
     assert not leaks, f"the database password was written to {leaks}"
     assert processes_mentioning(str(sweep)) == []
