@@ -331,7 +331,8 @@ def two_drivers(postgres, tmp_path_factory):
     sweep = root / "study"
     cmd = [
         sys.executable, "-m", "lightning_hpp.hydra.train", "-m", "hparams_search=asha", "experiment=mlp_sweep",
-        "trainer.max_steps=4", "trainer.val_check_interval=2", "strategy.timeout=60", f"hydra.sweep.dir={sweep}",
+        # a loaded machine can take minutes to start a rank: the rendezvous waits as long as by default
+        "trainer.max_steps=4", "trainer.val_check_interval=2", "strategy.timeout=300", f"hydra.sweep.dir={sweep}",
         f"hydra.sweeper.n_trials={PG_TRIALS}", "hydra.sweeper.pruner.min_resource=1",
         "hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=3",
         "hydra.sweeper.storage=${oc.env:HPP_STUDY_STORAGE}",  # the password stays in the environment
