@@ -20,4 +20,9 @@ else
   # no local wheel: PyTorch's CPU index (never the multi-GB CUDA build)
   pip_q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
 fi
+# a .venv made before the sweeps moved to Optuna >= 4 has hydra-optuna-sweeper (it pins optuna < 3, and
+# Hydra would still import its plugin): the study sweeper replaces it
+if python -m pip show -qq hydra-optuna-sweeper >/dev/null 2>&1; then
+  python -m pip uninstall -qq -y hydra-optuna-sweeper
+fi
 pip_q -e ".[dev,examples,s3,hydra,bench]"

@@ -267,6 +267,7 @@ def check_callbacks_none(tmp_path):
 def check_callbacks_early_stopping(tmp_path):
     es = _callbacks(tmp_path, "experiment=mlp_tiny")["early_stopping"]
     assert isinstance(es, EarlyStopping) and es.monitor == "val_loss" and es.mode == "min" and es.check_finite
+    assert es._check_on_train_epoch_end is False  # after a validation: a run ending before one has nothing to check
 
 
 def check_callbacks_lr_monitor(tmp_path):
@@ -323,20 +324,22 @@ def check_checkpoint_s3(tmp_path, monkeypatch):
 
 
 def check_hparams_search_optuna(tmp_path):
-    from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
-    from optuna.distributions import LogUniformDistribution, UniformDistribution
+    from optuna.distributions import FloatDistribution
     from optuna.samplers import TPESampler
 
-    cfg = compose_cfg(tmp_path, "hparams_search=optuna", "experiment=mlp_tiny", keep_hydra=True)
-    sweeper_cfg = cfg.hydra.sweeper
+    from lightning_hpp.hydra.space import search_space
+
+    cfg, options = _study_sweeper(tmp_path, "hparams_search=optuna", "experiment=mlp_tiny")
     assert cfg.hydra.mode.name == "MULTIRUN" and cfg.optimized_metric == "val_loss"
-    assert isinstance(hydra.utils.instantiate(sweeper_cfg.sampler), TPESampler)
-    sweeper = hydra.utils.instantiate(sweeper_cfg)
-    assert sweeper.sweeper.n_jobs == 1 and sweeper.sweeper.direction == "minimize"
-    space, fixed = create_params_from_overrides([f"{k}={v}" for k, v in sweeper_cfg.params.items()])
+    assert cfg.hydra.sweeper._target_ == "hydra_plugins.lightning_hpp_sweeper.StudySweeper"  # ours, not a plugin's
+    assert cfg.hydra.sweep.dir == "outputs/mlp_tiny/studies/mlp_tiny_optuna"
+    sampler = hydra.utils.instantiate(options["sampler"])
+    assert isinstance(sampler, TPESampler) and sampler._constant_liar
+    assert options["pruner"] is None and options["direction"] == "minimize" and options["n_trials"] == 20
+    space, fixed = search_space([f"{k}={v}" for k, v in options["params"].items()])
     assert space == {
-        "model.optimizer.lr": LogUniformDistribution(1e-5, 1e-2),
-        "plan.stages.1.clip_norm": UniformDistribution(0.1, 5.0),
+        "model.optimizer.lr": FloatDistribution(1e-5, 1e-2, log=True),
+        "plan.stages.1.clip_norm": FloatDistribution(0.1, 5.0),
     } and fixed == {}
 
 
@@ -351,9 +354,9 @@ def _study_sweeper(tmp_path, *overrides):
 
 
 def check_hparams_search_asha(tmp_path):
-    from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
     from optuna.pruners import SuccessiveHalvingPruner
 
+    from lightning_hpp.hydra.space import search_space
     from lightning_hpp.hydra.trial import build_pruner
 
     cfg, options = _study_sweeper(tmp_path, "hparams_search=asha", "experiment=mlp_sweep")
@@ -366,9 +369,13 @@ def check_hparams_search_asha(tmp_path):
     assert options["storage"] == f"sqlite:///{(Path(cfg.hydra.sweep.dir) / 'study.db').resolve()}"
     pruner = build_pruner(options["pruner"])
     assert isinstance(pruner, SuccessiveHalvingPruner) and pruner._reduction_factor == 4
-    space, _ = create_params_from_overrides([f"{k}={v}" for k, v in options["params"].items()])
+    space, _ = search_space([f"{k}={v}" for k, v in options["params"].items()])
     optuna_cfg = compose_cfg(tmp_path, "hparams_search=optuna", "experiment=mlp_tiny", keep_hydra=True)
-    assert space == create_params_from_overrides([f"{k}={v}" for k, v in optuna_cfg.hydra.sweeper.params.items()])[0]
+    assert space == search_space([f"{k}={v}" for k, v in optuna_cfg.hydra.sweeper.params.items()])[0]
+    journal = f"journal://{tmp_path / 'study.log'}"
+    assert _study_sweeper(tmp_path, "hparams_search=asha", f"hydra.sweeper.storage={journal}")[1]["storage"] == journal
+    with pytest.raises(SweepError, match=r"names a relative journal file; give an absolute path"):
+        _study_sweeper(tmp_path, "hparams_search=asha", "hydra.sweeper.storage=journal://study.log")
     with pytest.raises(SweepError, match=r"`hydra.sweeper.direction='best'` is not valid"):
         _study_sweeper(tmp_path, "hparams_search=asha", "experiment=mlp_sweep", "hydra.sweeper.direction=best")
     with pytest.raises(SweepError, match=r"`hydra.sweeper.storage='not a url'` is not an SQLAlchemy URL"):

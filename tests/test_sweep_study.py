@@ -190,3 +190,219 @@ def test_storage_url_password_hidden_and_bad_links_refused(tmp_path):
     assert TrialLink.from_env({TRIAL_ENV: link.to_env()}) == link and TrialLink.from_env({}) is None
     with pytest.raises(SweepError, match=f"`{TRIAL_ENV}` is set but is not a study trial"):
         TrialLink.from_env({TRIAL_ENV: '{"storage": 1}'})
+
+
+def test_optuna_dashboard_serves_the_study_over_http(killed_and_resumed, tmp_path):
+    """The README's one command, ``optuna-dashboard sqlite:///<sweep dir>/study.db``, on the study above:
+    its HTTP API on 127.0.0.1 lists the study and every trial with the state the study holds."""
+    import urllib.request
+
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    sweep = killed_and_resumed[0]
+    exe = Path(sys.executable).with_name("optuna-dashboard")
+    assert exe.exists(), "optuna-dashboard is installed by scripts/setup.sh (the hydra and dev extras)"
+    port = find_free_network_port()
+    with open(tmp_path / "dashboard.log", "wb") as log:
+        dashboard = subprocess.Popen(
+            [str(exe), f"sqlite:///{sweep / 'study.db'}", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        def get(path: str) -> dict:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+                return json.loads(response.read())
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                studies = get("/api/studies")["study_summaries"]
+                break
+            except OSError:
+                if dashboard.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"optuna-dashboard did not answer: {(tmp_path / 'dashboard.log').read_text()[-3000:]}")
+                time.sleep(0.2)
+        (study,) = [s for s in studies if s["study_name"] == "mlp_sweep_asha"]
+        served = {t["number"]: t for t in get(f"/api/studies/{study['study_id']}")["trials"]}
+        held = {t.number: t for t in _trials(sweep)}
+        assert {n: t["state"].upper() for n, t in served.items()} == {n: t.state.name for n, t in held.items()}
+        assert all(len(served[n]["params"]) == len(t.params) == 2 for n, t in held.items())
+    finally:
+        end_process_group(dashboard.pid, wait=0.0, grace=2.0)
+
+
+def test_search_space_from_hydra_sweep_overrides():
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    from lightning_hpp.errors import SweepError
+    from lightning_hpp.hydra.space import search_space
+
+    space, fixed = search_space([
+        "a=tag(log, interval(1e-5, 1e-2))", "b=interval(0.1, 5.0)", "c=int(interval(1, 8))", "d=range(1, 9, 2)",
+        "e=range(0.0, 1.0, 0.25)", "f=choice(sgd, adam)", "g=1,2", "h=0.5", "b=0.3",
+    ])  # fmt: skip
+    assert space == {
+        "a": FloatDistribution(1e-5, 1e-2, log=True),
+        "c": IntDistribution(1, 8),
+        "d": IntDistribution(1, 7, step=2),
+        "e": FloatDistribution(0.0, 0.75, step=0.25),
+        "f": CategoricalDistribution(["sgd", "adam"]),
+        "g": CategoricalDistribution([1, 2]),
+    }  # b's range is replaced by the fixed value given after it
+    assert fixed == {"h": "0.5", "b": "0.3"}
+    with pytest.raises(SweepError, match="increasing ranges only"):
+        search_space(["x=range(5, 1, -1)"])
+
+
+def test_journal_storage_heartbeats_fail_a_stale_trial_and_retry_it_once(tmp_path):
+    """``journal:///path``: Optuna's JournalStorage, with the heartbeats Optuna keeps for RDB storages only."""
+    import optuna
+
+    from lightning_hpp.hydra.storage import ask_lock
+
+    url = f"journal://{tmp_path / 'study.log'}"
+    callback = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1)
+    storage = open_storage(url, heartbeat_interval=1, grace_period=1, stale_trial_callback=callback)
+    study = optuna.create_study(study_name="j", storage=storage)
+    with ask_lock(storage, url, "j") as locked:
+        assert locked and (tmp_path / "study.log.ask.lock").exists()
+        trial = study.ask()
+    trial.suggest_float("x", 0.0, 1.0)
+    storage.record_heartbeat(trial._trial_id)
+    optuna.storages.fail_stale_trials(study)
+    assert study.trials[0].state.name == "RUNNING"  # a fresh heartbeat: not stale
+    time.sleep(1.5)  # the driver died: no heartbeat for longer than grace_period
+    optuna.storages.fail_stale_trials(study)
+    # another driver, on the same file, sees the failure and the waiting retry with the same parameters
+    other = optuna.load_study(study_name="j", storage=open_storage(url))
+    states = [t.state.name for t in other.trials]
+    assert states == ["FAIL", "WAITING"] and other.trials[1].params == other.trials[0].params
+    assert other.trials[1].system_attrs["failed_trial"] == 0
+    retry = study.ask()  # taken by one driver, recorded running: a fresh start is no stale heartbeat
+    optuna.storages.fail_stale_trials(study)
+    assert retry.number == 1 and [t.state.name for t in other.trials] == ["FAIL", "RUNNING"]
+
+
+# ------------------------------------------------------------------ two drivers on one PostgreSQL study
+PG_SECRET = "hpp-Pg-Secret-8e1f4c2a9d"
+PG_TRIALS = 3
+
+
+@pytest.fixture(scope="module")
+def postgres(tmp_path_factory):
+    """A real PostgreSQL server (PyPI's pgserver, installed by scripts/setup.sh) in a temporary directory,
+    with a role whose password must leak nowhere. Yields the SQLAlchemy URL."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        import pgserver
+    except ImportError as err:
+        pytest.skip(f"pgserver is not installed ({err}); `pip install -e .[dev]` (scripts/setup.sh) installs it")
+    try:
+        server = pgserver.get_server(tmp_path_factory.mktemp("pg") / "data", cleanup_mode="delete")
+        server.psql(f"CREATE ROLE hpp LOGIN PASSWORD '{PG_SECRET}'; CREATE DATABASE hpp OWNER hpp;")
+    except Exception as err:  # noqa: BLE001 - whatever keeps the server from starting here
+        pytest.skip(f"pgserver's PostgreSQL server could not start on this machine: {type(err).__name__}: {err}")
+    host = make_url(server.get_uri()).query["host"]
+    yield f"postgresql+psycopg2://hpp:{PG_SECRET}@/hpp?host={host}"
+    server.cleanup()
+
+
+def _trial_of(driver_pid: int, sweep: Path) -> int | None:
+    """The number of the trial directory whose rank 0 the driver ``driver_pid`` started, if any."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != driver_pid:
+                continue
+            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        for arg in args:
+            if arg.startswith(f"hydra.run.dir={sweep}/"):
+                return int(arg.rsplit("/", 1)[1])
+    return None
+
+
+@pytest.fixture(scope="module")
+def two_drivers(postgres, tmp_path_factory):
+    """Two drivers start the same ASHA command on one PostgreSQL study at once; the first is killed with
+    SIGKILL once its trial has a checkpoint; the second finishes the study."""
+    root = tmp_path_factory.mktemp("pg_sweep")
+    sweep = root / "study"
+    cmd = [
+        sys.executable, "-m", "lightning_hpp.hydra.train", "-m", "hparams_search=asha", "experiment=mlp_sweep",
+        # a loaded machine can take minutes to start a rank: the rendezvous waits as long as by default
+        "trainer.max_steps=4", "trainer.val_check_interval=2", "strategy.timeout=300", f"hydra.sweep.dir={sweep}",
+        f"hydra.sweeper.n_trials={PG_TRIALS}", "hydra.sweeper.pruner.min_resource=1",
+        "hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=3",
+        "hydra.sweeper.storage=${oc.env:HPP_STUDY_STORAGE}",  # the password stays in the environment
+        "+strategy.checkpoint.dir=${paths.output_dir}/ckpt", "+strategy.checkpoint.every_n_steps=1",
+    ]  # fmt: skip
+    env = {**_env(), "HPP_STUDY_STORAGE": postgres}
+    drivers = []
+    for i in range(2):
+        with open(root / f"driver{i}.log", "wb") as log:
+            drivers.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True))  # fmt: skip
+    victim, survivor = drivers
+    try:
+        killed: list[int] = []
+
+        def victim_checkpointed() -> bool:
+            n = _trial_of(victim.pid, sweep)
+            if n is not None and any((sweep / str(n) / "ckpt").glob("*/metadata.json")):
+                killed.append(n)
+                return True
+            return False
+
+        _wait_until(victim_checkpointed, 300, "a checkpoint of the first driver's trial", victim)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=30)
+        _wait_until(lambda: not processes_mentioning(f"hydra.run.dir={sweep / str(killed[0])}"), 30,
+                    "the end of every process of the killed driver's trial")  # fmt: skip
+        survivor.wait(timeout=600)
+    finally:
+        for proc in drivers:
+            end_process_group(proc.pid, wait=0.0, grace=2.0)
+    return sweep, root, killed[0], survivor.returncode, postgres
+
+
+def test_two_drivers_on_postgresql_share_one_study_and_retry_the_killed_drivers_trial(two_drivers):
+    import optuna
+
+    from lightning_hpp.hydra.storage import public_url
+
+    sweep, root, killed, returncode, url = two_drivers
+    assert returncode == 0, (root / "driver1.log").read_text()[-6000:]
+    trials = optuna.load_study(study_name="mlp_sweep_asha", storage=open_storage(url)).get_trials()
+    by_number = {t.number: t for t in trials}
+    fresh = [t for t in trials if "failed_trial" not in t.system_attrs]
+    retries = [t for t in trials if "failed_trial" in t.system_attrs]
+    # exactly n_trials configurations, each drawn once, each finished; the killed one failed and was retried once
+    assert len(fresh) == PG_TRIALS and len({tuple(sorted(t.params.items())) for t in fresh}) == PG_TRIALS
+    assert sum(t.state.name in ("COMPLETE", "PRUNED") for t in trials) == PG_TRIALS
+    assert by_number[killed].state.name == "FAIL" and [t.state.name for t in trials].count("FAIL") == 1
+    (retry,) = retries
+    assert retry.system_attrs["failed_trial"] == killed and retry.params == by_number[killed].params
+    assert retry.state.name in ("COMPLETE", "PRUNED")
+    # the retry ran in the killed trial's directory and resumed from its checkpoint
+    record = json.loads((sweep / str(killed) / "trial.json").read_text())
+    assert record["retry_of"] == killed and "ckpt_path=last" in record["overrides"] and record["study"]["start_step"] >= 1
+    log = (sweep / str(killed) / "trial.log").read_text()
+    assert f"Restoring states from the checkpoint path at {sweep / str(killed) / 'ckpt'}" in log
+    # each trial drew from its own stream, seed + trial number: what a fresh sampler with that seed draws
+    for t in fresh:
+        alone = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=1234 + t.number, n_startup_trials=10,
+                                                                       constant_liar=True)).ask()  # fmt: skip
+        drawn = {"model.optimizer.lr": alone.suggest_float("model.optimizer.lr", 1e-5, 1e-2, log=True),
+                 "plan.stages.1.clip_norm": alone.suggest_float("plan.stages.1.clip_norm", 0.1, 5.0)}  # fmt: skip
+        assert t.params == pytest.approx(drawn), t.number
+    # the summary names the storage with its password hidden; the password is in no file the sweep wrote
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert summary["storage"] == public_url(url) and summary["storage"].startswith("postgresql+psycopg2://hpp:***@/hpp?")
+    assert summary["study_name"] == "mlp_sweep_asha"
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert {"summary.json", "study.json", "trial.log", "config.yaml", "snapshot.json", "driver1.log"} <= {p.name for p in files}
+    leaks = [str(p) for p in files if PG_SECRET.encode() in p.read_bytes()]
+    assert not leaks, f"the database password was written to {leaks}"
+    assert processes_mentioning(str(sweep)) == []

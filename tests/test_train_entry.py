@@ -38,9 +38,9 @@ def _start(*args: str, cwd: Path = ROOT, exe: list[str] | None = None, env: dict
            logs: Path | None = None) -> subprocess.Popen:
     """Start the entry point in a session of its own, its output into ``logs``.out/.err."""
     cmd = (exe or [sys.executable, "-m", "lightning_hpp.hydra.train"]) + list(args)
+    full = {k: v for k, v in {**_env(), **(env or {})}.items() if v is not None}  # None: unset it
     with open(f"{logs}.out", "w") as out, open(f"{logs}.err", "w") as err:  # the child keeps its own copies
-        proc = subprocess.Popen(cmd, cwd=cwd, env={**_env(), **(env or {})}, stdout=out, stderr=err, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=full, stdout=out, stderr=err, text=True, start_new_session=True)
     proc.logs = logs
     return proc
 
@@ -65,9 +65,9 @@ CONSOLE = Path(sys.executable).with_name("lightning-hpp-train")
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """The four runs of the entry point of this module, side by side (they share nothing): a single
-    2-rank run checkpointing to S3, the 2x2 multirun, the 2-trial Optuna search, and (when the console
-    script is installed) a sweep whose trial fails. Yields (root dir, {name: finished process}, S3Env)."""
+    """The runs of the entry point of this module, side by side (they share nothing): a single
+    2-rank run checkpointing to S3, the 2x2 multirun, the 2-trial Optuna search, a 2-step run, and (when
+    the console script is installed) a sweep whose trial fails. Yields (root dir, {name: finished process}, S3Env)."""
     root = tmp_path_factory.mktemp("entry")
     with fresh_bucket() as s3:
         (root / "single").mkdir()
@@ -82,6 +82,9 @@ def jobs(tmp_path_factory):
                             "strategy.timeout=60", f"hydra.sweep.dir={root / 'sweep'}", logs=root / "sweep_log"),
             "optuna": _start("hparams_search=optuna", "experiment=mlp_tiny", "hydra.sweeper.n_trials=2", "strategy.timeout=60",
                              f"hydra.sweep.dir={root / 'optuna'}", logs=root / "optuna_log"),
+            # the quickest run, as a user types it (PYTHONHASHSEED unset): it must end quietly
+            "quiet": _start("experiment=mlp_tiny", "trainer.max_steps=2", f"hydra.run.dir={root / 'quiet'}",
+                            env={"PYTHONHASHSEED": None}, logs=root / "quiet_log"),
         }
         if CONSOLE.exists():
             started["console"] = _start("-m", "experiment=mlp_tiny", "plan=hybrid", f"hydra.sweep.dir={root / 'bad'}",
@@ -205,6 +208,23 @@ def test_optuna_search_two_trials(jobs):
     assert results["best_value"] == pytest.approx(best["value"])
     assert results["best_params"]["model.optimizer.lr"] == pytest.approx(float(dict(o.split("=", 1) for o in best["overrides"])["model.optimizer.lr"]))
     assert "2/2 trial(s) completed" in (sweep / "summary.md").read_text()
+
+
+def test_a_finished_run_prints_progress_and_summary_only(jobs):
+    """``experiment=mlp_tiny trainer.max_steps=2`` with PYTHONHASHSEED unset: the entry point restarts
+    itself with PYTHONHASHSEED=0 (every rank hashes alike, so the bias guards have nothing to note),
+    EarlyStopping waits for a validation, no harmless warning is repeated per rank, nothing aborts."""
+    root, procs, _ = jobs
+    proc = procs["quiet"]
+    _ok(proc)
+    assert "`Trainer.fit` stopped: `max_steps=2` reached." in proc.stderr
+    for noise in ("terminate called", "Error executing job", "BiasGuard note", "pin_memory", "LeafSpec",
+                  "Traceback", "Warning"):
+        assert noise not in proc.stderr, f"{noise!r} in\n{proc.stderr}"
+    assert "WARNING" not in proc.stdout and "ERROR" not in proc.stdout, proc.stdout
+    info = json.loads((root / "quiet" / "snapshot" / "snapshot.json").read_text())
+    assert info["fingerprint"]["env"]["PYTHONHASHSEED"] == "0"
+    assert json.loads((root / "quiet" / "result.json").read_text())["global_step"] == 2
 
 
 def test_console_script_sweep_whose_trials_all_fail_exits_nonzero(jobs):

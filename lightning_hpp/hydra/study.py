@@ -1,21 +1,26 @@
-"""Sweeps that prune across trials (ASHA, Hyperband) on an Optuna study database, resumable.
+"""Study sweeps on an Optuna (>= 4) storage, resumable, with several drivers at once.
 
-:class:`StudySweeper` is the Hydra sweeper behind ``hparams_search=asha`` / ``hparams_search=hyperband``
+:class:`StudySweeper` is the Hydra sweeper behind ``hparams_search=optuna``, ``asha`` and ``hyperband``
 (registered as ``hydra/sweeper=lightning_hpp`` by ``hydra_plugins/lightning_hpp_sweeper``). It drives
-one Optuna study held in an RDB storage:
+one Optuna study:
 
 * the study (trials, parameters, intermediate values, states) lives in an SQLite file in the sweep
-  directory by default, or under any SQLAlchemy URL; several drivers may run against one storage
-  (several machines: a PostgreSQL URL), each asking the study for the next trial;
+  directory by default, under any SQLAlchemy URL (a PostgreSQL server for drivers on several
+  machines), or in an Optuna journal file (``journal:///path``, a shared file system);
 * every trial is one run of :func:`lightning_hpp.hydra.train.launch_trial` (a fresh multi-process
   job); its rank 0 reports to the study at each validation and the study's pruner stops it
   (:mod:`lightning_hpp.hydra.trial`); the driver then records it COMPLETE, PRUNED or FAIL;
 * while a trial runs, the driver records its heartbeat. A driver that dies leaves its trial RUNNING
   with a stale heartbeat: the next driver on the study marks it FAIL and retries it once
-  (``RetryFailedTrialCallback``) in the same trial directory with ``ckpt_path=last``, so it resumes
+  (``RetryHeartbeatStaleTrialCallback``) in the same trial directory with ``ckpt_path=last``, so it resumes
   from its checkpoints when it had any; finished and pruned trials are never run again;
-* ``n_trials`` is the size of the study (trials of every driver, a retry counting as its original),
-  so running the same command again continues the study instead of starting one.
+* ``n_trials`` is the size of the study (trials of every driver, a retry counting as its original):
+  a driver counts the study and asks it for a trial under the study's ask lock
+  (:func:`~lightning_hpp.hydra.storage.ask_lock`), so concurrent drivers start exactly ``n_trials``
+  configurations, and running the same command again continues the study;
+* every trial draws its parameters from a sampler seeded with ``seed + trial number``: trial numbers
+  are handed out by the storage, one per trial, so no two drivers share a random stream, and the
+  random (start-up) configurations are the same whichever driver draws them.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_hpp.errors import SweepError
-from lightning_hpp.hydra.storage import check_url, default_url, open_storage, public_url
+from lightning_hpp.hydra.space import search_space, suggest
+from lightning_hpp.hydra.storage import ask_lock, check_url, default_url, open_storage, public_url
 from lightning_hpp.hydra.trial import TRIAL_ENV, TrialLink, build_pruner
 from lightning_hpp.validation import check_int, check_number
 
@@ -55,14 +61,15 @@ class StudySweeperConf:
     _target_: str = "hydra_plugins.lightning_hpp_sweeper.StudySweeper"
     _recursive_: bool = False
     sampler: Any = field(default_factory=lambda: {"_target_": "optuna.samplers.TPESampler", "seed": None})
-    """An Optuna sampler config. A ``seed`` is offset by the number of trials already in the study, so
-    that a resumed driver (or a second one) does not draw the configurations of the first again."""
+    """An Optuna sampler config. A ``seed`` is offset by the trial's number for each trial, so that every
+    trial (of any driver, resumed or not) draws from a stream of its own."""
     pruner: Any = None
     """An Optuna pruner config (``SuccessiveHalvingPruner``, ``HyperbandPruner``...); null: no pruning."""
     direction: str = "minimize"
     """``minimize`` / ``maximize`` (or ``min`` / ``max``, as ``monitor_mode``)."""
     storage: Any = None
-    """SQLAlchemy URL of the study database; null: ``sqlite:///<sweep dir>/study.db``."""
+    """SQLAlchemy URL of the study database, or ``journal:///abs/path`` (Optuna's JournalStorage on a
+    file); null: ``sqlite:///<sweep dir>/study.db``."""
     study_name: str = "lightning_hpp"
     n_trials: int = 20
     """Trials in the study, all drivers together (a retry counts as the trial it retries)."""
@@ -75,7 +82,8 @@ class StudySweeperConf:
     max_failure_rate: float = 0.5
     """Stop this driver once more than this fraction of its trials failed."""
     params: Any = None
-    """The search space, as for hydra-optuna-sweeper (``tag(log, interval(1e-5, 1e-2))``, choices...)."""
+    """The search space in Hydra's sweep grammar (``tag(log, interval(1e-5, 1e-2))``, ``choice(...)``,
+    ``range(...)``; :mod:`lightning_hpp.hydra.space`)."""
 
 
 def configurations(trials: Sequence[Any]) -> set[int]:
@@ -140,9 +148,10 @@ class StudySweeper(Sweeper):
 
     def _sampler(self, config: Any, number: int) -> Any:
         import hydra
+        import optuna
 
         if config is None:
-            return None
+            return optuna.samplers.TPESampler(seed=None)
         config = dict(config)
         if config.get("seed") is not None:
             config["seed"] = int(config["seed"]) + number
@@ -151,21 +160,22 @@ class StudySweeper(Sweeper):
     # ------------------------------------------------------------------ the loop
     def sweep(self, arguments: list[str]) -> None:
         import optuna
-        from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
 
         assert self.config is not None and self.launcher is not None
         o = self._checked()
         params = [f"{k}={v}" for k, v in (o.get("params") or {}).items()]
-        space, fixed = create_params_from_overrides(params + list(arguments))
-        for name in fixed:
-            space.pop(name, None)
+        space, fixed = search_space(params + list(arguments))
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        # this driver records the heartbeats of the trials it asks for itself (`_heartbeat`)
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
         storage = open_storage(
             o["storage"],
             heartbeat_interval=o["heartbeat_interval"],
             grace_period=o["grace_period"],
-            failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=o["max_retry"]),
+            stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=o["max_retry"]),
         )
         name = o["study_name"]
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # this driver logs each trial itself
         optuna.create_study(storage=storage, study_name=name, direction=o["direction"], load_if_exists=True)
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -173,14 +183,17 @@ class StudySweeper(Sweeper):
         (sweep_dir / STUDY_FILE).write_text(json.dumps(info, indent=2))
         log.info("Study %r in %s: %d trial(s), pruner %s", name, info["storage"], o["n_trials"], o.get("pruner"))
 
-        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         ran = failed = 0
         while True:
-            study = optuna.load_study(study_name=name, storage=storage)  # fresh: trials' reports read back
+            study = optuna.load_study(study_name=name, storage=storage, sampler=optuna.samplers.RandomSampler())
             optuna.storages.fail_stale_trials(study)
-            trials = study.get_trials(deepcopy=False)
-            waiting = any(t.state == optuna.trial.TrialState.WAITING for t in trials)
-            if not waiting and len(configurations(trials)) >= o["n_trials"]:
+            with ask_lock(storage, o["storage"], name):
+                trials = study.get_trials(deepcopy=False)
+                waiting = any(t.state == optuna.trial.TrialState.WAITING for t in trials)
+                full = not waiting and len(configurations(trials)) >= o["n_trials"]
+                # creates the trial (or takes a waiting retry) in the storage: its number is unique in the study
+                asked = None if full else study.ask()
+            if asked is None:
                 running = [t.number for t in trials if t.state == optuna.trial.TrialState.RUNNING]
                 if not running:
                     break
@@ -189,9 +202,10 @@ class StudySweeper(Sweeper):
                 )
                 time.sleep(o["heartbeat_interval"])
                 continue
-            study.sampler = self._sampler(o.get("sampler"), len(trials)) or study.sampler
-            trial = study.ask(fixed_distributions=space)
-            storage.record_heartbeat(trial._trial_id)
+            storage.record_heartbeat(asked._trial_id)
+            study.sampler = self._sampler(o.get("sampler"), asked.number)  # this trial's own stream
+            trial = optuna.trial.Trial(study, asked._trial_id)
+            suggest(trial, space)
             state = self._run(storage, study, trial, fixed, o)
             ran += 1
             failed += state == "FAIL"
@@ -213,7 +227,7 @@ class StudySweeper(Sweeper):
         from optuna.trial import TrialState
 
         frozen = storage.get_trial(trial._trial_id)
-        retry_of = optuna.storages.RetryFailedTrialCallback.retried_trial_number(frozen)
+        retry_of = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
         overrides = [f"{k}={v}" for k, v in {**trial.params, **fixed}.items()]
         if retry_of is not None and not any(_key(x) == "ckpt_path" for x in overrides):
             overrides.append("ckpt_path=last")  # its checkpoints, where it had any, are in the same trial dir

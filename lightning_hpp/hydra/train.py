@@ -403,8 +403,8 @@ def run(cfg: DictConfig) -> float | None:
         if reporter is not None:
             result["study"] = reporter.state()
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
-    if value is None:
-        log.warning("optimized_metric %r was not logged; logged: %s", cfg.optimized_metric, sorted(metrics))
+    if value is None and trainer.is_global_zero:  # a sweep fails the trial with this (launch_trial); a single run does not need it
+        log.info("optimized_metric %r was not logged; logged: %s", cfg.optimized_metric, sorted(metrics))
     return value
 
 
@@ -614,8 +614,20 @@ def refuse_secret_overrides(args: Sequence[str]) -> None:
         sys.exit(f"{type(error).__name__}: {error}")
 
 
+_HARMLESS_WARNINGS = (
+    # Lightning 2.6.6 calls a torch pytree API that torch 2.13 deprecates (once per rank and loader)
+    r".*isinstance\(treespec, LeafSpec\)` is deprecated",
+    # LightningDataModule.from_datasets asks for pinned memory; on a CPU trainer torch ignores it
+    r"'pin_memory' argument is set as true but no accelerator is found",
+)
+
+
 def main() -> None:
-    """Console script ``lightning-hpp-train``: Hydra parses ``sys.argv`` (overrides, ``-m``, ``--cfg``...)."""
+    """Hydra parses ``sys.argv`` (overrides, ``-m``, ``--cfg``...) and runs :func:`task`."""
+    import warnings
+
+    for message in _HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
     # `_target_`s may live in the working directory (examples/, a user's project), as with `python -m`.
     cwd = os.getcwd()
     if cwd not in sys.path:
@@ -624,5 +636,19 @@ def main() -> None:
     hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")(task)()
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console script ``lightning-hpp-train`` (and ``python -m lightning_hpp.hydra.train``).
+
+    Every rank must hash strings alike (else set iteration order differs between ranks and the bias
+    guards note it): with ``PYTHONHASHSEED`` unset, the command restarts itself once with
+    ``PYTHONHASHSEED=0``, as ``scripts/demo.sh`` sets it; the ranks Lightning starts and the trials of
+    a sweep inherit it. A value the user set is kept.
+    """
+    if "PYTHONHASHSEED" not in os.environ and not any(v in os.environ for v in _RANK_VARS):
+        os.environ["PYTHONHASHSEED"] = "0"
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
     main()
+
+
+if __name__ == "__main__":
+    cli()
