@@ -480,6 +480,7 @@ class PartitionResult:
             "allreduce_ms": [round(s.allreduce_ms, 6) for s in self.stages],
             "optimizer_ms": [round(s.optimizer_ms, 6) for s in self.stages],
             "fixed_step_ms": round(self.fixed_step_ms, 6),
+            "pipeline_ms": round(self.step_ms - self.allreduce_ms - self.fixed_step_ms, 6),
             "microbatch_size": self.microbatch_size,
             "memory_bytes": [int(s.memory_bytes) for s in self.stages],
             "cost_source": [s.cost_source for s in self.stages],
