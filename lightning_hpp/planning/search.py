@@ -176,6 +176,17 @@ class _PlanProblem(_Problem):
         loss = oh.loss_fixed_ms + (oh.loss_ms - oh.loss_fixed_ms) * self.scale
         return fwd, bwd, out, back, oh.microbatch_ms, loss / 3, 2 * loss / 3
 
+    def lower_bound(self, position_kinds: Sequence[int], n_stages: int, m: int) -> float:
+        """A bound below the step of every cut of a layout: the busiest rank works at least the mean of all
+        ranks' work (each unit at the fastest of the positions' kinds, every stage's fixed cost per
+        micro-batch, the loss), and the fixed step cost is paid."""
+        used = sorted(set(position_kinds))
+        u = np.arange(self.n)
+        fastest = np.min([self._actions[k][0][u, u + 1] + self._actions[k][1][u, u + 1] for k in used], axis=0).sum()
+        per_mb = min(self._actions[k][4] for k in used) * n_stages + min(self._actions[k][5] + self._actions[k][6] for k in used)
+        fixed = max((self.costs[k].overheads or _NONE).step_ms for k in used)
+        return m * (float(fastest) + per_mb) / len(position_kinds) + fixed
+
     def parts(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """``(compute_ms, comm_ms)`` of every segment on kind ``k`` with both boundaries sent (``inf`` where invalid)."""
         fwd, bwd, out, back, mb, lf, lb = self._actions[k]
@@ -487,9 +498,13 @@ def search_plan(
                         res.fixed_step_ms = max((costs[kinds.index(k)].overheads or _NONE).step_ms for k in orders[0])
                         cands = [res]
                     else:
-                        prog = program(sched, p, p * v, m)
+                        prog = None
                         for order in orders:
-                            pipe = _Pipeline(problem, prog, [kinds.index(k) for k in order], dp)
+                            ks = [kinds.index(k) for k in order]
+                            if best is not None and problem.lower_bound(ks, p * v, m) > best[1].step_ms:
+                                continue  # no cut of this layout can beat the best plan so far
+                            prog = prog or program(sched, p, p * v, m)
+                            pipe = _Pipeline(problem, prog, ks, dp)
                             found = pipe.best()
                             if found is None:
                                 continue
