@@ -54,9 +54,15 @@ def _costs(prof, k, i, j, n, scale):
     return e, oh, fwd, bwd, loss
 
 
-def _update(oh, params, dp):
+def _ring(oh, params, dp):
     ar_bw = oh.allreduce_gbps * 1e6 if oh.allreduce_gbps else (oh.p2p_gbps or LINK) * 1e6
-    return 2 * (dp - 1) / dp * params / ar_bw + 2 * (dp - 1) * oh.p2p_latency_ms + params / 1e6 * oh.optimizer_ms_per_mb
+    return 2 * (dp - 1) / dp * params / ar_bw + 2 * (dp - 1) * oh.p2p_latency_ms
+
+
+def _update(oh, ring, tail, backward, params, dp):
+    """The optimizer, and what of the all-reduce one micro-batch's backward does not hide (at least the last bucket)."""
+    exposed = max(tail, ring - backward) if dp > 1 else 0.0
+    return exposed + params / 1e6 * oh.optimizer_ms_per_mb
 
 
 def _data_parallel_step(prof, kinds, n, dp, m, per_replica, mem):
@@ -69,7 +75,7 @@ def _data_parallel_step(prof, kinds, n, dp, m, per_replica, mem):
         if params * 4 + sum(u.saved_bytes for u in e.units) * scale > mem.get(k, float("inf")):
             return None
         times.append(fwd + bwd + loss + oh.microbatch_ms)
-        updates.append(_update(oh, params, dp))
+        updates.append(_update(oh, _ring(oh, params, dp), _ring(oh, e.units[0].param_bytes, dp), bwd, params, dp))
         steps.append(oh.step_ms)
     return m * max(times) + max(updates) + max(steps)
 
@@ -80,7 +86,7 @@ def _pipeline_step(prof, position_kinds, cuts, sched, p, dp, m, per_replica, mem
     n, S = len(prof.unit_names), len(cuts) - 1
     rank_of = [s for s in range(S)] if S == p else list(rank_of_stages(sched, p, S))
     cost, params, stash = {}, [0.0] * p, [0.0] * S
-    updates, steps = [0.0] * p, []
+    rings, tails, windows, steps = [0.0] * p, [None] * p, [0.0] * p, []
     for s in range(S):
         r, (i, j) = rank_of[s], (cuts[s], cuts[s + 1])
         e, oh, fwd, bwd, loss = _costs(prof, position_kinds[r], i, j, n, scale)
@@ -95,7 +101,10 @@ def _pipeline_step(prof, position_kinds, cuts, sched, p, dp, m, per_replica, mem
         par = sum(u.param_bytes for u in e.units[i:j])
         params[r] += par
         stash[s] = sum(u.saved_bytes for u in e.units[i:j]) * scale
-        updates[r] += _update(oh, par, dp)
+        rings[r] += _ring(oh, par, dp)
+        windows[r] += bwd
+        if tails[r] is None:  # the rank's lowest stage: its first unit's gradients come last
+            tails[r] = _ring(oh, e.units[i].param_bytes, dp)
         steps.append(oh.step_ms)
     orders = schedule_actions(sched, p, m, S)
     for r, acts in orders.items():  # the activations held: a forward keeps them, B (or W) frees them
@@ -106,6 +115,8 @@ def _pipeline_step(prof, position_kinds, cuts, sched, p, dp, m, per_replica, mem
         if params[rank_of[acts[0].stage]] * 4 + peak > mem.get(position_kinds[rank_of[acts[0].stage]], float("inf")):
             return None
     span = simulate(orders, lambda a: cost[a.stage][a.kind]).makespan
+    ohs = [prof.get(position_kinds[r], "32-true").overheads for r in range(p)]
+    updates = [_update(ohs[r], rings[r], tails[r], windows[r], params[r], dp) for r in range(p)]
     return span + max(updates) + max(steps)
 
 

@@ -32,8 +32,12 @@ holding units ``[i, j)`` on kind ``k`` costs, per micro-batch and action::
 and the step is::
 
     step = replay(schedule's action order, F/B/I/W per stage) + max_rank u_rank + c_step
-    u_rank = sum over its stages of 2 (dp - 1) / dp * params_s / allreduce_bandwidth + 2 (dp - 1) * latency
-             + optimizer_ms_per_byte * params_s
+    u_rank = max(a(first unit of its first stage), sum over its stages of a_s - backward_s) + optimizer_ms_per_byte * params
+    a_s  = 2 (dp - 1) / dp * params_s / allreduce_bandwidth + 2 (dp - 1) * latency
+
+(the gradient all-reduce starts bucket by bucket during each stage's last backward,
+:mod:`~lightning_hpp.pipeline.grads`: the step waits for what the backward of one micro-batch does
+not hide, and at least for the bucket of the rank's first unit, whose gradients come last)
 
 ``replay`` is the makespan of torch's own per-rank order of the schedule
 (:mod:`~lightning_hpp.planning.replay`, the order :func:`lightning_hpp.telemetry.model.simulate`
@@ -206,11 +210,21 @@ class _PlanProblem(_Problem):
     def optimizer(self, k: int) -> np.ndarray:
         return self._mats[k][2] / 1e6 * self._oh(k).optimizer_ms_per_mb
 
-    def allreduce(self, k: int, dp: int) -> np.ndarray:
+    def ring(self, k: int, dp: int) -> np.ndarray:
+        """The gradient all-reduce of every segment over ``dp`` replicas, not overlapped."""
         oh = self._oh(k)
         latency = 2 * (dp - 1) * oh.p2p_latency_ms  # a ring sends 2 (dp - 1) messages
         bandwidth = oh.allreduce_gbps * 1e6 if oh.allreduce_gbps else self._bandwidth(k)
-        return _ring(dp) * self._mats[k][2] / bandwidth + latency + self.optimizer(k)
+        return _ring(dp) * self._mats[k][2] / bandwidth + latency
+
+    def allreduce(self, k: int, dp: int) -> np.ndarray:
+        return self.ring(k, dp) + self.optimizer(k)
+
+    def exposed(self, k: int, dp: int, i: int, j: int) -> float:
+        """What of segment ``[i, j)``'s all-reduce the step waits for: its buckets start during the last
+        micro-batch's backward, the first unit's (final last) after it."""
+        ring = self.ring(k, dp)
+        return max(float(ring[i, i + 1]), float(ring[i, j] - self._actions[k][1][i, j])) if dp > 1 else 0.0
 
     def update_free(self, dp: int) -> bool:
         return dp == 1 and all(self._oh(k).optimizer_ms_per_mb == 0 for k in range(len(self.costs)))
@@ -241,6 +255,8 @@ def _data_parallel(
     ests = [problem.estimate(k, 0, n, 0, 1, m, dp, names) for k in kinds]
     if any(not e.fits for e in ests):
         return None
+    for k, e in zip(kinds, ests):  # the all-reduce overlaps the last micro-batch's backward
+        e.allreduce_ms = problem.exposed(k, dp, 0, n)
     slowest = max(ests, key=lambda e: (e.stage_ms, e.allreduce_ms + e.optimizer_ms))
     est = dataclasses.replace(slowest)
     update = max(ests, key=lambda e: e.allreduce_ms + e.optimizer_ms)  # the slowest kind's update
@@ -274,6 +290,9 @@ class _Pipeline:
         self.position_kinds = list(position_kinds)
         self.cross_out, self.cross_in = prog.cross_out(), prog.cross_in()
         self.updates = {k: problem.allreduce(k, dp) for k in set(self.kinds)}
+        self.rings = {k: problem.ring(k, dp) for k in set(self.kinds)}
+        self.optimizers = {k: problem.optimizer(k) for k in set(self.kinds)}
+        self.first_of = [min(prog.stages_of(r)) for r in range(prog.pp)]
         self.fixed = max((problem.costs[k].overheads or _NONE).step_ms for k in set(self.kinds))
 
     def score(self, cuts: np.ndarray) -> _Scored:
@@ -282,7 +301,7 @@ class _Pipeline:
         costs = np.zeros((C, 4, S))
         params = np.zeros((C, S))
         stash = np.zeros((C, S))
-        update = np.zeros((C, prog.pp))
+        ring, window, tail, update = (np.zeros((C, prog.pp)) for _ in range(4))
         for s, k in enumerate(self.kinds):
             i, j = cuts[:, s], cuts[:, s + 1]
             fwd, bwd, out, back, mb, lf, lb = pr._actions[k]
@@ -293,7 +312,14 @@ class _Pipeline:
             costs[:, 0, s], costs[:, 1, s], costs[:, 2, s], costs[:, 3, s] = f, b, b - w, w
             _, _, par, st = pr._mats[k]
             params[:, s], stash[:, s] = par[i, j], st[i, j] * pr.scale
-            update[:, prog.rank_of[s]] += self.updates[k][i, j]
+            r = prog.rank_of[s]
+            ring[:, r] += self.rings[k][i, j]
+            window[:, r] += bwd[i, j]
+            update[:, r] += self.optimizers[k][i, j]
+            if s == self.first_of[r]:  # its first unit's gradients are the rank's last ones
+                tail[:, r] = self.rings[k][i, i + 1]
+        # the all-reduce overlaps each stage's last backward (pipeline/grads.py): the step waits for what is left
+        update += np.maximum(tail, ring - window) if self.dp > 1 else 0.0
         memory = prog.peak_memory(stash)
         fits = np.ones(C, dtype=bool)
         for r in range(prog.pp):
