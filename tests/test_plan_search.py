@@ -307,6 +307,8 @@ def test_user_constraints_are_kept_and_impossible_ones_say_why():
         search_plan(prof, ["fast", "fast"], batch_size=192, schedule="pipedream")
     with pytest.raises(PartitionError, match="pp=1: one stage cannot run 'zbv'"):
         search_plan(prof, ["fast", "fast"], batch_size=192, schedule="zbv", pp_degree=1)
+    with pytest.raises(PartitionError, match="pp=2, zbv: needs at least 4 stages, more than the model's 3 units"):
+        search_plan(_bubble_bound_profile(3), ["cpu", "cpu"], batch_size=8, schedule="zbv")
     # a loader that cannot be rebatched keeps one replica per loader batch: pp=1 would need two
     kept = search_plan(prof, ["fast", "fast"], batch_size=192, split_batches=False)
     assert kept.dp_degree == 1 and kept.pp_degree == 2

@@ -504,7 +504,7 @@ def search_plan(
         for sched in schedules if p > 1 else [x for x in schedules if not SCHEDULES[x].multi]:
             vs = stages_per_rank_options(sched, p, n)
             if not vs:
-                excluded.append(f"pp={p}, {sched}: {2 * p} stages or more need more than the {n} units")
+                excluded.append(f"pp={p}, {sched}: needs at least {2 * p} stages, more than the model's {n} units")
             for v in vs:
                 ms = microbatch_options(per_replica, n_microbatches, p, sched, max_microbatches, v)
                 if not ms:
