@@ -1,4 +1,5 @@
-"""The whole-plan search behind plan="auto" (offline, no processes): brute force, constraints, the cost terms."""
+"""The whole-plan search behind plan="auto" (offline, no processes): brute force over every schedule family
+(torch's own orders replayed by the telemetry's simulate), constraints, the cost terms."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hpp.errors import MicroBatchError, PartitionError, ProfileMismatchError
+from lightning_hpp.errors import MicroBatchError, PartitionError, ProfileMismatchError, ScheduleError
 from lightning_hpp.pipeline.data import can_rebatch, rebatch
+from lightning_hpp.pipeline.schedules import SCHEDULES, check_schedule
 from lightning_hpp.planning.devices import stage_kind_orders
 from lightning_hpp.planning.profile import CostProfile, Overheads, ProfileEntry, UnitCost, fit_fixed_costs
+from lightning_hpp.planning.replay import rank_of_stages
 from lightning_hpp.planning.search import search_plan
+from lightning_hpp.telemetry.model import schedule_actions, simulate
 
 LINK = 25.0
 
@@ -39,40 +43,84 @@ def _profile(rng: random.Random, n: int, kinds: list[str], b0: int) -> CostProfi
     return CostProfile("m", names, [1] * n, [[b0, 4]], entries)
 
 
-def _model_step(prof, kinds_of_stage, cuts, p, dp, m, sched, per_replica, mem):
-    """The cost model of lightning_hpp.planning.search, written out for one candidate (None if it does not fit)."""
-    b0 = prof.microbatch_size
-    scale = per_replica / m / b0
-    n = len(prof.unit_names)
+def _costs(prof, k, i, j, n, scale):
+    """Forward, backward, loss and per-micro-batch costs of units [i, j) on kind k, as the model writes them."""
+    e = prof.get(k, "32-true")
+    oh = e.overheads
+    us = e.units[i:j]
+    fwd = sum((u.fixed_ms + (u.step_ms - u.fixed_ms) * scale) * u.fwd_ms / u.step_ms for u in us)
+    bwd = sum((u.fixed_ms + (u.step_ms - u.fixed_ms) * scale) * u.bwd_ms / u.step_ms for u in us)
+    loss = oh.loss_fixed_ms + (oh.loss_ms - oh.loss_fixed_ms) * scale if j == n else 0.0
+    return e, oh, fwd, bwd, loss
+
+
+def _ring(oh, params, dp):
+    ar_bw = oh.allreduce_gbps * 1e6 if oh.allreduce_gbps else (oh.p2p_gbps or LINK) * 1e6
+    return 2 * (dp - 1) / dp * params / ar_bw + 2 * (dp - 1) * oh.p2p_latency_ms
+
+
+def _update(oh, ring, tail, backward, params, dp):
+    """The optimizer, and what of the all-reduce one micro-batch's backward does not hide (at least the last bucket)."""
+    exposed = max(tail, ring - backward) if dp > 1 else 0.0
+    return exposed + params / 1e6 * oh.optimizer_ms_per_mb
+
+
+def _data_parallel_step(prof, kinds, n, dp, m, per_replica, mem):
+    """pp = 1: m micro-batches of the whole model in turn, the slowest kind's."""
+    scale = per_replica / m / prof.microbatch_size
     times, updates, steps = [], [], []
-    for s in range(p):
-        i, j = cuts[s], cuts[s + 1]
-        worst_t, worst_u = 0.0, 0.0
-        for k in kinds_of_stage[s]:
-            e = prof.get(k, "32-true")
-            oh = e.overheads
-            bw = (oh.p2p_gbps or LINK) * 1e6
-            us = e.units[i:j]
-            t = sum(u.fixed_ms + (u.step_ms - u.fixed_ms) * scale for u in us) + oh.microbatch_ms
-            if j == n:
-                t += oh.loss_fixed_ms + (oh.loss_ms - oh.loss_fixed_ms) * scale
-            sent = (e.units[j - 1].activation_bytes if j < n else 0) + (e.units[i - 1].activation_bytes if i > 0 else 0)
-            t += ((i > 0) + (j < n)) * oh.p2p_latency_ms + sent * scale / bw
-            params = sum(u.param_bytes for u in us)
-            ar_bw = oh.allreduce_gbps * 1e6 if oh.allreduce_gbps else bw  # the measured all-reduce, else the link
-            u_ = 2 * (dp - 1) / dp * params / ar_bw + 2 * (dp - 1) * oh.p2p_latency_ms + params / 1e6 * oh.optimizer_ms_per_mb
-            in_flight = m if sched == "gpipe" else min(m, p - s)
-            need = params * 4 + in_flight * sum(u.saved_bytes for u in us) * scale
-            if need > mem.get(k, float("inf")):
-                return None
-            worst_t, worst_u = max(worst_t, t), max(worst_u, u_)
-            steps.append(oh.step_ms)
-        times.append(worst_t)
-        updates.append(worst_u)
-    return (m + p - 1) * max(times) + max(updates) + max(steps)
+    for k in kinds:
+        e, oh, fwd, bwd, loss = _costs(prof, k, 0, n, n, scale)
+        params = sum(u.param_bytes for u in e.units)
+        if params * 4 + sum(u.saved_bytes for u in e.units) * scale > mem.get(k, float("inf")):
+            return None
+        times.append(fwd + bwd + loss + oh.microbatch_ms)
+        updates.append(_update(oh, _ring(oh, params, dp), _ring(oh, e.units[0].param_bytes, dp), bwd, params, dp))
+        steps.append(oh.step_ms)
+    return m * max(times) + max(updates) + max(steps)
 
 
-def _brute_force(prof, rank_kinds, batch, groups, mem, pp=None, m_fixed=None, sched_fixed=None, limit=32):
+def _pipeline_step(prof, position_kinds, cuts, sched, p, dp, m, per_replica, mem):
+    """pp > 1: torch's own order of `sched` replayed by the telemetry's simulate (None if it does not fit)."""
+    scale = per_replica / m / prof.microbatch_size
+    n, S = len(prof.unit_names), len(cuts) - 1
+    rank_of = [s for s in range(S)] if S == p else list(rank_of_stages(sched, p, S))
+    cost, params, stash = {}, [0.0] * p, [0.0] * S
+    rings, tails, windows, steps = [0.0] * p, [None] * p, [0.0] * p, []
+    for s in range(S):
+        r, (i, j) = rank_of[s], (cuts[s], cuts[s + 1])
+        e, oh, fwd, bwd, loss = _costs(prof, position_kinds[r], i, j, n, scale)
+        bw = (oh.p2p_gbps or LINK) * 1e6
+        f = fwd + oh.microbatch_ms / 2 + loss / 3
+        b = bwd + oh.microbatch_ms / 2 + 2 * loss / 3
+        if s + 1 < S and rank_of[s + 1] != r:
+            f += oh.p2p_latency_ms + e.units[j - 1].activation_bytes * scale / bw
+        if s > 0 and rank_of[s - 1] != r:
+            b += oh.p2p_latency_ms + e.units[i - 1].activation_bytes * scale / bw
+        cost[s] = {"F": f, "B": b, "I": b - bwd / 2, "W": bwd / 2}
+        par = sum(u.param_bytes for u in e.units[i:j])
+        params[r] += par
+        stash[s] = sum(u.saved_bytes for u in e.units[i:j]) * scale
+        rings[r] += _ring(oh, par, dp)
+        windows[r] += bwd
+        if tails[r] is None:  # the rank's lowest stage: its first unit's gradients come last
+            tails[r] = _ring(oh, e.units[i].param_bytes, dp)
+        steps.append(oh.step_ms)
+    orders = schedule_actions(sched, p, m, S)
+    for r, acts in orders.items():  # the activations held: a forward keeps them, B (or W) frees them
+        held, peak = [0] * S, 0.0
+        for a in acts:
+            held[a.stage] += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
+            peak = max(peak, sum(h * x for h, x in zip(held, stash)))
+        if params[rank_of[acts[0].stage]] * 4 + peak > mem.get(position_kinds[rank_of[acts[0].stage]], float("inf")):
+            return None
+    span = simulate(orders, lambda a: cost[a.stage][a.kind]).makespan
+    ohs = [prof.get(position_kinds[r], "32-true").overheads for r in range(p)]
+    updates = [_update(ohs[r], rings[r], tails[r], windows[r], params[r], dp) for r in range(p)]
+    return span + max(updates) + max(steps)
+
+
+def _brute_force(prof, rank_kinds, batch, groups, mem, pp=None, m_fixed=None, sched_fixed=None, limit=32, vmax=4):
     world, n = len(rank_kinds), len(prof.unit_names)
     best = None
     for p in range(1, min(n, world) + 1):
@@ -82,19 +130,35 @@ def _brute_force(prof, rank_kinds, batch, groups, mem, pp=None, m_fixed=None, sc
         if dp % groups or batch % (dp // groups):
             continue
         per_replica = batch // (dp // groups)
-        for sched in ["gpipe", "1f1b"] if sched_fixed is None else [sched_fixed]:
-            for m in range(1, min(per_replica, limit) + 1):
-                if per_replica % m or (m_fixed is not None and m != m_fixed) or (sched == "1f1b" and m < p):
+        for sched in SCHEDULES if sched_fixed is None else [sched_fixed]:
+            kind = SCHEDULES[sched]
+            if p == 1 and kind.multi:
+                continue
+            vs = [1] if not kind.multi or p == 1 else [2] if kind.style == "v" else range(2, vmax + 1)
+            for v in vs:
+                S = p * v
+                if S > n:
                     continue
-                if p == 1:
-                    orders = [[sorted(set(rank_kinds))]]
-                else:
-                    orders = [[[k] for k in o] for o in stage_kind_orders(rank_kinds, p, dp)]
-                for order in orders:
-                    for inner in itertools.combinations(range(1, n), p - 1):
-                        v = _model_step(prof, order, [0, *inner, n], p, dp, m, sched, per_replica, mem)
-                        if v is not None and (best is None or v < best[0]):
-                            best = (v, p, m, sched)
+                for m in range(1, min(per_replica, limit) + 1):
+                    if per_replica % m or (m_fixed is not None and m != m_fixed):
+                        continue
+                    try:
+                        check_schedule(sched, S, p, m)
+                    except ScheduleError:
+                        continue
+                    if p == 1:
+                        val = _data_parallel_step(prof, sorted(set(rank_kinds)), n, dp, m, per_replica, mem)
+                        cands = [] if val is None else [val]
+                    else:
+                        cands = []
+                        for order in stage_kind_orders(rank_kinds, p, dp):
+                            for inner in itertools.combinations(range(1, n), S - 1):
+                                val = _pipeline_step(prof, order, [0, *inner, n], sched, p, dp, m, per_replica, mem)
+                                if val is not None:
+                                    cands.append(val)
+                    for val in cands:
+                        if best is None or val < best[0] - 1e-9:
+                            best = (val, p, m, sched, v)
     return best
 
 
@@ -104,12 +168,12 @@ def test_search_equals_brute_force_over_pp_dp_m_schedule_and_cuts(seed):
     kinds = ["fast", "slow", "mid"][: rng.choice([1, 2, 2, 3])]
     world = rng.choice([2, 3, 4]) if len(kinds) < 3 else 3
     rank_kinds = [kinds[r % len(kinds)] for r in range(world)]
-    n = rng.randint(2, 5)
+    n = rng.randint(2, 6)
     prof = _profile(rng, n, kinds, b0=rng.choice([2, 4]))
     groups = rng.choice([1, 1, 2]) if world % 2 == 0 else 1
     batch = rng.choice([8, 12, 16])
     mem = {k: rng.choice([float("inf"), 2e6]) for k in kinds}
-    fixed = rng.choice([{}, {"pp": world}, {"m_fixed": 4}, {"sched_fixed": "gpipe"}])
+    fixed = rng.choice([{}, {"pp": world}, {"m_fixed": 4}, {"sched_fixed": rng.choice(list(SCHEDULES))}])
     want = _brute_force(prof, rank_kinds, batch, groups, mem, **fixed)
     kwargs = dict(batch_size=batch, data_groups=groups, memory_bytes=mem, link_gbps=LINK, pp_degree=fixed.get("pp"),
                   n_microbatches=fixed.get("m_fixed"), schedule=fixed.get("sched_fixed"))
@@ -120,21 +184,76 @@ def test_search_equals_brute_force_over_pp_dp_m_schedule_and_cuts(seed):
     got = search_plan(prof, rank_kinds, **kwargs)
     assert got.step_ms == pytest.approx(want[0], rel=1e-9, abs=1e-9), (got.format_table(), want)
     # the reported plan is the candidate the model says it is
-    again = _model_step(prof, [s.replica_kinds or [s.device] for s in got.stages],
-                        [0, *itertools.accumulate(len(s.units) for s in got.stages)], got.pp_degree, got.dp_degree,
-                        got.n_microbatches, got.schedule, batch // (got.dp_degree // groups), mem)
+    per_replica = batch // (got.dp_degree // groups)
+    if got.pp_degree == 1:
+        again = _data_parallel_step(prof, got.stages[0].replica_kinds or [got.stages[0].device], len(prof.unit_names),
+                                    got.dp_degree, got.n_microbatches, per_replica, mem)
+    else:
+        kinds = [got.stages[got.positions.index(r)].device for r in range(got.pp_degree)]
+        again = _pipeline_step(prof, kinds, [0, *itertools.accumulate(len(s.units) for s in got.stages)], got.schedule,
+                               got.pp_degree, got.dp_degree, got.n_microbatches, per_replica, mem)
     assert again == pytest.approx(got.step_ms, rel=1e-9)
     assert got.pp_degree * got.dp_degree == world and got.dp_degree % groups == 0
     if "pp" in fixed:
         assert got.pp_degree == fixed["pp"]
     if "m_fixed" in fixed:
         assert got.n_microbatches == 4
-    if "sched_fixed" in fixed and got.pp_degree > 1:
-        assert got.schedule == "gpipe"
+    if "sched_fixed" in fixed:
+        assert got.schedule == fixed["sched_fixed"]
     assert sorted(r for row in got.ranks for r in row) == list(range(world))
 
 
-def _mlp_profile(fixed_share: float, slow: float | None, gbps: float = 1.0) -> CostProfile:
+def _bubble_bound_profile(n: int, latency: float = 0.0) -> CostProfile:
+    """``n`` units of 1 ms forward and 2 ms backward, no parameters, no fixed costs: the bubble is all there is."""
+    names = [f"u{i}" for i in range(n)]
+    units = [UnitCost(nm, 1.0 + 0.1 * (i % 3), 2.0 + 0.2 * (i % 3), 0, 1000, 1000) for i, nm in enumerate(names)]
+    entry = ProfileEntry("cpu", "32-true", units, overheads=Overheads(p2p_latency_ms=latency))
+    return CostProfile("m", names, [1] * n, [[4, 4]], [entry])
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_each_schedule_family_gets_its_known_optimum(schedule):
+    # unequal units, 2 ranks, a few micro-batches: the cuts, the micro-batch count and v all matter
+    prof = _bubble_bound_profile(6, latency=0.2)
+    want = _brute_force(prof, ["cpu", "cpu"], 16, 1, {}, pp=2, sched_fixed=schedule, limit=8)
+    got = search_plan(prof, ["cpu", "cpu"], batch_size=16, pp_degree=2, schedule=schedule, max_microbatches=8)
+    assert got.schedule == schedule and got.pp_degree == 2
+    assert got.step_ms == pytest.approx(want[0], rel=1e-9), (got.format_table(), want)
+    assert (got.n_microbatches, got.stages_per_rank) == (want[2], want[4])
+    assert got.plan.num_stages == 2 * got.stages_per_rank
+    assert len(got.ranks) == 2 and sorted(got.positions) == sorted(list(range(2)) * got.stages_per_rank)
+
+
+def test_few_microbatches_make_a_multi_stage_schedule_win():
+    # two micro-batches on two ranks: one stage per rank idles a third of the step, v stages per rank far less
+    prof = _bubble_bound_profile(8)
+    got = search_plan(prof, ["cpu", "cpu"], batch_size=8, pp_degree=2, n_microbatches=2)
+    want = _brute_force(prof, ["cpu", "cpu"], 8, 1, {}, pp=2, m_fixed=2)
+    assert got.step_ms == pytest.approx(want[0], rel=1e-9) and got.schedule == want[3]
+    assert SCHEDULES[got.schedule].multi and got.stages_per_rank >= 2, got.format_table()
+    single = min(search_plan(prof, ["cpu", "cpu"], batch_size=8, pp_degree=2, n_microbatches=2, schedule=s).step_ms
+                 for s in ("gpipe", "1f1b"))
+    assert got.step_ms < 0.85 * single
+    # the V keeps the tip of the pipeline on one rank: with a costly link it sends fewer messages than the loop
+    slow = _bubble_bound_profile(8, latency=0.5)
+    zbv = search_plan(slow, ["cpu", "cpu"], batch_size=8, pp_degree=2, n_microbatches=2, schedule="zbv")
+    loop = search_plan(slow, ["cpu", "cpu"], batch_size=8, pp_degree=2, n_microbatches=2, schedule="interleaved_zb")
+    assert zbv.stages[1].comm_ms < loop.stages[1].comm_ms and zbv.positions == [0, 1, 1, 0]
+
+
+def test_large_models_are_cut_by_local_search_from_the_bottleneck_cut(monkeypatch):
+    import lightning_hpp.planning.search as search
+
+    prof = _bubble_bound_profile(6, latency=0.2)
+    exact = search_plan(prof, ["cpu", "cpu"], batch_size=8, pp_degree=2, n_microbatches=4, schedule="zbv")
+    monkeypatch.setattr(search, "EXACT_CUTS", 0)
+    local = search_plan(prof, ["cpu", "cpu"], batch_size=8, pp_degree=2, n_microbatches=4, schedule="zbv")
+    cuts = [0, *itertools.accumulate(len(s.units) for s in local.stages)]
+    assert local.step_ms == pytest.approx(_pipeline_step(prof, ["cpu", "cpu"], cuts, "zbv", 2, 1, 4, 8, {}), rel=1e-9)
+    assert exact.step_ms <= local.step_ms <= 1.05 * exact.step_ms
+
+
+def _mlp_profile(fixed_share: float, slow: float | None, gbps: float = 1.0, optimizer: float = 0.5) -> CostProfile:
     """A 12-block MLP + head measured at micro-batch 16: weight re-reads are ``fixed_share`` of each block."""
     names = [f"blocks.{i}" for i in range(12)] + ["head"]
     act = 16 * 1024 * 4
@@ -143,7 +262,7 @@ def _mlp_profile(fixed_share: float, slow: float | None, gbps: float = 1.0) -> C
         units = [UnitCost(nm, 1.0 * speed, 2.0 * speed, 4 << 20, act, 2 * act, fixed_ms=3.0 * speed * fixed_share)
                  for nm in names[:-1]]
         units.append(UnitCost("head", 0.02 * speed, 0.04 * speed, 40960, 640, 640))
-        oh = Overheads(microbatch_ms=0.3 * speed, step_ms=2.0, loss_ms=0.1, optimizer_ms_per_mb=0.5 * speed,
+        oh = Overheads(microbatch_ms=0.3 * speed, step_ms=2.0, loss_ms=0.1, optimizer_ms_per_mb=optimizer * speed,
                        p2p_latency_ms=0.1, p2p_gbps=gbps)
         return ProfileEntry(kind, "32-true", units, overheads=oh)
 
@@ -152,17 +271,24 @@ def _mlp_profile(fixed_share: float, slow: float | None, gbps: float = 1.0) -> C
 
 
 def test_equal_ranks_and_compute_bound_model_choose_plain_data_parallel():
-    got = search_plan(_mlp_profile(0.1, None, gbps=10.0), ["fast", "fast"], batch_size=192)
+    got = search_plan(_mlp_profile(0.1, None, gbps=10.0, optimizer=0.1), ["fast", "fast"], batch_size=192)
     assert (got.pp_degree, got.dp_degree, got.n_microbatches) == (1, 2, 1), got.format_table()
     assert got.plan.num_stages == 1 and got.ranks == [[0, 1]]
     assert got.microbatch_size == 96  # each replica takes half of the loader's batch
+    # where the optimizer's update is costly, two ranks that each update half of the model beat two that update all
+    # of it, once the zero-bubble split leaves the pipeline almost no bubble
+    split = search_plan(_mlp_profile(0.1, None, gbps=10.0, optimizer=0.5), ["fast", "fast"], batch_size=192)
+    ddp = search_plan(_mlp_profile(0.1, None, gbps=10.0, optimizer=0.5), ["fast", "fast"], batch_size=192, pp_degree=1)
+    assert split.pp_degree == 2 and split.step_ms < ddp.step_ms and split.update_ms < ddp.allreduce_ms / 2 + 1
 
 
 def test_half_speed_rank_chooses_a_pipeline_with_few_microbatches():
     prof = _mlp_profile(0.3, 2.0)
     got = search_plan(prof, ["fast", "slow"], batch_size=192)
-    assert got.pp_degree == 2 and [s.device for s in got.stages] == ["fast", "slow"], got.format_table()
-    assert len(got.stages[0].units) > len(got.stages[1].units)
+    assert got.pp_degree == 2 and got.ranks == [[0], [1]], got.format_table()
+    assert [s.device for s in got.stages] == [["fast", "slow"][r] for r in got.positions]
+    units = [sum(len(s.units) for s, r in zip(got.stages, got.positions) if r == q) for q in (0, 1)]
+    assert units[0] > units[1]  # the fast rank holds more of the model
     ddp = search_plan(prof, ["fast", "slow"], batch_size=192, pp_degree=1)
     many = search_plan(prof, ["fast", "slow"], batch_size=192, pp_degree=2, n_microbatches=24)
     assert got.step_ms < ddp.step_ms and got.step_ms < many.step_ms
@@ -175,8 +301,14 @@ def test_user_constraints_are_kept_and_impossible_ones_say_why():
     assert (got.pp_degree, got.n_microbatches, got.schedule) == (2, 8, "1f1b")
     with pytest.raises(PartitionError, match=r"n_microbatches=7.*divides"):
         search_plan(prof, ["fast", "fast"], batch_size=192, n_microbatches=7)
-    with pytest.raises(PartitionError, match="interleaved1f1b"):
-        search_plan(prof, ["fast", "fast"], batch_size=192, schedule="interleaved1f1b")
+    fixed = search_plan(prof, ["fast", "fast"], batch_size=192, schedule="ScheduleInterleaved1F1B")  # torch's name
+    assert fixed.schedule == "interleaved1f1b" and fixed.stages_per_rank >= 2 and fixed.pp_degree == 2
+    with pytest.raises(PartitionError, match="interleaved1f1b.*'pipedream'"):
+        search_plan(prof, ["fast", "fast"], batch_size=192, schedule="pipedream")
+    with pytest.raises(PartitionError, match="pp=1: one stage cannot run 'zbv'"):
+        search_plan(prof, ["fast", "fast"], batch_size=192, schedule="zbv", pp_degree=1)
+    with pytest.raises(PartitionError, match="pp=2, zbv: needs at least 4 stages, more than the model's 3 units"):
+        search_plan(_bubble_bound_profile(3), ["cpu", "cpu"], batch_size=8, schedule="zbv")
     # a loader that cannot be rebatched keeps one replica per loader batch: pp=1 would need two
     kept = search_plan(prof, ["fast", "fast"], batch_size=192, split_batches=False)
     assert kept.dp_degree == 1 and kept.pp_degree == 2

@@ -267,7 +267,6 @@ def test_hsdp_replicate2_x_shard2_equals_one_process(sharded_runs):
 @pytest.mark.slow
 def test_an_fp16_overflow_skips_the_step_on_every_rank_of_a_sharded_pipeline(sharded_runs):
     import lightning as L
-    import torch
 
     from tests.real_models import LMWrapper
 

@@ -17,7 +17,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightning_hpp.errors import PlanError

@@ -56,8 +56,11 @@ CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
 KINDS = ("fast", "slow")
 EQUAL_KINDS = ("cpu", "cpu")
-BASES = ("auto", "uniform", "hand", "ddp")
-LABELS = {"auto": 'plan="auto"', "uniform": "uniform cut", "hand": "hand-balanced cut", "ddp": "DDP"}
+FAMILIES = ("gpipe", "interleaved1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+"""Schedule families besides 1F1B with a hand plan of their own (``hand-<family>``; two stages per rank where multi)."""
+BASES = ("auto", "uniform", "hand", *(f"hand-{f}" for f in FAMILIES), "ddp")
+LABELS = {"auto": 'plan="auto"', "uniform": "uniform cut", "hand": "hand-balanced cut", "ddp": "DDP",
+          **{f"hand-{f}": f"hand-balanced {f}" for f in FAMILIES}}
 
 
 def _throughput_helpers() -> Any:
@@ -162,12 +165,13 @@ def calibrate(seconds: float = 1.5) -> float:
 # ============================================================================================ worker
 def expand(bases: list[str], hand_m: list[int]) -> list[str]:
     """The configurations of one round: ``uniform`` and ``hand`` once per micro-batch count."""
-    return [f"{b}@{m}" if b in ("uniform", "hand") else b for b in bases for m in (hand_m if b in ("uniform", "hand") else [0])]
+    fixed = [b for b in bases if b.startswith(("uniform", "hand"))]
+    return [f"{b}@{m}" if b in fixed else b for b in bases for m in (hand_m if b in fixed else [0])]
 
 
 def label(name: str) -> str:
     base, _, m = name.partition("@")
-    return LABELS[base] + (f", 1F1B m={m}" if m else "")
+    return LABELS[base] + (f", {'1F1B' if base in ('uniform', 'hand') else ''} m={m}".replace(",  ", ", ") if m else "")
 
 
 def _size(job: dict[str, Any]) -> Any:
@@ -244,6 +248,28 @@ def cuts(kind: str, units: list[str]) -> list[list[str]]:
     return [units[:cut], units[cut:]]
 
 
+def family_cuts(schedule: str, units: list[str], fast_share: float) -> list[list[str]]:
+    """Two stages per rank for a multi-stage ``schedule`` (one for ``gpipe``): rank 0 holds ``fast_share`` of the
+    blocks, each rank's blocks split evenly over its stages, placed as the schedule places stages (loop or V)."""
+    from lightning_hpp.pipeline.schedules import SCHEDULES
+    from lightning_hpp.planning.replay import rank_of_stages
+
+    blocks = [u for u in units if u.startswith("blocks.")]
+    if not SCHEDULES[schedule].multi:
+        return cuts("hand" if fast_share > 0.5 else "uniform", units)
+    rank_of = rank_of_stages(schedule, 2, 4)
+    mine = [round(len(blocks) * fast_share), len(blocks) - round(len(blocks) * fast_share)]
+    sizes = []
+    seen = [0, 0]
+    for s in range(4):
+        r = rank_of[s]
+        sizes.append(mine[r] // 2 + (mine[r] % 2 if seen[r] == 0 else 0))
+        seen[r] += 1
+    bounds = [units.index(blocks[sum(sizes[:s])]) for s in range(1, 4)]
+    edges = [0, *bounds, len(units)]
+    return [units[a:b] for a, b in zip(edges, edges[1:])]
+
+
 def run_pipeline(tp: Any, job: dict[str, Any], size: Any, name: str) -> dict[str, Any]:
     from models import build
 
@@ -259,6 +285,11 @@ def run_pipeline(tp: Any, job: dict[str, Any], size: Any, name: str) -> dict[str
     fixed: dict[str, Any] = {}
     if base == "auto":
         plan: Any = "auto"
+    elif base.startswith("hand-"):
+        schedule = base.removeprefix("hand-")
+        units = family_cuts(schedule, [n for n, _ in find_units(model)], 0.5 if job["equal"] else 2 / 3)
+        plan = StagePlan([StageSpec(modules=u) for u in units])
+        fixed = {"schedule": schedule, "n_microbatches": int(m), "pp_degree": 2}
     else:
         plan = StagePlan([StageSpec(modules=u) for u in cuts(base, [n for n, _ in find_units(model)])])
         fixed = {"schedule": "1f1b", "n_microbatches": int(m)}
@@ -269,7 +300,8 @@ def run_pipeline(tp: Any, job: dict[str, Any], size: Any, name: str) -> dict[str
     telemetry = timer.telemetry
     out = {**tp._timing(timer.times, job["warmup"], True), **tp._history(telemetry.history if telemetry else [])}
     out["units"] = [list(s.modules) for s in strategy.plan.stages]
-    out["chosen"] = {"pp": strategy.mesh.pp, "dp": strategy.mesh.dp, "m": strategy.n_microbatches, "schedule": strategy.schedule}
+    out["chosen"] = {"pp": strategy.mesh.pp, "dp": strategy.mesh.dp, "m": strategy.n_microbatches, "schedule": strategy.schedule,
+                     "stages": strategy.plan.num_stages}
     out["predicted"] = strategy.plan.meta.get("predicted")
     return out
 
@@ -335,7 +367,9 @@ def _plan_text(row: dict[str, Any]) -> str:
     seen = []
     for c, units in zip(row["chosen"], row.get("units_per_round", [row["units"]] * len(row["chosen"]))):
         cut = ":".join(str(sum(u.startswith("blocks.") for u in st)) for st in units)
-        text = f"pp={c['pp']}×dp={c['dp']}, {c['schedule']} m={c['m']}" + (f", blocks {cut}" if c["pp"] > 1 else "")
+        v = c.get("stages", c["pp"]) // c["pp"]
+        text = (f"pp={c['pp']}×dp={c['dp']}, {c['schedule']} m={c['m']}" + (f", v={v}" if v > 1 else "")
+                + (f", blocks {cut}" if c["pp"] > 1 else ""))
         if text not in seen:
             seen.append(text)
     return " / ".join(seen)
@@ -359,6 +393,14 @@ def ratios(rows: dict[str, dict[str, Any]], equal: bool, m: int) -> list[str]:
         r = auto["samples_s"] / others[best]["samples_s"]
         out.append(f"auto ÷ best of the others ({others[best]['label']}): {r:.2f}"
                    + (f"  (target >= 0.97: {'met' if r >= 0.97 else 'NOT met'})" if equal else ""))
+    families: dict[str, str] = {}
+    for k in rows:
+        base = k.partition("@")[0]
+        fam = "1f1b" if base in ("uniform", "hand") else base.removeprefix("hand-") if base.startswith("hand-") else None
+        if fam and (fam not in families or rows[k]["samples_s"] > rows[families[fam]]["samples_s"]):
+            families[fam] = k
+    for fam, k in families.items():
+        out.append(f"auto ÷ best {fam} hand plan ({rows[k]['label']}): {auto['samples_s'] / rows[k]['samples_s']:.2f}")
     if "bubble" in auto and auto["chosen"][-1]["pp"] > 1:
         d = 100 * abs(auto["bubble"] - auto["bubble_expected"])
         out.append(f"auto measured bubble {auto['bubble']:.3f} vs the schedule replayed with measured costs "
@@ -383,9 +425,10 @@ def report(rows: dict[str, dict[str, Any]], kinds: tuple[str, str]) -> str:
         for k, (p, c, meas, mc) in enumerate(measured):
             units = auto["units"][k]
             text = f"{units[0]} .. {units[-1]} ({len(units)})"
-            kind = kinds[k] if len(units) < sum(map(len, auto["units"])) else "+".join(sorted(set(kinds)))
+            pos = (pred.get("positions") or list(range(len(pred["stage_ms"]))))[k]
+            kind = kinds[pos] if len(units) < sum(map(len, auto["units"])) else "+".join(sorted(set(kinds)))
             lines.append(f"| {k} | {kind} | {text} | {p:.2f} | {meas:.2f} | {meas / p:.2f} | {c:.3f} | {mc:.3f} |")
-        sched_ms = (pred["n_microbatches"] + pred["pp_degree"] - 1) * max(pred["stage_ms"])
+        sched_ms = pred.get("pipeline_ms") or (pred["n_microbatches"] + pred["pp_degree"] - 1) * max(pred["stage_ms"])
         lines += ["", (f"predicted step {pred['step_ms']:.0f} ms, of it the schedule {sched_ms:.0f} ms (bubble "
                        f"{pred['bubble_fraction']:.3f}); measured in-schedule step {auto['measured_sched_ms']:.0f} ms (bubble "
                        f"{auto['bubble']:.3f}, replayed with measured costs {auto['bubble_expected']:.3f}, theory "

@@ -52,9 +52,11 @@ MULTI = {"interleaved1f1b", "zbv", "interleaved_zb", "dualpipev", "looped_bfs"}
 
 
 # ============================================================================================ configs
-def configs(m: int, sweep: list[int], schedules: list[str]) -> list[dict[str, Any]]:
-    """Every configuration one model runs, in order."""
+def configs(m: int, sweep: list[int], schedules: list[str], paired_only: bool = False) -> list[dict[str, Any]]:
+    """Every configuration one model runs, in order (only the paired HPP/raw runs with ``paired_only``)."""
     out: list[dict[str, Any]] = []
+    if paired_only:
+        return [{"kind": "paired", "schedule": s, "m": m} for s in schedules]
     for s in schedules:
         out += [{"kind": k, "schedule": s, "m": m} for k in ("hpp", "raw", "paired")]
     out += [{"kind": "ddp"}, {"kind": "fsdp"}]
@@ -508,8 +510,11 @@ def merge(per_rank: list[list[dict[str, Any]]], batch: int) -> list[dict[str, An
             row["telemetry_overhead"] = statistics.median(p for run in runs for r in run for p in r["pairs"]) - 1
         key = (row["cfg"].get("schedule"), row["cfg"].get("m"))
         if row["cfg"]["kind"] == "hpp" and key in paired:
-            row["paired"] = paired[key]
+            row["paired"] = paired.pop(key)
         rows.append(row)
+    for (schedule, m), pair in paired.items():  # paired runs without an unpaired HPP run of their own (--paired-only)
+        rows.append({"label": f"paired {schedule} m={m}", "cfg": {"kind": "paired", "schedule": schedule, "m": m},
+                     "step_ms": pair["hpp_ms"], "samples_s": batch / (pair["hpp_ms"] / 1e3), "peak_mb": [], "paired": pair})
     return rows
 
 
@@ -526,8 +531,9 @@ def table(model: str, rows: list[dict[str, Any]]) -> str:
         comm = f"{r['comm_share']:.3f}" if "comm_share" in r else ""
         sched = f"{r['sched_ms']:.0f}" if "sched_ms" in r else ""
         over = f"{100 * r['telemetry_overhead']:+.1f}%" if "telemetry_overhead" in r else ""
+        vs_ddp = f"{r['samples_s'] / ddp:.2f}" if ddp else ""
         lines.append(
-            f"| {r['label']} | {r['samples_s']:.1f} | {r['samples_s'] / ddp:.2f} | {vs_raw} | {r['step_ms']:.0f} | {sched} | "
+            f"| {r['label']} | {r['samples_s']:.1f} | {vs_ddp} | {vs_raw} | {r['step_ms']:.0f} | {sched} | "
             f"{' / '.join(f'{m:.0f}' for m in r['peak_mb'])} | {bubble} | {comm} | {over} |"
         )
     return "\n".join(lines)
@@ -602,6 +608,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     p.add_argument("--paired-steps", type=int, default=60,
                    help="timed steps of the paired HPP/raw runs (the median of per-step ratios; 10 scatter by +-5%%)")
+    p.add_argument("--paired-only", action="store_true", help="only the paired HPP/raw runs (HPP ÷ raw per schedule)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per rank")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -622,7 +629,7 @@ def main(argv: list[str] | None = None) -> None:
             "model": model, "size": args.size, "accelerator": args.accelerator, "devices": args.devices,
             "warmup": args.warmup, "steps": args.steps, "paired_steps": args.paired_steps, "threads": args.threads,
             "out": str(out),
-            "configs": configs(args.m, args.sweep, args.schedules),
+            "configs": configs(args.m, args.sweep, args.schedules, args.paired_only),
         }
         env = environment(job)
         rows = merge(launch(job), size.batch)
@@ -637,8 +644,10 @@ def main(argv: list[str] | None = None) -> None:
     for model, rows in all_rows.items():
         md += [table(model, rows), ""]
     (out / "results.md").write_text("\n".join(md))
-    chart(all_rows, out / "throughput.png")
-    print(f"\nwrote {out / 'results.md'}, {out / 'results.json'}, {out / 'throughput.png'} in {env['wall_s']:.0f} s")
+    if not args.paired_only:
+        chart(all_rows, out / "throughput.png")
+    print(f"\nwrote {out / 'results.md'}, {out / 'results.json'}{'' if args.paired_only else ', ' + str(out / 'throughput.png')} "
+          f"in {env['wall_s']:.0f} s")
 
 
 if __name__ == "__main__":

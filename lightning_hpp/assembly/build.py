@@ -47,7 +47,6 @@ from lightning_hpp.pipeline.schedules import check_schedule
 from lightning_hpp.pipeline.stage import StageModule
 from lightning_hpp.pipeline.steps import capture_input, count_forward_calls, second_call_error
 from lightning_hpp.pipeline.tensor_parallel import TPPlan, at_local_width, check_frontend, resolve_tp_plan, split_stages
-from lightning_hpp.planning.partition import MODELLED_SCHEDULES
 from lightning_hpp.planning.plan import StagePlan, StageSpec
 from lightning_hpp.precision.modes import MODES
 from lightning_hpp.precision.plugin import HPPPrecision, StageView
@@ -155,7 +154,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         check_frontend(tp_plan, cut.frontend, type(module).__name__)
     plan = cut.plan
     pp = resolved.pp(plan)
-    if plan.num_stages > world * resolved.kind.stages_per_rank or pp > world:
+    if pp > world or (resolved.pp_degree is None and plan.num_stages > world * resolved.kind.stages_per_rank):
         raise PlanError(
             f"The plan has {plan.num_stages} stages (pp_degree={pp}) but the job has {world} processes. "
             f"Use at least {pp} processes (`Trainer(devices=..., num_nodes=...)`), or a plan with fewer stages."
@@ -353,10 +352,6 @@ def _auto_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch
                rank_kinds: list[str]) -> ResolvedPlan:
     if example is None:
         raise PlanError("plan='auto' profiles the model on one real micro-batch, but the dataloader gave no batch.")
-    if spec.schedule is not None and spec.schedule not in MODELLED_SCHEDULES:
-        raise PlanError(f"plan='auto' plans {' and '.join(map(repr, MODELLED_SCHEDULES))} schedules; got "
-                        f"schedule={spec.schedule!r}. Leave "
-                        f"`schedule` unset to let it choose, or write the stage plan for {spec.schedule!r} by hand.")
     if has_meta_parameters(module) and inputs.placement.profile is None:
         raise PlanError("plan='auto' measures the model, but it was built on the meta device (no weights yet). Pass a "
                         "cost profile (`HPPStrategy(placement=PlacementOptions(profile=...))`, see "

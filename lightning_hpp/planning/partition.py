@@ -200,11 +200,14 @@ class KindCosts:
     stash_bytes: np.ndarray
     fixed_ms: np.ndarray | None = None
     overheads: Overheads | None = None
+    fwd_ms: np.ndarray | None = None  # the forward's part of step_ms (default: a third)
 
     def __post_init__(self) -> None:
         z = np.zeros(1)
         if self.fixed_ms is None:
             self.fixed_ms = np.zeros(len(self.step_ms))
+        if self.fwd_ms is None:
+            self.fwd_ms = np.asarray(self.step_ms, dtype=float) / 3
         self._w = np.concatenate([z, np.cumsum(self.step_ms)])
         self._f = np.concatenate([z, np.cumsum(self.fixed_ms)])
         self._p = np.concatenate([z, np.cumsum(self.param_bytes)])
@@ -255,6 +258,7 @@ def _from_entry(entry, source: str, scale: float = 1.0) -> KindCosts:
         stash_bytes=np.array([u.saved_bytes or u.activation_bytes for u in entry.units], dtype=float),
         fixed_ms=np.array([u.fixed_ms * scale for u in entry.units], dtype=float),
         overheads=entry.overheads,
+        fwd_ms=np.array([u.fwd_ms * scale for u in entry.units], dtype=float),
     )
 
 
@@ -377,8 +381,15 @@ class PartitionResult:
         label: What produced it (``"auto"``, ``"uniform"``, ...).
         notes: Extra lines for the table.
         fixed_step_ms: Fixed cost of one step (the schedule's own), 0 when not modelled.
-        ranks: ``ranks[stage][replica]``, the global ranks holding each stage, when the placement
-            was made for concrete ranks (:func:`plan_for_ranks`).
+        ranks: ``ranks[position][replica]``, the global ranks holding each pipeline position (its
+            stages), when the placement was made for concrete ranks (:func:`plan_for_ranks`).
+        stages_per_rank: Stages every pipeline position holds (``v``; 1 for ``gpipe`` and ``1f1b``).
+        positions: ``positions[stage]``: the position holding the stage, when ``stages_per_rank > 1``.
+        pipeline_ms: The replayed makespan of the schedule's own action order (``None``: the closed
+            form ``(m + p - 1) * slowest stage``).
+        update_ms: The slowest position's update (all-reduce plus optimizer of all its stages), when
+            replayed.
+        replayed_bubble: The idle share of the replayed makespan, when replayed.
     """
 
     stages: list[StageEstimate]
@@ -390,10 +401,15 @@ class PartitionResult:
     notes: list[str] = field(default_factory=list)
     ranks: list[list[int]] | None = None
     fixed_step_ms: float = 0.0
+    stages_per_rank: int = 1
+    positions: list[int] | None = None
+    pipeline_ms: float | None = None
+    update_ms: float | None = None
+    replayed_bubble: float | None = None
 
     @property
     def pp_degree(self) -> int:
-        return len(self.stages)
+        return len(self.stages) // self.stages_per_rank
 
     @property
     def devices_used(self) -> int:
@@ -405,16 +421,24 @@ class PartitionResult:
 
     @property
     def allreduce_ms(self) -> float:
-        """The slowest stage's per-step update: gradient all-reduce plus optimizer step."""
+        """The slowest position's per-step update: gradient all-reduce plus optimizer step."""
+        if self.update_ms is not None:
+            return self.update_ms
         return max(s.allreduce_ms + s.optimizer_ms for s in self.stages)
 
     @property
     def step_ms(self) -> float:
-        """Predicted step time: ``(m + p - 1) * slowest stage + slowest update + fixed step cost``."""
-        return (self.n_microbatches + self.pp_degree - 1) * self.bottleneck_ms + self.allreduce_ms + self.fixed_step_ms
+        """Predicted step time: the schedule's time (replayed, else ``(m + p - 1) * slowest stage``), plus the
+        slowest update and the fixed step cost."""
+        pipe = self.pipeline_ms
+        if pipe is None:
+            pipe = (self.n_microbatches + self.pp_degree - 1) * self.bottleneck_ms
+        return pipe + self.allreduce_ms + self.fixed_step_ms
 
     @property
     def bubble_fraction(self) -> float:
+        if self.replayed_bubble is not None:
+            return self.replayed_bubble
         p, m = self.pp_degree, self.n_microbatches
         return (p - 1) / (m + p - 1)
 
@@ -467,12 +491,15 @@ class PartitionResult:
             "n_microbatches": self.n_microbatches,
             "pp_degree": self.pp_degree,
             "dp_degree": self.dp_degree,
+            "stages_per_rank": self.stages_per_rank,
+            "positions": list(self.positions) if self.positions is not None else list(range(self.pp_degree)),
             "stage_ms": [round(s.stage_ms, 6) for s in self.stages],
             "compute_ms": [round(s.compute_ms, 6) for s in self.stages],
             "comm_ms": [round(s.comm_ms, 6) for s in self.stages],
             "allreduce_ms": [round(s.allreduce_ms, 6) for s in self.stages],
             "optimizer_ms": [round(s.optimizer_ms, 6) for s in self.stages],
             "fixed_step_ms": round(self.fixed_step_ms, 6),
+            "pipeline_ms": round(self.step_ms - self.allreduce_ms - self.fixed_step_ms, 6),
             "microbatch_size": self.microbatch_size,
             "memory_bytes": [int(s.memory_bytes) for s in self.stages],
             "cost_source": [s.cost_source for s in self.stages],
@@ -484,12 +511,14 @@ class PartitionResult:
     def format_table(self) -> str:
         """A readable table of the stages and the predicted step."""
         dp = self.dp_degree > 1
-        head = ["stage", "units", "device", "precision", "compute ms", "comm ms"]
+        multi = self.stages_per_rank > 1 and self.positions is not None
+        head = ["stage"] + (["rank"] if multi else []) + ["units", "device", "precision", "compute ms", "comm ms"]
         head += ["allreduce ms"] if dp else []
         head += ["stage ms", "memory / limit"]
         rows = [head]
         for k, s in enumerate(self.stages):
-            row = [str(k), _units_text(s.units), s.device, s.precision, f"{s.compute_ms:.3f}", f"{s.comm_ms:.3f}"]
+            row = [str(k)] + ([str(self.positions[k])] if multi else [])
+            row += [_units_text(s.units), s.device, s.precision, f"{s.compute_ms:.3f}", f"{s.comm_ms:.3f}"]
             row += [f"{s.allreduce_ms:.3f}"] if dp else []
             mem = f"{_fmt_bytes(s.memory_bytes)} / {_fmt_bytes(s.memory_limit)}" + ("" if s.fits else "  OVER")
             row += [f"{s.stage_ms:.3f}", mem]
@@ -498,6 +527,7 @@ class PartitionResult:
         lines = [
             f"{self.label} plan: {self.schedule}, {self.n_microbatches} micro-batches per replica, "
             f"pp={self.pp_degree} x dp={self.dp_degree} ({self.devices_used} devices)"
+            + (f", {self.stages_per_rank} stages per rank" if self.stages_per_rank > 1 else "")
         ]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         rate = self.samples_per_s

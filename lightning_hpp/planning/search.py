@@ -6,54 +6,79 @@ what the user fixed, and returns the plan with the smallest predicted step time 
 * ``pp`` × ``dp`` = world size, ``pp = 1`` included (plain data parallelism: every rank holds the
   whole model, whatever its kind);
 * ``n_microbatches`` ``m``: every divisor of the per-replica batch up to ``max_microbatches``;
-* the schedule: ``gpipe`` and ``1f1b`` (one stage per rank; 1F1B needs ``m >= pp``);
-* the contiguous cuts and the device kind of every stage (each stage on ``dp`` ranks of one
-  kind when ``pp > 1``), and the precision where the profile has several for a kind.
+* every schedule the runtime runs (:data:`~lightning_hpp.pipeline.schedules.SCHEDULES`): ``gpipe``
+  and ``1f1b`` with one stage per rank; ``interleaved1f1b``, ``looped_bfs`` and ``interleaved_zb``
+  with ``v`` = 2 .. :data:`MAX_STAGES_PER_RANK` stages per rank, stage ``s`` on rank ``s mod pp``;
+  ``zbv`` and ``dualpipev`` with two stages per rank in the V (rank ``r`` holds stages ``r`` and
+  ``2 pp - 1 - r``) — each where torch can build it (1F1B and DualPipeV need ``m >= stages``, the
+  interleaved ones ``m`` a multiple of their rounds);
+* the contiguous cuts of the units into ``pp * v`` stages, the device kind of every position (each
+  on ``dp`` ranks of one kind when ``pp > 1``; a position's stages share its kind), and the
+  precision where the profile has several for a kind.
 
 The batch: ``batch_size`` is what one *data group* draws per step (the DataLoader's batch), and
 ``data_groups`` how many distinct batches the job draws per step. A plan with ``dp`` replicas
 splits each data group's batch between ``dp / data_groups`` replicas, so every candidate trains on
 the same global batch, ``batch_size * data_groups``.
 
-The cost model, for micro-batches of ``b = batch_size / (dp / data_groups) / m`` samples::
+The cost model, for micro-batches of ``b = batch_size / (dp / data_groups) / m`` samples. A stage
+holding units ``[i, j)`` on kind ``k`` costs, per micro-batch and action::
 
-    step = (m + p - 1) * max_s t_s + max_s u_s + c_step
-    t_s  = sum_units (F_u + V_u * b) + c_mb + [last stage] (L_F + L_V * b)
-           + messages_s * latency + bytes_s * b / b0 / bandwidth
-    u_s  = 2 (dp - 1) / dp * params_s / allreduce_bandwidth + 2 (dp - 1) * latency + optimizer_ms_per_byte * params_s
+    F_s = sum_units fwd_share * (F_u + V_u * b) + c_mb / 2 + [last] L / 3 + [output to another rank] msg_out
+    B_s = sum_units bwd_share * (F_u + V_u * b) + c_mb / 2 + [last] 2 L / 3 + [input from another rank] msg_in
+    W_s = half of the units' backward,  I_s = B_s - W_s          (the zero-bubble schedules' split)
+    msg = latency + bytes * b / b0 / bandwidth
 
-``F_u`` is the unit's fixed time per micro-batch (weights re-read, kernels launched), ``V_u`` its
-time per sample, both from the profile at micro-batch size ``b0`` (``UnitCost.fixed_ms``);
-``c_mb`` / ``c_step`` the schedule's fixed cost per micro-batch and per step, ``L`` the loss on the
-last stage, ``messages_s`` the boundaries the stage sends over (its output forward, its input
-gradient backward) and ``u_s`` the update after the schedule (all taken from the kind's
-:class:`~lightning_hpp.planning.profile.Overheads`). With ``pp = 1`` and ranks of several kinds the
-step is the slowest kind's. Memory: every stage must fit
-``params * (1 + optimizer_factor) + in_flight * saved_bytes * b / b0`` on its kind.
+and the step is::
 
-The search is exact for this model: every (pp, dp, m, schedule, stage-kind order) is enumerated
-and, for each, :mod:`~lightning_hpp.planning.partition`'s dynamic programme finds the optimal cuts.
-Tests compare it with brute force.
+    step = replay(schedule's action order, F/B/I/W per stage) + max_rank u_rank + c_step
+    u_rank = max(a(first unit of its first stage), sum over its stages of a_s - backward_s) + optimizer_ms_per_byte * params
+    a_s  = 2 (dp - 1) / dp * params_s / allreduce_bandwidth + 2 (dp - 1) * latency
+
+(the gradient all-reduce starts bucket by bucket during each stage's last backward,
+:mod:`~lightning_hpp.pipeline.grads`: the step waits for what the backward of one micro-batch does
+not hide, and at least for the bucket of the rank's first unit, whose gradients come last)
+
+``replay`` is the makespan of torch's own per-rank order of the schedule
+(:mod:`~lightning_hpp.planning.replay`, the order :func:`lightning_hpp.telemetry.model.simulate`
+replays): every action starts when its rank is free and what it waits for has finished. ``F_u`` is
+the unit's fixed time per micro-batch (weights re-read, kernels launched), ``V_u`` its time per
+sample, both from the profile at micro-batch size ``b0`` (``UnitCost.fixed_ms``), split between
+forward and backward as the profile's ``fwd_ms`` and ``bwd_ms``; ``c_mb`` / ``c_step`` the
+schedule's fixed cost per micro-batch and per step, ``L`` the loss on the last stage (all from the
+kind's :class:`~lightning_hpp.planning.profile.Overheads`). With ``pp = 1`` (one stage, ``m``
+micro-batches in turn) the step is ``m * (F + B) + u + c_step``, the slowest kind's where the ranks
+have several. Memory: every rank must fit ``sum of its stages' params * (1 + optimizer_factor)`` plus
+the peak, over its order, of the activations its stages keep for micro-batches whose backward has
+not run (``saved_bytes * b / b0`` each).
+
+The search is exact for this model wherever a structure (pp, dp, m, schedule, v, kinds) has at
+most :data:`EXACT_CUTS` cuts: every one is replayed (in one batch). Beyond, it starts from the cuts
+that minimise the slowest stage (the bottleneck programme of
+:mod:`~lightning_hpp.planning.partition`) and moves one cut by one unit at a time while the replayed
+step falls. Tests compare it with brute force over torch's orders.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from lightning_hpp.errors import PartitionError, PlacementError
+from lightning_hpp.errors import PartitionError, PlacementError, ScheduleError
+from lightning_hpp.pipeline.schedules import SCHEDULES, check_schedule
 from lightning_hpp.planning.devices import assign_ranks, normalize_kind, stage_kind_orders
 from lightning_hpp.planning.partition import (
     _INF,
-    _SCHEDULE_ALIASES,
     DEFAULT_LINK_GBPS,
-    MODELLED_SCHEDULES,
     DeviceGroup,
     KindCosts,
     PartitionResult,
     StageEstimate,
+    _bottleneck,
     _choose_costs,
     _in_flight,
     _precision_map,
@@ -61,22 +86,59 @@ from lightning_hpp.planning.partition import (
     _ring,
 )
 from lightning_hpp.planning.profile import CostProfile, Overheads
+from lightning_hpp.planning.replay import Program, program
 from lightning_hpp.validation import check_int
 
 MAX_MICROBATCHES = 32
 """Largest number of micro-batches the search tries when the user does not fix it."""
 
+MAX_STAGES_PER_RANK = 4
+"""Most stages per rank the search gives the looped schedules (``interleaved1f1b``, ``looped_bfs``, ``interleaved_zb``)."""
+
+EXACT_CUTS = 4096
+"""Structures with at most this many cuts are searched exhaustively; larger ones by local search."""
+
+SEARCHED_SCHEDULES = tuple(SCHEDULES)
+"""Every schedule the runtime runs, in the order ties are broken (fewer stages, then this order)."""
+
+_PREFERENCE = ("1f1b", "gpipe", "interleaved1f1b", "zbv", "interleaved_zb", "looped_bfs", "dualpipev")
+
+# our names, torch's registry names and class names, lower case: "ZBVZeroBubble" and "zbv" are one schedule
+_ALIASES = {alias.lower().replace("_", ""): name for name, kind in SCHEDULES.items()
+            for alias in (name, kind.cls.__name__, kind.cls.__name__.removeprefix("Schedule"))}
+
 _NONE = Overheads()
 
 
-def microbatch_options(per_replica: int, fixed: int | None, pp: int, schedule: str, limit: int) -> list[int]:
-    """The micro-batch counts to try: the divisors of ``per_replica`` up to ``limit`` (or ``fixed``),
-    at least ``pp`` of them for 1F1B."""
+def schedule_name(schedule: str) -> str | None:
+    """Our name of a schedule given as ours or torch's (any case), ``None`` if unknown."""
+    return _ALIASES.get(str(schedule).lower().replace("_", "").replace("-", ""))
+
+
+def stages_per_rank_options(schedule: str, pp: int, n_units: int) -> list[int]:
+    """The ``v`` the search tries for a schedule: 1, 2 for the V, 2 .. :data:`MAX_STAGES_PER_RANK` looped."""
+    kind = SCHEDULES[schedule]
+    if not kind.multi:
+        return [1]
+    top = 2 if kind.style == "v" else MAX_STAGES_PER_RANK
+    return [v for v in range(2, top + 1) if pp * v <= n_units]
+
+
+def microbatch_options(per_replica: int, fixed: int | None, pp: int, schedule: str, limit: int, v: int = 1) -> list[int]:
+    """The micro-batch counts to try: the divisors of ``per_replica`` up to ``limit`` (or ``fixed``) that
+    the schedule can run with ``pp * v`` stages."""
     if fixed is not None:
         ms = [fixed] if per_replica % fixed == 0 else []
     else:
         ms = [m for m in range(1, min(per_replica, limit) + 1) if per_replica % m == 0]
-    return [m for m in ms if schedule != "1f1b" or m >= pp]
+    out = []
+    for m in ms:
+        try:
+            check_schedule(schedule, pp * v, pp, m)
+        except ScheduleError:
+            continue
+        out.append(m)
+    return out
 
 
 @dataclasses.dataclass
@@ -92,6 +154,7 @@ class _PlanProblem(_Problem):
         i = np.arange(n + 1)[:, None]
         j = np.arange(n + 1)[None, :]
         self._messages = (i > 0).astype(float) + (j < n).astype(float)
+        self._actions = [self._action_parts(k) for k in range(len(self.costs))]
 
     def _oh(self, k: int) -> Overheads:
         return self.costs[k].overheads or _NONE
@@ -100,15 +163,40 @@ class _PlanProblem(_Problem):
         oh = self._oh(k)
         return (oh.p2p_gbps or self.groups[k].link_gbps) * 1e6  # bytes per ms
 
-    def parts(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(compute_ms, comm_ms)`` of every segment on kind ``k`` (``inf`` where invalid)."""
-        comp, comm, _, _ = self._mats[k]
+    def _action_parts(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, float, float]:
+        """Forward and backward compute of every segment, the message out at ``j`` and back at ``i``, and
+        the per-micro-batch, loss-forward and loss-backward costs."""
         costs, oh = self.costs[k], self._oh(k)
-        fixed = costs._f[None, :] - costs._f[:, None]
-        compute = fixed + (comp - fixed) * self.scale + oh.microbatch_ms
+        unit = costs.fixed_ms + (costs.step_ms - costs.fixed_ms) * self.scale
+        share = np.divide(costs.fwd_ms, costs.step_ms, out=np.full(self.n, 1 / 3), where=costs.step_ms > 0)
+        fw = np.concatenate([[0.0], np.cumsum(unit * share)])
+        bw = np.concatenate([[0.0], np.cumsum(unit * (1 - share))])
+        fwd, bwd = fw[None, :] - fw[:, None], bw[None, :] - bw[:, None]
+        act = np.asarray(costs.activation_bytes, dtype=float) * self.scale / self._bandwidth(k)
+        out = np.zeros(self.n + 1)
+        out[1:self.n] = act[: self.n - 1] + oh.p2p_latency_ms
+        back = np.zeros(self.n + 1)
+        back[1:] = act + oh.p2p_latency_ms
         loss = oh.loss_fixed_ms + (oh.loss_ms - oh.loss_fixed_ms) * self.scale
-        compute[:, self.n] += loss
-        talk = self._messages * oh.p2p_latency_ms + comm * self.scale / self._bandwidth(k)
+        return fwd, bwd, out, back, oh.microbatch_ms, loss / 3, 2 * loss / 3
+
+    def lower_bound(self, position_kinds: Sequence[int], n_stages: int, m: int) -> float:
+        """A bound below the step of every cut of a layout: the busiest rank works at least the mean of all
+        ranks' work (each unit at the fastest of the positions' kinds, every stage's fixed cost per
+        micro-batch, the loss), and the fixed step cost is paid."""
+        used = sorted(set(position_kinds))
+        u = np.arange(self.n)
+        fastest = np.min([self._actions[k][0][u, u + 1] + self._actions[k][1][u, u + 1] for k in used], axis=0).sum()
+        per_mb = min(self._actions[k][4] for k in used) * n_stages + min(self._actions[k][5] + self._actions[k][6] for k in used)
+        fixed = max((self.costs[k].overheads or _NONE).step_ms for k in used)
+        return m * (float(fastest) + per_mb) / len(position_kinds) + fixed
+
+    def parts(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(compute_ms, comm_ms)`` of every segment on kind ``k`` with both boundaries sent (``inf`` where invalid)."""
+        fwd, bwd, out, back, mb, lf, lb = self._actions[k]
+        compute = fwd + bwd + mb
+        compute[:, self.n] += lf + lb
+        talk = back[:, None] + out[None, :]
         return np.where(self._invalid, _INF, compute), np.where(self._invalid, _INF, talk)
 
     def time(self, k: int) -> np.ndarray:
@@ -122,11 +210,21 @@ class _PlanProblem(_Problem):
     def optimizer(self, k: int) -> np.ndarray:
         return self._mats[k][2] / 1e6 * self._oh(k).optimizer_ms_per_mb
 
-    def allreduce(self, k: int, dp: int) -> np.ndarray:
+    def ring(self, k: int, dp: int) -> np.ndarray:
+        """The gradient all-reduce of every segment over ``dp`` replicas, not overlapped."""
         oh = self._oh(k)
         latency = 2 * (dp - 1) * oh.p2p_latency_ms  # a ring sends 2 (dp - 1) messages
         bandwidth = oh.allreduce_gbps * 1e6 if oh.allreduce_gbps else self._bandwidth(k)
-        return _ring(dp) * self._mats[k][2] / bandwidth + latency + self.optimizer(k)
+        return _ring(dp) * self._mats[k][2] / bandwidth + latency
+
+    def allreduce(self, k: int, dp: int) -> np.ndarray:
+        return self.ring(k, dp) + self.optimizer(k)
+
+    def exposed(self, k: int, dp: int, i: int, j: int) -> float:
+        """What of segment ``[i, j)``'s all-reduce the step waits for: its buckets start during the last
+        micro-batch's backward, the first unit's (final last) after it."""
+        ring = self.ring(k, dp)
+        return max(float(ring[i, i + 1]), float(ring[i, j] - self._actions[k][1][i, j])) if dp > 1 else 0.0
 
     def update_free(self, dp: int) -> bool:
         return dp == 1 and all(self._oh(k).optimizer_ms_per_mb == 0 for k in range(len(self.costs)))
@@ -157,6 +255,8 @@ def _data_parallel(
     ests = [problem.estimate(k, 0, n, 0, 1, m, dp, names) for k in kinds]
     if any(not e.fits for e in ests):
         return None
+    for k, e in zip(kinds, ests):  # the all-reduce overlaps the last micro-batch's backward
+        e.allreduce_ms = problem.exposed(k, dp, 0, n)
     slowest = max(ests, key=lambda e: (e.stage_ms, e.allreduce_ms + e.optimizer_ms))
     est = dataclasses.replace(slowest)
     update = max(ests, key=lambda e: e.allreduce_ms + e.optimizer_ms)  # the slowest kind's update
@@ -167,6 +267,139 @@ def _data_parallel(
         est.replica_kinds = [problem.groups[k].kind for k in kinds]
         est.device = "|".join(est.replica_kinds)
     return PartitionResult([est], problem.schedule, m, dp)
+
+
+@dataclasses.dataclass
+class _Scored:
+    """Candidate cuts ``(C, S + 1)`` of one structure and their predicted steps (``inf``: does not fit)."""
+
+    cuts: np.ndarray
+    step: np.ndarray
+    pipeline: np.ndarray
+    update: np.ndarray
+    memory: np.ndarray  # (C, pp)
+    costs: np.ndarray  # (C, 4, S)
+
+
+class _Pipeline:
+    """One structure (schedule program, dp, the kind of every position) of a :class:`_PlanProblem`."""
+
+    def __init__(self, problem: _PlanProblem, prog: Program, position_kinds: Sequence[int], dp: int) -> None:
+        self.problem, self.prog, self.dp = problem, prog, dp
+        self.kinds = [position_kinds[prog.rank_of[s]] for s in range(prog.n_stages)]
+        self.position_kinds = list(position_kinds)
+        self.cross_out, self.cross_in = prog.cross_out(), prog.cross_in()
+        self.updates = {k: problem.allreduce(k, dp) for k in set(self.kinds)}
+        self.rings = {k: problem.ring(k, dp) for k in set(self.kinds)}
+        self.optimizers = {k: problem.optimizer(k) for k in set(self.kinds)}
+        self.first_of = [min(prog.stages_of(r)) for r in range(prog.pp)]
+        self.fixed = max((problem.costs[k].overheads or _NONE).step_ms for k in set(self.kinds))
+
+    def score(self, cuts: np.ndarray) -> _Scored:
+        pr, prog, n, S = self.problem, self.prog, self.problem.n, self.prog.n_stages
+        C = cuts.shape[0]
+        costs = np.zeros((C, 4, S))
+        params = np.zeros((C, S))
+        stash = np.zeros((C, S))
+        ring, window, tail, update = (np.zeros((C, prog.pp)) for _ in range(4))
+        for s, k in enumerate(self.kinds):
+            i, j = cuts[:, s], cuts[:, s + 1]
+            fwd, bwd, out, back, mb, lf, lb = pr._actions[k]
+            last = j == n
+            f = fwd[i, j] + mb / 2 + last * lf + (out[j] if self.cross_out[s] else 0.0)
+            b = bwd[i, j] + mb / 2 + last * lb + (back[i] if self.cross_in[s] else 0.0)
+            w = bwd[i, j] / 2
+            costs[:, 0, s], costs[:, 1, s], costs[:, 2, s], costs[:, 3, s] = f, b, b - w, w
+            _, _, par, st = pr._mats[k]
+            params[:, s], stash[:, s] = par[i, j], st[i, j] * pr.scale
+            r = prog.rank_of[s]
+            ring[:, r] += self.rings[k][i, j]
+            window[:, r] += bwd[i, j]
+            update[:, r] += self.optimizers[k][i, j]
+            if s == self.first_of[r]:  # its first unit's gradients are the rank's last ones
+                tail[:, r] = self.rings[k][i, i + 1]
+        # the all-reduce overlaps each stage's last backward (pipeline/grads.py): the step waits for what is left
+        update += np.maximum(tail, ring - window) if self.dp > 1 else 0.0
+        memory = prog.peak_memory(stash)
+        fits = np.ones(C, dtype=bool)
+        for r in range(prog.pp):
+            k = self.position_kinds[r]
+            memory[:, r] += params[:, [s for s in prog.stages_of(r)]].sum(axis=1) * (1 + pr.optimizer_factor)
+            fits &= memory[:, r] <= pr.groups[k].memory_limit
+        pipeline = prog.makespan(costs)
+        upd = update.max(axis=1)
+        step = np.where(fits, pipeline + upd + self.fixed, _INF)
+        return _Scored(cuts, step, pipeline, upd, memory, costs)
+
+    def seed(self) -> np.ndarray | None:
+        """The cuts that minimise the slowest stage (both boundaries sent), ignoring memory."""
+        pr, S = self.problem, self.prog.n_stages
+        K = len(pr.costs)
+        times = {k: pr.time(k) for k in set(self.kinds)}
+        blocked = np.full((pr.n + 1, pr.n + 1), _INF)
+        sol = _bottleneck(pr.n, S, [S] * K, lambda k, s: times[k] if k == self.kinds[s] else blocked)
+        return None if sol is None else np.array([sol[1]])
+
+    def best(self) -> tuple[int, _Scored] | None:
+        """The best candidate (index into the returned batch), exhaustive or by local search."""
+        n, S = self.problem.n, self.prog.n_stages
+        if math.comb(n - 1, S - 1) <= EXACT_CUTS:
+            inner = np.array(list(itertools.combinations(range(1, n), S - 1)), dtype=int).reshape(-1, S - 1)
+            cuts = np.concatenate([np.zeros((len(inner), 1), int), inner, np.full((len(inner), 1), n)], axis=1)
+            scored = self.score(cuts)
+            i = int(np.argmin(scored.step))
+            return (i, scored) if np.isfinite(scored.step[i]) else None
+        current = self.seed()
+        if current is None:
+            return None
+        scored = self.score(current)
+        while True:
+            moves = []
+            for b in range(1, S):
+                for d in (-1, 1):
+                    c = current[0].copy()
+                    c[b] += d
+                    if c[b - 1] < c[b] < c[b + 1]:
+                        moves.append(c)
+            if not moves:
+                break
+            trial = self.score(np.array(moves))
+            i = int(np.argmin(trial.step))
+            if not trial.step[i] < scored.step[0]:
+                break
+            current, scored = trial.cuts[i : i + 1], _take(trial, i)
+        return (0, scored) if np.isfinite(scored.step[0]) else None
+
+    def result(self, i: int, scored: _Scored, m: int, names: Sequence[str], schedule: str) -> PartitionResult:
+        pr, prog, dp = self.problem, self.prog, self.dp
+        cuts = [int(c) for c in scored.cuts[i]]
+        held = prog.in_flight()
+        stages = []
+        for s, k in enumerate(self.kinds):
+            a, b = cuts[s], cuts[s + 1]
+            f, bk = scored.costs[i, 0, s], scored.costs[i, 1, s]
+            fwd, bwd, out, back, mb, lf, lb = pr._actions[k]
+            compute = float(fwd[a, b] + bwd[a, b] + mb + (lf + lb if b == pr.n else 0.0))
+            opt = float(pr.optimizer(k)[a, b])
+            r = prog.rank_of[s]
+            stages.append(StageEstimate(
+                units=list(names[a:b]), device=pr.groups[k].kind, precision=pr.costs[k].precision,
+                compute_ms=compute, comm_ms=float(f + bk) - compute,
+                allreduce_ms=float(self.updates[k][a, b]) - opt, optimizer_ms=opt,
+                memory_bytes=float(scored.memory[i, r]), memory_limit=pr.groups[k].memory_limit,
+                in_flight=held[s], cost_source=pr.costs[k].source,
+            ))
+        res = PartitionResult(stages, schedule, m, dp, fixed_step_ms=self.fixed, stages_per_rank=prog.stages_per_rank,
+                              positions=list(prog.rank_of), pipeline_ms=float(scored.pipeline[i]),
+                              update_ms=float(scored.update[i]),
+                              replayed_bubble=float(prog.bubble(scored.costs[i : i + 1])[0]))
+        return res
+
+
+def _take(scored: _Scored, i: int) -> _Scored:
+    sl = slice(i, i + 1)
+    return _Scored(scored.cuts[sl], scored.step[sl], scored.pipeline[sl], scored.update[sl], scored.memory[sl],
+                   scored.costs[sl])
 
 
 def search_plan(
@@ -223,16 +456,15 @@ def search_plan(
             "The profile records no input shape, so its micro-batch size is unknown; profile the model on a real batch."
         )
     if schedule is not None:
-        key = str(schedule).lower()
-        if _SCHEDULE_ALIASES.get(key) is None:
+        name = schedule_name(schedule)
+        if name is None:
             raise PartitionError(
-                f"plan='auto' models the schedules {', '.join(MODELLED_SCHEDULES)} (one stage per rank); "
-                f"schedule={schedule!r} was fixed. Leave `schedule` unset to let the search choose, or write the "
-                f"stage plan by hand."
+                f"plan='auto' searches the schedules {', '.join(SEARCHED_SCHEDULES)} (or torch's names for them); "
+                f"schedule={schedule!r} was fixed. Leave `schedule` unset to let the search choose, or fix one of those."
             )
-        schedules = [_SCHEDULE_ALIASES[key]]
+        schedules = [name]
     else:
-        schedules = list(MODELLED_SCHEDULES)
+        schedules = list(SEARCHED_SCHEDULES)
     have = [normalize_kind(k, f"rank {r} kind") for r, k in enumerate(rank_kinds)]
     kinds = sorted(set(have))
     mem = dict(memory_bytes or {})
@@ -243,7 +475,7 @@ def search_plan(
     pps = [pp_degree] if pp_degree is not None else [p for p in range(1, min(n, world) + 1) if world % p == 0]
     b0 = profile.microbatch_size
 
-    best: tuple[tuple[float, int, int], PartitionResult] | None = None
+    best: tuple[tuple, PartitionResult] | None = None
     excluded: list[str] = []
     for p in pps:
         if world % p or p > n:
@@ -267,46 +499,52 @@ def search_plan(
             if not orders:
                 excluded.append(f"pp={p}: the ranks' kinds cannot form {dp} replicas with one kind per stage")
                 continue
-        for sched in schedules:
-            ms = microbatch_options(per_replica, n_microbatches, p, sched, max_microbatches)
-            if not ms:
-                excluded.append(
-                    f"pp={p}, {sched}: no micro-batch count (fixed {n_microbatches!r}) divides {per_replica} "
-                    f"samples per replica{' with m >= pp' if sched == '1f1b' else ''}"
-                )
-            for m in ms:
-                problem = _PlanProblem(costs, groups, sched, optimizer_factor, None, scale=per_replica / m / b0)
-                if p == 1:
-                    res = _data_parallel(problem, m, dp, names, [kinds.index(k) for k in orders[0]])
-                    if res is None:
-                        excluded.append(f"pp=1, m={m}: the whole model does not fit one device")
-                        continue
-                    res.ranks = [list(range(world))]
-                    res.fixed_step_ms = max((costs[kinds.index(k)].overheads or _NONE).step_ms for k in orders[0])
-                    cands = [res]
-                else:
+        if p == 1 and all(SCHEDULES[x].multi for x in schedules):
+            excluded.append(f"pp=1: one stage cannot run {schedules[0]!r}, which holds several stages per rank")
+        for sched in schedules if p > 1 else [x for x in schedules if not SCHEDULES[x].multi]:
+            vs = stages_per_rank_options(sched, p, n)
+            if not vs:
+                excluded.append(f"pp={p}, {sched}: needs at least {2 * p} stages, more than the model's {n} units")
+            for v in vs:
+                ms = microbatch_options(per_replica, n_microbatches, p, sched, max_microbatches, v)
+                if not ms:
+                    excluded.append(
+                        f"pp={p}, {sched}, {v} stage(s) per rank: no micro-batch count (fixed {n_microbatches!r}) "
+                        f"divides {per_replica} samples per replica and runs under the schedule"
+                    )
+                for m in ms:
+                    problem = _PlanProblem(costs, groups, sched, optimizer_factor, None, scale=per_replica / m / b0)
                     cands = []
-                    for order in orders:
-                        problem.pinned = [kinds.index(k) for k in order]
-                        sol = problem.solve(p, dp, m)
-                        if sol is None:
+                    if p == 1:
+                        res = _data_parallel(problem, m, dp, names, [kinds.index(k) for k in orders[0]])
+                        if res is None:
+                            excluded.append(f"pp=1, m={m}: the whole model does not fit one device")
                             continue
-                        _, cuts, ks = sol
-                        stages = [
-                            problem.estimate(k, cuts[s], cuts[s + 1], s, p, m, dp, names) for s, k in enumerate(ks)
-                        ]
-                        res = PartitionResult(stages, sched, m, dp)
-                        res.fixed_step_ms = max((costs[k].overheads or _NONE).step_ms for k in set(ks))
-                        res.ranks = assign_ranks([s.device for s in stages], have, p, dp)
-                        cands.append(res)
-                    if not cands:
-                        excluded.append(f"pp={p}, {sched}, m={m}: no cut fits in memory")
-                for res in cands:
-                    res.microbatch_size = per_replica // m
-                    res.label = "auto"
-                    key = (res.step_ms, p, m, sched != "1f1b")
-                    if best is None or key < best[0]:
-                        best = (key, res)
+                        res.ranks = [list(range(world))]
+                        res.fixed_step_ms = max((costs[kinds.index(k)].overheads or _NONE).step_ms for k in orders[0])
+                        cands = [res]
+                    else:
+                        prog = None
+                        for order in orders:
+                            ks = [kinds.index(k) for k in order]
+                            if best is not None and problem.lower_bound(ks, p * v, m) > best[1].step_ms:
+                                continue  # no cut of this layout can beat the best plan so far
+                            prog = prog or program(sched, p, p * v, m)
+                            pipe = _Pipeline(problem, prog, ks, dp)
+                            found = pipe.best()
+                            if found is None:
+                                continue
+                            res = pipe.result(*found, m, names, sched)
+                            res.ranks = assign_ranks(list(order), have, p, dp)
+                            cands.append(res)
+                        if not cands:
+                            excluded.append(f"pp={p}, {sched}, v={v}, m={m}: no cut fits in memory")
+                    for res in cands:
+                        res.microbatch_size = per_replica // m
+                        res.label = "auto"
+                        key = (round(res.step_ms, 9), p, v, m, _PREFERENCE.index(res.schedule))
+                        if best is None or key < best[0]:
+                            best = (key, res)
     if best is None:
         why = "; ".join(excluded) or "no candidates"
         raise PartitionError(
@@ -316,7 +554,8 @@ def search_plan(
         )
     result = best[1]
     result.notes.append(
-        f"searched: pp in {pps}, schedules {schedules}, m up to {n_microbatches or max_microbatches}, "
+        f"searched: pp in {pps}, schedules {schedules} (up to {MAX_STAGES_PER_RANK} stages per rank), m up to "
+        f"{n_microbatches or max_microbatches}, "
         f"global batch {batch_size * data_groups}"
     )
     return result

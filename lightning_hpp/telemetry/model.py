@@ -8,15 +8,15 @@ and the planner; it starts no process and imports no Lightning.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any, NamedTuple
 
 from torch.distributed.pipelining import schedules as _S
 
 from lightning_hpp.errors import TelemetryError
-from lightning_hpp.pipeline.schedules import SCHEDULES, check_schedule
+from lightning_hpp.pipeline import orders as _orders
+from lightning_hpp.pipeline.orders import Act, _orders_of, dependencies  # noqa: F401 (Act, _orders_of: used from here)
+from lightning_hpp.pipeline.schedules import SCHEDULES
 from lightning_hpp.validation import check_int
 
 _now = time.perf_counter_ns
@@ -67,87 +67,11 @@ def theoretical_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
 
 
 # --------------------------------------------------------------------------------------------- action orders
-class Act(NamedTuple):
-    """One compute action: stage, ``"F"``/``"B"``/``"I"``/``"W"``, micro-batch."""
-
-    stage: int
-    kind: str
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.mb}"
-
-
-def _single_stage_order(cls: type, stage: int, num_stages: int, m: int) -> list[Act]:
-    # torch's own pipeline_order of the single-stage schedules does not match what their
-    # _step_microbatches runs (1F1B's is off by one micro-batch on the last rank), so the order is
-    # rebuilt here from the loop structure of ScheduleGPipe / Schedule1F1B._step_microbatches.
-    if issubclass(cls, _S.Schedule1F1B):
-        warmup = min(m, num_stages - stage)
-        order = [Act(stage, "F", i) for i in range(warmup)]
-        f, b = warmup, 0
-        while True:
-            order.append(Act(stage, "B", b))
-            b += 1
-            if f == m:
-                break
-            order.append(Act(stage, "F", f))
-            f += 1
-        return order + [Act(stage, "B", i) for i in range(b, m)]
-    return [Act(stage, "F", i) for i in range(m)] + [Act(stage, "B", i) for i in range(m)]
-
-
-def _flatten(actions: Iterable[Any]) -> list[Act]:
-    out: list[Act] = []
-    for a in actions:
-        if a is None:
-            continue
-        if a.sub_actions:
-            out.extend(_flatten(a.sub_actions))
-        elif a.computation_type.value in ("F", "B", "I", "W"):
-            out.append(Act(a.stage_index, a.computation_type.value, a.microbatch_index))
-    return out
-
-
-def _orders_of(schedule: Any, num_stages: int, pp: int) -> dict[int, list[Act]]:
-    """The compute order of every pipeline rank for a live or offline schedule object."""
-    m = schedule._n_microbatches
-    if hasattr(schedule, "_stages"):
-        return {r: _flatten(schedule.pipeline_order[r]) for r in range(pp)}
-    return {s: _single_stage_order(type(schedule), s, num_stages, m) for s in range(num_stages)}
-
-
 def schedule_actions(schedule: str, pp: int, n_microbatches: int, n_stages: int | None = None) -> dict[int, list[Act]]:
-    """Build a schedule's per-rank compute order offline (no processes, no process group).
-
-    Args:
-        schedule: A name of :data:`lightning_hpp.pipeline.schedules.SCHEDULES`.
-        pp: Pipeline ranks.
-        n_microbatches: Micro-batches per step.
-        n_stages: Stages in the pipeline; default ``pp`` for one-stage-per-rank schedules, ``2*pp``
-            for the others.
-
-    Returns:
-        ``{rank: [Act, ...]}`` in the order each rank runs them.
-
-    Raises:
-        lightning_hpp.errors.ScheduleError: The schedule cannot run with these numbers.
-    """
+    """:func:`lightning_hpp.pipeline.orders.schedule_actions`, with :class:`TelemetryError` for an unknown name."""
     if schedule not in SCHEDULES:
         raise TelemetryError(f"Unknown schedule {schedule!r}. Valid schedules: {', '.join(SCHEDULES)}.")
-    kind = SCHEDULES[schedule]
-    if n_stages is None:
-        n_stages = 2 * pp if kind.multi else pp
-    check_schedule(schedule, n_stages, pp, n_microbatches)
-
-    def fake(index: int) -> SimpleNamespace:
-        return SimpleNamespace(num_stages=n_stages, group_size=pp, group_rank=0, stage_index=index, submod=None)
-
-    if kind.multi:
-        sched = kind.cls([fake(i) for i in range(n_stages // pp)], n_microbatches)
-    else:
-        sched = kind.cls(fake(0), n_microbatches)
-    return _orders_of(sched, n_stages, pp)
+    return _orders.schedule_actions(schedule, pp, n_microbatches, n_stages)
 
 
 # --------------------------------------------------------------------------------------------- simulation
@@ -168,17 +92,6 @@ class Simulation:
             return 0.0
         ranks = list(self.starts)
         return sum(1 - self.busy(r) / self.makespan for r in ranks) / len(ranks)
-
-
-def _deps(a: Act, n_stages: int) -> list[tuple[str, int, int]]:
-    if a.kind == "F":
-        return [("F", a.stage - 1, a.mb)] if a.stage > 0 else []
-    if a.kind in ("B", "I"):
-        deps = [("F", a.stage, a.mb)]
-        if a.stage < n_stages - 1:
-            deps.append(("G", a.stage + 1, a.mb))
-        return deps
-    return [("G", a.stage, a.mb)]  # W after its I
 
 
 def simulate(
@@ -216,7 +129,7 @@ def simulate(
             while ptr[r] < len(acts):
                 a = acts[ptr[r]]
                 ready = free[r]
-                for dep in _deps(a, n_stages):
+                for dep in dependencies(a, n_stages):
                     if dep not in done:
                         break
                     t, src = done[dep]

@@ -56,7 +56,7 @@ class PlacementReport(Callback):
         if self.stop_telemetry:  # same batch on every rank: the history it decides on is the exchanged one
             telemetry.stop()
         meta = plan.meta["predicted"]
-        schedule_ms = (m + len(predicted) - 1) * max(predicted)  # the step without the update after it
+        schedule_ms = meta.get("pipeline_ms") or (m + len(predicted) - 1) * max(predicted)  # the step less its update
         self.step = (float(schedule_ms), statistics.median(h.step_ms for h in telemetry.history))
         for k, pred, meas in self.rows:
             pl_module.log(f"placement/stage_{k}/predicted_ms", pred, on_step=True, on_epoch=False, batch_size=1)
