@@ -349,7 +349,6 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Write one sharded checkpoint directory at ``filepath`` (collective: every rank calls it)."""
         p = self._pipeline
-        assert p is not None
         extra = self._session.metadata(plan=p.plan.to_dict(), metrics=dict(self.lightning_module.trainer.callback_metrics),
                                        hyper_parameters=checkpoint.get("hyper_parameters"),
                                        fingerprint=self._controls.checkpoint_metadata())
