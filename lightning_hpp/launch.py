@@ -43,6 +43,8 @@ from lightning_hpp.validation import is_number
 
 STORE_GRACE_S = 30.0
 """The longest that the rank hosting the store stays up after an error for the others to read it."""
+WATCH_SLICE_S = 0.5
+"""How long one wait of a rank's first-error watcher lasts before it checks whether to stop."""
 
 _FIRST = "first_error"
 _COUNT = "errors"
@@ -108,6 +110,8 @@ class _Job:
         self.server: Any = None  # rank 0: the rendezvous store it hosts, kept alive past the process group
         self._left = False
         self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def start(
         self, address: str, port: int, rank: int, world_size: int, hosts_store: bool, prefix: str, timeout: timedelta
@@ -118,21 +122,37 @@ class _Job:
         self.store, self.rank, self.world_size, self.hosts_store = client(), rank, world_size, hosts_store
         self.server = dist.distributed_c10d._get_default_store() if hosts_store else None
         self.first, self._left = None, False
+        self._stop.clear()
         if not hosts_store:
-            threading.Thread(
+            self._watcher = threading.Thread(
                 target=self._watch, args=(client(),), name="lightning_hpp-first-error", daemon=True
-            ).start()
+            )
+            self._watcher.start()
 
     def _watch(self, store: Any) -> None:
-        """Learn the first error while the rank hosting the store is still up (it waits for this)."""
+        """Learn the first error while the rank hosting the store is still up (it waits for this).
+
+        Waits in short slices so that :meth:`stop` can end the thread before the interpreter exits: a
+        daemon thread still inside a store call when Python finalizes is killed by a forced unwind through
+        pybind11's frames, which aborts the process ("terminate called without an active exception").
+        """
         try:
-            while not store.check([_FIRST]):
+            while not self._stop.is_set() and not store.check([_FIRST]):
                 with contextlib.suppress(dist.DistStoreError):  # a wait that timed out: wait again
-                    store.wait([_FIRST], timedelta(hours=1))
+                    store.wait([_FIRST], timedelta(seconds=WATCH_SLICE_S))
+            if self._stop.is_set():
+                return
             self.first = json.loads(store.get(_FIRST)) or None
         except (RuntimeError, ValueError):  # the store's host is gone: nothing left to learn
             return
         self.leave()
+
+    def stop(self) -> None:
+        """End the watcher thread (at most one wait slice and a store call later)."""
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=WATCH_SLICE_S + 5.0)
+            self._watcher = None
 
     def leave(self) -> None:
         """Tell the rank hosting the store that this rank needs it no more (once)."""
@@ -242,6 +262,7 @@ def shutdown() -> None:
         return
     if not _JOB.hosts_store:
         _JOB.leave()
+        _JOB.stop()
         return
     # The other ranks may still need the store: wake their watchers ("{}": no error) and let them go first.
     with contextlib.suppress(RuntimeError):
