@@ -64,6 +64,14 @@ def test_sync_dist_values_keep_the_users_flag_and_lightning_asks_for_nothing(run
         assert not [w for w in caught if SYNC_WARNING in w], caught
 
 
+def test_values_logged_without_sync_dist_on_one_replica_are_the_jobs_and_lightning_asks_for_nothing(runs):
+    # pp=2 x dp=1: every rank holds the last stage's value, so `sync_dist` would change nothing
+    assert_like_one_process(runs, "unsynced")
+    for rank in (0, 1):
+        caught = load_rank(runs / "unsynced", rank)["warnings"]
+        assert not [w for w in caught if SYNC_WARNING in w], caught
+
+
 def test_a_cut_at_a_container_cuts_before_its_first_unit(runs):
     assert_like_one_process(runs, "container")
     plan = load_rank(runs / "container", 0)["plan"]

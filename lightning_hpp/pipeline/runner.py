@@ -335,8 +335,11 @@ class PipelineRunner:
         """Reduce the ``sync_dist=True`` values over the data-parallel replicas with their ``reduce_fx``, and the
         check flags (max); replayed with ``sync_dist_group=REDUCED`` afterwards: Lightning still sees the user's
         ``sync_dist=True`` (no warning to add it), and the strategy's ``reduce`` returns such values as they are
-        (Lightning would reduce over the world, where each replica's value sits on every one of its pipeline ranks)."""
-        schema = [(name, {**kw, "sync_dist_group": REDUCED}) if kw.get("sync_dist") else (name, kw) for name, kw in logs.schema]
+        (Lightning would reduce over the world, where each replica's value sits on every one of its pipeline ranks).
+        With one replica every value is already the job's: all are replayed so (Lightning's advice to add
+        ``sync_dist=True`` would be wrong there, and the value is the same either way)."""
+        schema = [(name, {**kw, "sync_dist": True, "sync_dist_group": REDUCED}) if kw.get("sync_dist") or self.mesh.dp == 1
+                  else (name, kw) for name, kw in logs.schema]
         if self.mesh.dp > 1:
             group, device = self.mesh.dp_group, group_device(self.mesh.dp_group)
             by_op: dict[str, list[int]] = {}

@@ -78,6 +78,9 @@ CASES = {
     # sync_dist=True values replayed with the user's flag: Lightning asks for it no more
     "sync_dist": dict(model=SyncDistVal, plan=["layers.4"], schedule="1f1b", n_micro=4, batch=16, steps=4, val_batch=16,
                       limit_val_batches=2),
+    # values logged without sync_dist on one replica: already the job's, so Lightning has nothing to ask for either
+    "unsynced": dict(model=MLP, plan=["layers.4"], schedule="1f1b", n_micro=4, batch=16, steps=4, val_batch=16,
+                     limit_val_batches=2),
     # a cut at a container of units
     "container": dict(model=Containers, plan=["b"], schedule="1f1b", n_micro=4, batch=16, steps=4),
     # dualpipev, 4 stages, m=4; the validation set's last batch of 30 splits into 3 micro-batches only
