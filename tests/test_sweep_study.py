@@ -48,11 +48,14 @@ def _command(sweep: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def _wait_until(condition, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+def _wait_until(
+    condition, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if proc is not None and proc.poll() is not None:
-            pytest.fail(f"the sweep exited with {proc.returncode} before {what}")
+            tail = log.read_text(errors="replace")[-4000:] if log is not None and log.exists() else ""
+            pytest.fail(f"the sweep exited with {proc.returncode} before {what}\n{tail}")
         if time.monotonic() > deadline:
             pytest.fail(f"{what} did not happen within {timeout}s")
         time.sleep(0.05)
@@ -300,12 +303,46 @@ def postgres(tmp_path_factory):
         pytest.skip(f"pgserver is not installed ({err}); `pip install -e .[dev]` (scripts/setup.sh) installs it")
     try:
         server = pgserver.get_server(tmp_path_factory.mktemp("pg") / "data", cleanup_mode="delete")
-        server.psql(f"CREATE ROLE hpp LOGIN PASSWORD '{PG_SECRET}'; CREATE DATABASE hpp OWNER hpp;")
+        server.psql(f"CREATE ROLE hpp LOGIN CREATEDB PASSWORD '{PG_SECRET}'; CREATE DATABASE hpp OWNER hpp;")
     except Exception as err:  # noqa: BLE001 - whatever keeps the server from starting here
         pytest.skip(f"pgserver's PostgreSQL server could not start on this machine: {type(err).__name__}: {err}")
     host = make_url(server.get_uri()).query["host"]
     yield f"postgresql+psycopg2://hpp:{PG_SECRET}@/hpp?host={host}"
     server.cleanup()
+
+
+def test_drivers_that_start_at_once_on_a_new_database_all_open_the_study(postgres):
+    """Optuna creates its tables when a storage opens: drivers starting together on a new database
+    raced to create them, and all but one failed (duplicate key in pg_type). Each of 3 new databases
+    is opened by 4 drivers at once (threads released together); every one opens the study."""
+    import threading
+
+    import optuna
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    server = create_engine(postgres, isolation_level="AUTOCOMMIT")
+    failures: list[BaseException] = []
+
+    def driver(url: str, start: threading.Barrier) -> None:
+        start.wait()
+        try:
+            optuna.create_study(storage=open_storage(url, heartbeat_interval=1), study_name="s", load_if_exists=True)
+        except BaseException as err:  # noqa: BLE001 - collected and asserted on below
+            failures.append(err)
+
+    for i in range(3):
+        with server.connect() as connection:
+            connection.execute(text(f"CREATE DATABASE race{i}"))
+        url = make_url(postgres).set(database=f"race{i}").render_as_string(hide_password=False)
+        start = threading.Barrier(4)
+        threads = [threading.Thread(target=driver, args=(url, start)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    server.dispose()
+    assert not failures, repr(failures[0])
 
 
 def _trial_of(driver_pid: int, sweep: Path) -> int | None:
@@ -355,7 +392,7 @@ def two_drivers(postgres, tmp_path_factory):
                 return True
             return False
 
-        _wait_until(victim_checkpointed, 300, "a checkpoint of the first driver's trial", victim)
+        _wait_until(victim_checkpointed, 300, "a checkpoint of the first driver's trial", victim, root / "driver0.log")
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(timeout=30)
         _wait_until(lambda: not processes_mentioning(f"hydra.run.dir={sweep / str(killed[0])}"), 30,

@@ -114,13 +114,33 @@ def open_storage(
     kwargs: dict[str, Any] = {}
     if str(url).startswith("sqlite"):  # wait for another connection's write (a driver, a trial) instead of failing after 5 s
         kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
-    return optuna.storages.RDBStorage(
-        url,
-        heartbeat_interval=heartbeat_interval,
-        grace_period=grace_period,
-        heartbeat_stale_trial_callback=stale_trial_callback,
-        **kwargs,
-    )
+    # drivers that start at once on a new database would each create Optuna's tables, and all but one
+    # fail (PostgreSQL: duplicate key in pg_type): one at a time creates them, the others find them
+    with _schema_lock(url):
+        return optuna.storages.RDBStorage(
+            url,
+            heartbeat_interval=heartbeat_interval,
+            grace_period=grace_period,
+            heartbeat_stale_trial_callback=stale_trial_callback,
+            **kwargs,
+        )
+
+
+@contextlib.contextmanager
+def _schema_lock(url: str) -> Iterator[None]:
+    """Hold the database's schema lock while Optuna creates (or finds) its tables; SQLite needs none."""
+    if str(url).startswith("sqlite"):
+        yield
+        return
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with _database_lock(engine, "lightning_hpp:schema"):
+            yield
+    finally:
+        engine.dispose()
 
 
 def heartbeat_journal_storage(backend: Any, heartbeat_interval: int, grace_period: int | None, callback: Any) -> Any:
@@ -179,14 +199,24 @@ def ask_lock(storage: Any, url: str, study_name: str) -> Iterator[bool]:
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
         return
-    dialect = storage.engine.dialect.name if hasattr(storage, "engine") else ""
+    if not hasattr(storage, "engine"):
+        yield False
+        return
+    with _database_lock(storage.engine, f"lightning_hpp:{study_name}") as held:
+        yield held
+
+
+@contextlib.contextmanager
+def _database_lock(engine: Any, key: str) -> Iterator[bool]:
+    """A lock named ``key`` on the database: PostgreSQL's advisory lock, MySQL's ``GET_LOCK``; released
+    at the end or with the connection. Yields False (no lock) on other databases."""
+    dialect = engine.dialect.name
     if dialect not in ("postgresql", "mysql", "mariadb"):
         yield False
         return
     from sqlalchemy import text
 
-    key = f"lightning_hpp:{study_name}"
-    with storage.engine.connect() as connection:
+    with engine.connect() as connection:
         if dialect == "postgresql":
             lock, unlock = "SELECT pg_advisory_lock(:k)", "SELECT pg_advisory_unlock(:k)"
             args = {"k": zlib.crc32(key.encode())}
