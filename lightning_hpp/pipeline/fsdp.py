@@ -37,12 +37,13 @@ REDUCE_DTYPE = torch.float32
 def default_reshard_after_forward(value: bool | None) -> bool:
     """``reshard_after_forward`` for a stage under a micro-batched schedule: ``None`` means ``False``.
 
-    A pipeline stage runs ``n_microbatches`` forwards and backwards per step. With ``True`` FSDP2 frees the
-    gathered parameters after every forward and gathers them again for every forward and every backward:
-    ``2 · n_microbatches`` all-gathers of the stage per step. With ``False`` they are gathered once, at the
-    stage's first forward, and freed after its last backward (when the schedule reduce-scatters): one
-    all-gather per step, at the cost of holding the stage's full parameters during the step (the gradients
-    and optimizer state stay sharded). torchtitan chooses the same for pipelined FSDP."""
+    A pipeline stage runs ``n_microbatches`` forwards and backwards per step. With ``False`` the parameters
+    are gathered once, at the stage's first forward, and freed after its last backward (when the schedule
+    reduce-scatters): one all-gather per step, at the cost of holding the stage's full parameters during the
+    step (the optimizer state stays sharded). With ``True`` FSDP2 frees them after every forward and gathers
+    them again for the next forward or backward, yet saves no memory under several micro-batches: torch
+    pipelining keeps them gathered after every backward but the last, and the gradients unsharded until then
+    (``lightning_hpp.planning.memory``; measured in benchmarks/memory). torchtitan chooses ``False`` too."""
     return False if value is None else bool(value)
 
 

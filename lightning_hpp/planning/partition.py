@@ -587,7 +587,7 @@ def _estimate(
     link = group.link_gbps * 1e6  # bytes per ms
     fl = _in_flight(schedule, s, p, m)
     params = costs.params(i, j)
-    sharding = dict(dp_shard=dp_shard, reshard_after_forward=reshard_after_forward,
+    sharding = dict(dp_shard=dp_shard, reshard_after_forward=reshard_after_forward, n_microbatches=m,
                     largest_unit_bytes=max(costs.params(u, u + 1) for u in range(i, j)))
     return StageEstimate(
         units=list(unit_names[i:j]),
