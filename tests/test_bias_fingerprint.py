@@ -237,3 +237,62 @@ def test_cuda_fields():
     assert fp["device_name"] == torch.cuda.get_device_name()
     assert fp["cuda_version"] == torch.version.cuda and fp["cudnn_version"] is not None
     assert fp["driver_version"] is not None
+
+
+# ------------------------------------------------------------------------ the installed-packages cache
+def _install(site, name: str, version: str) -> None:
+    """What an installer leaves: a ``<name>-<version>.dist-info`` directory with its METADATA."""
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_installed_packages_are_cached_across_processes_and_read_again_when_the_path_changes(tmp_path, monkeypatch):
+    import importlib.metadata
+    import os
+    import sys
+
+    from lightning_hpp.bias import packages
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    site = tmp_path / "site"
+    site.mkdir()
+    _install(site, "Fake_Dist", "1.0")
+    plain = tmp_path / "project"  # a script's directory: it holds no distributions
+    plain.mkdir()
+    monkeypatch.setattr(sys, "path", [*sys.path, str(site), str(plain)])
+    monkeypatch.setattr(packages, "_memo", {})
+    first = packages.installed_packages()
+    assert first == packages.read_installed_packages() and "fake-dist==1.0" in first
+    assert packages.cache_path().is_file()
+
+    # another process (no memo) with the same path reads the file, not the metadata, even after the script's
+    # directory changed (logs, checkpoints)
+    (plain / "train.log").write_text("step 1\n")
+    os.utime(plain, ns=(os.stat(plain).st_atime_ns, os.stat(plain).st_mtime_ns + 1_000_000))
+    monkeypatch.setattr(packages, "_memo", {})
+    distributions = importlib.metadata.distributions
+
+    def unread():
+        raise AssertionError("the metadata was read again")
+
+    monkeypatch.setattr(importlib.metadata, "distributions", unread)
+    assert packages.installed_packages() == first
+    monkeypatch.setattr(importlib.metadata, "distributions", distributions)
+
+    # an upgrade (the old dist-info removed, a new one added) changes the directory's time: read again
+    digest = packages.packages_digest()
+    (site / "Fake_Dist-1.0.dist-info" / "METADATA").unlink()
+    (site / "Fake_Dist-1.0.dist-info").rmdir()
+    _install(site, "Fake_Dist", "2.0")
+    os.utime(site, ns=(os.stat(site).st_atime_ns, os.stat(site).st_mtime_ns + 1_000_000))  # coarse clocks
+    monkeypatch.setattr(packages, "_memo", {})
+    now = packages.installed_packages()
+    assert "fake-dist==2.0" in now and "fake-dist==1.0" not in now and packages.packages_digest() != digest
+    assert collect_fingerprint()["packages_digest"] == packages.packages_digest()
+
+    # a damaged cache file is read past, and replaced
+    packages.cache_path().write_text("{not json")
+    monkeypatch.setattr(packages, "_memo", {})
+    assert packages.installed_packages() == now
+    assert json.loads(packages.cache_path().read_text())["packages"] == now

@@ -22,7 +22,6 @@ error and the warning category.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -39,6 +38,7 @@ import torch
 
 from lightning_hpp._dist import all_gather_object
 from lightning_hpp._git import code_version
+from lightning_hpp.bias.packages import packages_digest
 from lightning_hpp.errors import BiasConfigError, FingerprintMismatchError
 
 POLICIES = ("warn", "error", "off")
@@ -149,7 +149,7 @@ def collect_fingerprint(device: torch.device | str | None = None, cwd: str | Non
     fp["hash_probe"] = hash(HASH_PROBE)
     fp["hash_randomization"] = int(sys.flags.hash_randomization)
     fp.update(_git_facts(cwd))
-    fp["packages_digest"] = _packages_digest()
+    fp["packages_digest"] = packages_digest()
     return fp
 
 
@@ -214,15 +214,6 @@ def _git_facts(cwd: str | None) -> dict[str, Any]:
     # The same commit and digest as the experiment snapshot's `code_version`, by construction.
     version = code_version(cwd or os.getcwd())
     return {"git_commit": version["commit"], "git_dirty_digest": version["dirty_digest"]}
-
-
-def _packages_digest() -> str:
-    names = set()
-    for dist in importlib.metadata.distributions():
-        name = dist.metadata.get("Name") if dist.metadata is not None else None
-        if name:
-            names.add(f"{name.lower().replace('_', '-')}=={dist.version}")
-    return hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------------- gathering

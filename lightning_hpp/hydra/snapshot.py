@@ -17,8 +17,6 @@ Everything is passed through :func:`lightning_hpp.checkpoint.s3.redact` before i
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
 import json
 import os
 import platform
@@ -31,6 +29,7 @@ from typing import Any
 import yaml
 
 from lightning_hpp._git import code_version
+from lightning_hpp.bias.packages import installed_packages, packages_digest
 from lightning_hpp.checkpoint.s3 import REDACTED, is_secret_name, redact
 from lightning_hpp.planning.plan import StagePlan
 
@@ -77,7 +76,7 @@ def write_snapshot(
         "code": code,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "packages_digest": hashlib.sha256("\n".join(packages).encode()).hexdigest()[:16],
+        "packages_digest": packages_digest(),
         "fingerprint": environment_fingerprint(),
     }
     (out / "snapshot.json").write_text(json.dumps(_redact_overrides(redact(info)), indent=2, default=str))
@@ -93,16 +92,6 @@ def _plain(obj: Any) -> Any:
     except ImportError:  # pragma: no cover - omegaconf comes with hydra
         pass
     return obj
-
-
-def installed_packages() -> list[str]:
-    """Every installed distribution as ``name==version``, sorted."""
-    names = set()
-    for dist in importlib.metadata.distributions():
-        name = dist.metadata.get("Name") if dist.metadata is not None else None
-        if name:
-            names.add(f"{name.lower().replace('_', '-')}=={dist.version}")
-    return sorted(names)
 
 
 def environment_fingerprint() -> dict[str, Any] | None:
