@@ -21,7 +21,18 @@ Configurations per size, each in 4 fresh processes (one launch per configuration
 * ``ddp``       — Lightning ``DDPStrategy`` (gloo, defaults), model built in ``__init__``;
 * ``hpp_probe`` — diagnostic: ``hpp`` plus ``optimizer.zero_grad(set_to_none=True)`` in
   ``on_train_batch_start``, which shows what the previous step's gradients, held by
-  ``GradHandover.during_step`` across the schedule, cost (README, finding 1).
+  ``GradHandover.during_step`` across the schedule, cost (README, finding 1);
+* ``pp2_ddp``   — ``HPPStrategy`` pp=2 × 2 whole replicas per stage (meta path);
+* ``pp2_fsdp``  — pp=2 × ``ShardingOptions(data_parallel="fsdp")``: each stage sharded over its 2 replicas
+  (FSDP2, gathered once per step: ``reshard_after_forward`` defaults to False);
+* ``pp2_fsdp_raf`` — the same with ``reshard_after_forward=True`` (blocks freed after each forward; with
+  several micro-batches a step the stage is still held gathered from its first backward on);
+* ``fsdp``      — pp=1 × fsdp 4, ``reshard_after_forward=True``: FSDP alone (Lightning's FSDPStrategy
+  refuses CPU, so FSDP2 runs through HPPStrategy's one-stage path), ``--m`` micro-batches a step;
+* ``fsdp_m1``   — the same with one micro-batch a step (the whole batch at once, as FSDP alone runs):
+  the only configuration where ``reshard_after_forward`` keeps one block gathered at a time.
+
+``--optimizer adam`` trains with Adam (two moments: 16 bytes a parameter with its gradient).
 
 Each rank process joins its own group as the first thing it does (``join_group``: the group of
 ``LOCAL_RANK``, so it works the same under Lightning's own launcher, which re-runs the script per
@@ -35,6 +46,8 @@ Usage::
 
     python benchmarks/memory/main.py                          # ~6-8 minutes on 2 cores
     python benchmarks/memory/main.py --scales 1 4 --configs hpp ddp --steps 3 --out /tmp/mem
+    python benchmarks/memory/main.py --optimizer adam --configs pp2_ddp pp2_fsdp pp2_fsdp_raf fsdp ddp \
+        --malloc-mmap-threshold 1048576 --out benchmarks/memory/results/sharded   # the sharded table
 """
 
 from __future__ import annotations
@@ -55,16 +68,30 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 GROUP_ENV = "HPP_MEM_CGROUP"  # path prefix of the rank groups; a rank joins f"{prefix}{LOCAL_RANK}"
-CONFIGS = ("hpp", "hpp_ckpt", "hpp_eager", "ddp", "hpp_probe")
+CONFIGS = ("hpp", "hpp_ckpt", "hpp_eager", "ddp", "hpp_probe", "pp2_ddp", "pp2_fsdp", "pp2_fsdp_raf", "fsdp", "fsdp_m1")
+# the sharded configurations: (pipeline stages, ShardingOptions) on the 4 ranks; the others are pp=4 (hpp*) or DDP
+SHARDED = {
+    "pp2_ddp": (2, {"data_parallel": "ddp"}),
+    "pp2_fsdp": (2, {"data_parallel": "fsdp"}),
+    "pp2_fsdp_raf": (2, {"data_parallel": "fsdp", "reshard_after_forward": True}),
+    "fsdp": (1, {"data_parallel": "fsdp", "reshard_after_forward": True}),
+    "fsdp_m1": (1, {"data_parallel": "fsdp", "reshard_after_forward": True}),  # and one micro-batch a step
+}
+ONE_MICROBATCH = ("fsdp_m1",)  # FSDP as FSDP runs alone: the whole batch in one forward and backward
 LABELS = {
     "hpp": "HPP pp=4, meta (configure_model)",
     "hpp_ckpt": "HPP pp=4, meta + activation ckpt",
     "hpp_eager": "HPP pp=4, non-meta (__init__)",
     "ddp": "DDP ×4 (__init__)",
     "hpp_probe": "probe: HPP meta, .grad freed before each step",
+    "pp2_ddp": "HPP pp=2 × ddp 2 (meta)",
+    "pp2_fsdp": "HPP pp=2 × fsdp 2 (meta)",
+    "pp2_fsdp_raf": "HPP pp=2 × fsdp 2, reshard_after_forward (meta)",
+    "fsdp": "HPP pp=1 × fsdp 4, reshard_after_forward (meta)",
+    "fsdp_m1": "HPP pp=1 × fsdp 4, reshard_after_forward, m=1 (meta)",
 }
 SHORT = {"hpp": "HPP\nmeta", "hpp_ckpt": "HPP meta\n+ ckpt", "hpp_eager": "HPP\nnon-meta", "ddp": "DDP",
-         "hpp_probe": "probe:\ngrads freed"}
+         "hpp_probe": "probe:\ngrads freed", "pp2_ddp": "pp2 ×\nddp2", "pp2_fsdp": "pp2 ×\nfsdp2", "pp2_fsdp_raf": "pp2 × fsdp2\nreshard", "fsdp": "fsdp4", "fsdp_m1": "fsdp4\nm=1"}
 CLASSES = 10
 MB = 2**20
 
@@ -75,11 +102,16 @@ def model_bytes(width: int, blocks: int) -> dict[str, int]:
     return {"block": 4 * (width * width + width), "head": 4 * (width * CLASSES + CLASSES)}
 
 
-def footprint(width: int, blocks: int, momentum: float) -> int:
-    """Training footprint of the whole model: parameters + gradients (+ momentum buffers)."""
+def optimizer_states(optimizer: str, momentum: float) -> int:
+    """Optimizer tensors per parameter: Adam's two moments, SGD's momentum buffer (none without momentum)."""
+    return 2 if optimizer == "adam" else (1 if momentum else 0)
+
+
+def footprint(width: int, blocks: int, momentum: float, optimizer: str = "sgd") -> int:
+    """Training footprint of the whole model: parameters + gradients + optimizer state."""
     b = model_bytes(width, blocks)
     params = blocks * b["block"] + b["head"]
-    return params * (3 if momentum else 2)
+    return params * (2 + optimizer_states(optimizer, momentum))
 
 
 def stage_blocks(blocks: int, pp: int, stage: int) -> range:
@@ -110,6 +142,9 @@ def predict(cfg: str, blocks: int, rank: int, job: dict[str, Any]) -> dict[str, 
     """
     w, m, pp, n = job["width"], job["m"], job["pp"], job["ranks"]
     b = model_bytes(w, blocks)
+    states = optimizer_states(job.get("optimizer", "sgd"), job["momentum"])
+    if cfg in SHARDED:
+        return predict_sharded(cfg, blocks, rank, job, states)
     if cfg == "ddp":
         params = blocks * b["block"] + b["head"]
         a = (job["batch"] // n) * w * 4
@@ -120,8 +155,35 @@ def predict(cfg: str, blocks: int, rank: int, job: dict[str, Any]) -> dict[str, 
         a = (job["batch"] // m) * w * 4
         f = min(m, pp - rank)
         act = f * k * a + m * a + (m * a if rank < pp - 1 else 0) + 2 * a + (2 * a if cfg == "hpp_ckpt" else 0)
-    opt = params if job["momentum"] else 0
+    opt = params * states
     return {"params": params, "grads": params, "optimizer": opt, "activations": act, "total": 2 * params + opt + act}
+
+
+def predict_sharded(cfg: str, blocks: int, rank: int, job: dict[str, Any], states: int) -> dict[str, int]:
+    """The sharded configurations: ``pp`` stages × ``dp = 4 / pp`` replicas (rank ``r`` holds position ``r // dp``).
+
+    Parameters, gradients and optimizer state per rank are the stage's ``/ dp`` under FSDP (whole under
+    ddp); while a step runs FSDP2 holds ``gathered`` bytes as well (``lightning_hpp.planning.memory``:
+    the whole stage's parameters and unsharded gradients; two blocks' with ``reshard_after_forward`` only
+    when a step is one micro-batch, since torch pipelining keeps the stage gathered between micro-batches). Activations as :func:`predict`'s 1F1B count, with ``a`` of a micro-batch of the replica's batch.
+    """
+    from lightning_hpp.planning.memory import gathered_bytes
+
+    pp, options = SHARDED[cfg]
+    w, m, n = job["width"], job["m"], job["ranks"]
+    dp = n // pp
+    s = rank // dp
+    b = model_bytes(w, blocks)
+    k = len(stage_blocks(blocks, pp, s))
+    stage = k * b["block"] + (b["head"] if s == pp - 1 else 0)
+    shards = dp if options["data_parallel"] == "fsdp" else 1
+    gathered = int(gathered_bytes(stage, shards, bool(options.get("reshard_after_forward")), b["block"], m))
+    a = (job["batch"] // dp // m) * w * 4
+    act = min(m, pp - s) * k * a + m * a + (m * a if s < pp - 1 else 0) + 2 * a
+    local = stage // shards
+    opt = local * states
+    return {"params": local, "grads": local, "optimizer": opt, "gathered": gathered, "activations": act,
+            "total": 2 * local + opt + gathered + act}
 
 
 # ============================================================================================ cgroups
@@ -277,6 +339,8 @@ def lightning_module(job: dict[str, Any], in_configure_model: bool) -> Any:
             return loss
 
         def configure_optimizers(self):
+            if job.get("optimizer") == "adam":
+                return torch.optim.Adam(self.parameters(), lr=job["lr"])
             return torch.optim.SGD(self.parameters(), lr=job["lr"], momentum=job["momentum"])
 
     return MLP()
@@ -302,12 +366,20 @@ def worker(job: dict[str, Any]) -> None:
     progress.mark("imported")
     cfg = job["cfg"]
     torch.manual_seed(0)
-    model = lightning_module(job, in_configure_model=cfg in ("hpp", "hpp_ckpt", "hpp_probe"))
+    model = lightning_module(job, in_configure_model=cfg in ("hpp", "hpp_ckpt", "hpp_probe", *SHARDED))
     progress.mark("model built" if model.model is not None else "module built (model in configure_model)")
 
     if cfg == "ddp":
         strategy = DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=job["timeout"]))
         per_rank = job["batch"] // job["ranks"]
+    elif cfg in SHARDED:
+        pp, sharding = SHARDED[cfg]
+        k = job["blocks"] // pp
+        plan = StagePlan.split_at([f"model.{s * k}" for s in range(1, pp)]) if pp > 1 else None
+        warnings.filterwarnings("ignore", message="NaN/Inf in the", category=RuntimeWarning)
+        strategy = HPPStrategy(plan=plan, pp_degree=pp, schedule="1f1b", n_microbatches=job["m"], sharding=sharding,
+                               timeout=job["timeout"], precision_plugin=HPPPrecision(nonfinite="warn"))
+        per_rank = job["batch"] // (job["ranks"] // pp)
     else:
         k = job["blocks"] // job["pp"]
         plan = StagePlan.split_at([f"model.{s * k}" for s in range(1, job["pp"])])
@@ -349,11 +421,15 @@ def worker(job: dict[str, Any]) -> None:
 
     params = [p for p in model.parameters() if not p.is_meta]
     opt = trainer.optimizers[0]
-    state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
+    def local(t):  # a DTensor's bytes on this rank
+        t = getattr(t, "_local_tensor", t)
+        return t.numel() * t.element_size()
+
+    state_bytes = sum(local(t) for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
     progress.mark("done", losses=record.losses, step_s=record.step_s,
                   stages=list(getattr(trainer.strategy, "_stage_ids", [])) or "all",
-                  param_bytes=sum(p.numel() * p.element_size() for p in params),
-                  grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+                  param_bytes=sum(local(p) for p in params),
+                  grad_bytes=sum(local(p.grad) for p in params if p.grad is not None),
                   optimizer_state_bytes=state_bytes,
                   meta_params_left=sum(p.is_meta for p in model.parameters()))
 
@@ -469,7 +545,7 @@ def run_all(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     env = {"MALLOC_MMAP_THRESHOLD_": str(args.malloc_mmap_threshold)} if args.malloc_mmap_threshold else {}
     base = measure_baseline(out, env)
     B = base["baseline_mb"] * MB
-    C = footprint(args.width, args.blocks_1x, args.momentum)
+    C = footprint(args.width, args.blocks_1x, args.momentum, args.optimizer)
     limit = int(B + (1 + args.headroom) * C)
     print(f"baseline B = {B / MB:.0f} MB per process (cgroup charge; ru_maxrss {max(base['ru_maxrss_mb']):.0f} MB); "
           f"cap C = {C / MB:.0f} MB; memory.limit_in_bytes = B + {1 + args.headroom:g}·C = {limit / MB:.0f} MB per rank", flush=True)
@@ -480,8 +556,8 @@ def run_all(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             raise SystemExit(f"{blocks} blocks do not cut into {args.pp} equal stages; choose --blocks-1x divisible by {args.pp}.")
         for cfg in args.configs:
             tag = f"{scale}x_{cfg}"
-            job = {"cfg": cfg, "width": args.width, "blocks": blocks, "batch": args.batch, "m": args.m, "pp": args.pp,
-                   "ranks": args.pp, "steps": args.steps, "lr": args.lr, "momentum": args.momentum, "timeout": args.timeout,
+            job = {"cfg": cfg, "width": args.width, "blocks": blocks, "batch": args.batch, "m": 1 if cfg in ONE_MICROBATCH else args.m, "pp": args.pp,
+                   "ranks": args.pp, "steps": args.steps, "lr": args.lr, "momentum": args.momentum, "optimizer": args.optimizer, "timeout": args.timeout,
                    "grace": args.grace, "run_timeout": args.run_timeout, "out": str(out / "logs" / tag), "env": env}
             t0 = time.time()
             res = launch(job, tag, limit)
@@ -500,7 +576,7 @@ def run_all(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 })
             row = {"scale": scale, "blocks": blocks, "cfg": cfg, "label": LABELS[cfg], "wall_s": round(wall, 1), "ranks": ranks,
                    "params": blocks * (args.width**2 + args.width) + args.width * CLASSES + CLASSES,
-                   "footprint_mb": footprint(args.width, blocks, args.momentum) / MB}
+                   "footprint_mb": footprint(args.width, blocks, args.momentum, args.optimizer) / MB}
             runs.append(row)
             print(f"{scale}x ({blocks} blocks) {LABELS[cfg]}: " + ", ".join(
                 f"r{x['rank']} {x['outcome']} {x['peak_mb']:.0f} MB ({x['ratio']:.2f}, {x['last_phase']})" for x in ranks)
@@ -541,15 +617,40 @@ def killed_during(last_phase: str) -> str:
 
 def breakdown(res: dict[str, Any]) -> str:
     """The predicted terms per rank of the HPP meta runs (MB)."""
-    lines = ["| size | config | rank | params | grads | optimizer | activations | predicted | measured peak − B |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| size | config | rank | params | grads | optimizer | gathered (FSDP2) | activations | predicted | measured peak − B |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for run in res["runs"]:
-        if run["cfg"] not in ("hpp", "ddp"):
+        if run["cfg"] not in ("hpp", "ddp", *SHARDED):
             continue
         for x in run["ranks"]:
             p = {k: v / MB for k, v in x["predicted"].items()}
             lines.append(f"| {run['scale']}× | {run['cfg']} | {x['rank']} | {p['params']:.1f} | {p['grads']:.1f} | {p['optimizer']:.1f} | "
-                         f"{p['activations']:.2f} | {p['total']:.1f} | {x['peak_mb'] - res['B_mb']:.1f} |")
+                         f"{p.get('gathered', 0.0):.1f} | {p['activations']:.2f} | {p['total']:.1f} | {x['peak_mb'] - res['B_mb']:.1f} |")
+    return "\n".join(lines)
+
+
+def largest(res: dict[str, Any]) -> str:
+    """Per configuration: the largest model every rank trained to the end under the cap, and the median
+    step time (steps after the first, the slowest rank's) at each size it trained."""
+    import statistics
+
+    def step_s(run: dict[str, Any]) -> float | None:
+        per_rank = [x["record"].get("step_s", [])[1:] for x in run["ranks"]]
+        if len(per_rank) != len(run["ranks"]) or not all(per_rank):
+            return None
+        return max(statistics.median(t) for t in per_rank)
+
+    cfgs = list(dict.fromkeys(r["cfg"] for r in res["runs"]))
+    scales = sorted({r["scale"] for r in res["runs"]})
+    head = "| configuration | largest model trained | " + " | ".join(f"step s at {sc}×" for sc in scales) + " |"
+    lines = [head, "|---|---|" + "---:|" * len(scales)]
+    for cfg in cfgs:
+        runs = {r["scale"]: r for r in res["runs"] if r["cfg"] == cfg}
+        ok = [sc for sc, r in runs.items() if all(x["outcome"] == "finished" for x in r["ranks"])]
+        best = max(ok) if ok else None
+        size = f"{best}× ({runs[best]['params'] / 1e6:.1f} M params)" if best else "none"
+        times = [step_s(runs[sc]) if sc in runs and sc in ok else None for sc in scales]
+        lines.append(f"| {LABELS[cfg]} | {size} | " + " | ".join("—" if t is None else f"{t:.2f}" for t in times) + " |")
     return "\n".join(lines)
 
 
@@ -561,7 +662,8 @@ def chart(res: dict[str, Any], path: Path) -> None:
     scales = sorted({r["scale"] for r in res["runs"]})
     fig = Figure(figsize=(5.2 * len(scales), 5.2))
     FigureCanvasAgg(fig)
-    colors = {"hpp": "#4C72B0", "hpp_ckpt": "#64B5CD", "hpp_eager": "#8172B2", "ddp": "#DD8452", "hpp_probe": "#55A868"}
+    colors = {"hpp": "#4C72B0", "hpp_ckpt": "#64B5CD", "hpp_eager": "#8172B2", "ddp": "#DD8452", "hpp_probe": "#55A868",
+              "pp2_ddp": "#C44E52", "pp2_fsdp": "#937860", "pp2_fsdp_raf": "#DA8BC3", "fsdp": "#8C8C8C", "fsdp_m1": "#CCB974"}
     top = max(max(x["peak_mb"] for r in res["runs"] for x in r["ranks"]), res["limit_mb"]) * 1.12
     for col, scale in enumerate(scales):
         ax = fig.add_subplot(1, len(scales), 1 + col)
@@ -624,6 +726,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (0: plain SGD, no optimizer state)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                   help="adam: two moments per parameter (16 bytes a parameter with its gradient), --momentum unused")
     p.add_argument("--timeout", type=float, default=120, help="collective timeout of the strategies, s")
     p.add_argument("--grace", type=float, default=30, help="s the other ranks get to end on their own after one failed")
     p.add_argument("--run-timeout", type=float, default=300, help="s one configuration may take before it is killed")
@@ -662,10 +766,10 @@ def main(argv: list[str] | None = None) -> None:
     res["environment"] = env
     res["args"] = {k: v for k, v in vars(args).items() if k not in ("worker", "baseline")}
     text = table(res)
-    print(f"\n{text}\n\n{breakdown(res)}")
+    print(f"\n{text}\n\n{largest(res)}\n\n{breakdown(res)}")
     (out / "results.json").write_text(json.dumps(res, indent=1))
     (out / "results.md").write_text(f"Environment: {json.dumps(env)}\n\nB = {res['B_mb']:.0f} MB, C = {res['C_mb']:.0f} MB, "
-                                    f"cap {res['limit_mb']:.0f} MB\n\n{text}\n\n{breakdown(res)}\n")
+                                    f"cap {res['limit_mb']:.0f} MB\n\n{text}\n\n{largest(res)}\n\n{breakdown(res)}\n")
     chart(res, out / "memory.png")
     print(f"\nwrote {out / 'results.json'}, results.md and memory.png in {env['wall_s']:.0f} s")
 
