@@ -38,7 +38,7 @@ def test_bad_sharding_options_are_refused_at_construction(build, message):
 
 
 def test_sharding_is_taken_as_a_section_or_a_dict():
-    assert HPPStrategy()._sharding == ShardingOptions()
+    assert HPPStrategy()._sharding is None  # not given: ddp, or fsdp where plan="auto" fits only sharded stages
     assert HPPStrategy(sharding={"data_parallel": "fsdp"})._sharding == ShardingOptions(data_parallel="fsdp")
     given = ShardingOptions(data_parallel="hsdp", dp_replicate=2, reshard_after_forward=True)
     assert HPPStrategy(sharding=given)._sharding is given
