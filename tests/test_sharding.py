@@ -387,3 +387,11 @@ def test_a_placement_that_does_not_fit_is_refused_naming_the_stage_and_the_bytes
         evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=2, **kw).require_fit()
     with pytest.raises(PartitionError, match=r"dp_shard=3 must divide dp_degree=2"):
         evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=3, **kw)
+
+
+def test_a_bias_monitor_keeps_plan_auto_on_unsharded_stages():
+    from lightning_hpp.assembly.callbacks import sharding_refusals
+    from lightning_hpp.bias.monitor import BiasMonitor
+
+    assert sharding_refusals([]) == []
+    assert "BiasMonitor" in sharding_refusals([BiasMonitor()])[0]
