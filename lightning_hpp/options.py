@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from lightning_hpp.errors import BiasConfigError, CheckpointError, PlacementError, ShardingError, TelemetryError
 from lightning_hpp.planning.devices import ENV_VAR as DEVICE_KIND_ENV
-from lightning_hpp.planning.devices import parse_device_map
+from lightning_hpp.planning.devices import normalize_kind, parse_device_map
 from lightning_hpp.telemetry.watch import watch_options
 from lightning_hpp.validation import check_bool, check_choice, check_int, check_path
 
@@ -132,11 +132,16 @@ class PlacementOptions:
     (checkpoint with the measured speeds, exit code 75), ``"replan"`` (the same, exit code 76; started
     again with ``resume="auto"``, ``plan="auto"`` plans with those speeds), ``"off"``, or a
     :class:`~lightning_hpp.telemetry.watch.WatchOptions` (or a dict of its fields)."""
+    memory: Any = None
+    """Memory per device, in bytes, by device kind, that ``plan="auto"`` must fit every rank's stages in
+    (``{"a100": 40e9}``): kinds not named have their datasheet's (``cpu``: unlimited). Where no ddp plan
+    fits and ``sharding`` is not given, the plan may shard the stages (``data_parallel="fsdp"``)."""
 
     error: ClassVar[type[ValueError]] = PlacementError
     """The error class of this section's checks."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "memory", _memory_by_kind(self.memory))
         if self.device_map is not None and not isinstance(self.device_map, (str, dict, list, tuple)):
             raise PlacementError(
                 f"`PlacementOptions(device_map={self.device_map!r})`: use a string such as '0:a100,1:h100', "
@@ -175,6 +180,27 @@ class PlacementOptions:
                 f"{source} gives no kind for rank(s) {missing} of the {world_size} processes. Give one kind per rank, "
                 f"e.g. {_example_map(world_size)!r}."
             )
+
+
+def _memory_by_kind(memory: Any) -> dict[str, float] | None:
+    """``PlacementOptions(memory=...)`` as ``{kind: bytes}``, kinds normalized.
+
+    Raises:
+        PlacementError: not a mapping, a kind that is no kind name, or bytes that are not a number > 0.
+    """
+    if memory is None:
+        return None
+    example = "e.g. {'a100': 40e9, 'cpu': 16e9}"
+    if not hasattr(memory, "items") or isinstance(memory, str):
+        raise PlacementError(f"`PlacementOptions(memory={memory!r})`: give the bytes per device by kind, {example}.")
+    out: dict[str, float] = {}
+    for kind, value in dict(memory).items():
+        name = normalize_kind(kind, "`PlacementOptions(memory=...)` kind")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise PlacementError(f"`PlacementOptions(memory={{{kind!r}: {value!r}}})`: the memory of a {name!r} device "
+                                 f"must be a number of bytes > 0, {example}.")
+        out[name] = float(value)
+    return out
 
 
 def _example_map(world_size: int) -> str:

@@ -75,7 +75,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         telemetry: :class:`~lightning_hpp.options.TelemetryOptions`, ``True`` (its defaults) or ``None``.
         placement: :class:`~lightning_hpp.options.PlacementOptions`: device kinds, ``plan="auto"`` profile.
         init: :class:`~lightning_hpp.options.InitOptions`: initial weights of a model built on the meta device.
-        sharding: :class:`~lightning_hpp.options.ShardingOptions`: each stage's replicas as ddp, fsdp or hsdp.
+        sharding: :class:`~lightning_hpp.options.ShardingOptions`: each stage's replicas as ddp, fsdp or hsdp (unset: ddp, or fsdp where plan="auto" fits only that).
         timeout: Timeout of every collective and pipeline send/recv (a ``timedelta`` or seconds; a silent rank ends the job).
         process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
         precision_plugin: An :class:`~lightning_hpp.HPPPrecision` (default: one with the Trainer's ``precision``).
@@ -121,7 +121,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         self._telemetry = None if telemetry in (None, False) else section(TelemetryOptions, None if telemetry is True else telemetry, "telemetry")
         self._placement = section(PlacementOptions, placement, "placement")
         self._init = section(InitOptions, init, "init")
-        self._sharding = section(ShardingOptions, sharding, "sharding")
+        self._sharding = None if sharding is None else section(ShardingOptions, sharding, "sharding")  # None: auto may shard
         self._controls = BiasControls(self._bias)
         self._session = CheckpointSession(self._checkpoint)
         self._pipeline: Pipeline | None = None
@@ -248,8 +248,8 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         with isolate_rng():
             batch = peek_batch(loader) if loader is not None else None
         return SetupInputs(
-            world_size=self.world_size, rank=self.global_rank, device=self.root_device,
-            step_fn=getattr(module, step_name), batch=batch, fitting=fitting, precision=self.precision_plugin,
+            world_size=self.world_size, rank=self.global_rank, device=self.root_device, batch=batch, fitting=fitting,
+            step_fn=getattr(module, step_name), precision=self.precision_plugin, callbacks=tuple(trainer.callbacks),
             trainer_precision=trainer_precision, placement=self._placement, init=self._init, sharding=self._sharding,
             split_batches=fitting and can_rebatch(loader), global_step=lambda: int(trainer.global_step),
             recorded_speeds=self._session.recorded_speeds, default_seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))

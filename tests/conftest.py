@@ -65,7 +65,8 @@ def real_model_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace
 @pytest.fixture(scope="session")
 def hpp_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """The ``run_hpp`` jobs, side by side, started by the first test that needs one of them: 2 ranks
-    (test_correctness, test_precision, test_placement_strategy), 3 and 4 ranks (test_correctness).
+    (test_correctness, test_precision, test_placement_strategy), 3 ranks (test_correctness) and 4 ranks
+    (test_correctness, test_placement_strategy).
     Returns the modules' directories: ``correctness / f"ranks{n}"``, ``precision``, ``placement``."""
     from tests import test_correctness as correctness
     from tests import test_placement_strategy as placement
@@ -81,6 +82,7 @@ def hpp_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     run_scripts([
         ("tests.workers.run_hpp", {"devices": 2, "runs": two}),
         ("tests.workers.run_hpp", {"devices": 3, "runs": correctness.three_rank_runs(ranks[3])}),
-        ("tests.workers.run_hpp", {"devices": 4, "runs": correctness.four_rank_runs(ranks[4])}),
+        ("tests.workers.run_hpp", {"devices": 4, "runs": correctness.four_rank_runs(ranks[4])
+                                   + placement.four_rank_runs(dirs["placement"])}),
     ], timeout=600)
     return SimpleNamespace(**dirs)

@@ -229,3 +229,23 @@ def test_a_well_formed_plan_file_is_taken_and_a_directory_is_refused(tmp_path):
     ]
     with pytest.raises(PlanError, match=rf"Stage plan file {str(tmp_path)!r} is a directory"):
         HPPStrategy(plan=str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("memory", "message"),
+    [
+        ("16GB", r"`PlacementOptions\(memory='16GB'\)`: give the bytes per device by kind, e\.g\."),
+        ({"cpu": 0}, r"`PlacementOptions\(memory=\{'cpu': 0\}\)`: the memory of a 'cpu' device must be a number of bytes > 0"),
+        ({"cpu": "16e9"}, r"must be a number of bytes > 0"),
+        ({"cpu": True}, r"must be a number of bytes > 0"),
+        ({"a 100": 1e9}, r"`PlacementOptions\(memory=\.\.\.\)` kind 'a 100' is not a device kind"),
+    ],
+)
+def test_memory_per_kind_for_plan_auto_is_validated(memory, message):
+    with pytest.raises(PlacementError, match=message):
+        HPPStrategy(placement={"memory": memory})
+
+
+def test_memory_per_kind_is_taken_with_kinds_normalized():
+    assert PlacementOptions(memory={"CPU": 16e9, "a100": 40_000_000_000}).memory == {"cpu": 16e9, "a100": 40e9}
+    assert PlacementOptions().memory is None

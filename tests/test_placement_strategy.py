@@ -46,6 +46,37 @@ def two_rank_runs(tmp_path) -> list[dict]:
     return runs
 
 
+def four_rank_runs(tmp_path) -> list[dict]:
+    """This module's configuration for the shared 4-rank ``run_hpp`` job: pp_degree=1 on 4 ranks with 1 byte less
+    per device than ddp's whole model needs (4 x its parameter bytes with Adam's state), so only fsdp over the 4
+    replicas fits (3 x the parameters, plus the activations)."""
+    from tests.models import MLP
+
+    params = sum(p.numel() * p.element_size() for p in MLP(depth=4).parameters())
+    return [{"name": "fsdp", "pp": 1, "steps": 4, "batch": 4, "out": str(tmp_path / "fsdp"),
+             "strategy": {"placement": {"memory": {"cpu": 4 * params - 1}}}}]
+
+
+def test_auto_plan_shards_the_stages_where_only_sharded_stages_fit(hpp_jobs):
+    out = hpp_jobs.placement / "fsdp"
+    ranks = [load_rank(out, r) for r in range(4)]
+    predicted = ranks[0]["plan_meta"]["predicted"]
+    assert (predicted["pp_degree"], predicted["dp_degree"], predicted["data_parallel"], predicted["dp_shard"]) == \
+        (1, 4, "fsdp", 4)
+    assert all(r["plan"] == ranks[0]["plan"] for r in ranks)  # every rank chose the same plan
+    # the stages really are FSDP2-sharded: every parameter a DTensor shard, on every rank
+    for r in ranks:
+        assert r["sharded_stages"] and sorted(r["sharded"]) == sorted(r["state"]), r["sharded"]
+    # and train as one process does on the global batch of the 4 replicas' loader batches
+    reference, trainer = train_reference(steps=4, batch=16)
+    for r in ranks:  # the gathered parameters of every replica
+        for k, v in reference.state_dict().items():
+            torch.testing.assert_close(r["state"][k], v, rtol=1e-5, atol=1e-6)
+    # each replica logs the loss of its own quarter of the last batch: their mean is the one process's loss
+    mean = sum(r["metrics"]["train_loss"] for r in ranks) / 4
+    assert mean == pytest.approx(float(trainer.callback_metrics["train_loss"]), rel=1e-5)
+
+
 def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(hpp_jobs):
     tmp_path = hpp_jobs.placement
     reference, _ = train_reference(steps=16, batch=16)

@@ -341,3 +341,103 @@ def test_rebatch_makes_loader_batches_smaller_once():
     assert [len(b[0]) for b in loader] == [6, 6, 6, 6]
     with pytest.raises(MicroBatchError, match="divisible by 5"):
         rebatch(loader, 5)
+
+
+# ---------------------------------------------------------------------------- data_parallel: ddp, or fsdp where memory decides
+BIG, SMALL = 1e6, 1e4  # parameter bytes of the two units of _lopsided()
+
+
+def _lopsided(latency: float = 0.01, gbps: float = 1.0) -> CostProfile:
+    """Two units, one holding nearly all parameters, so no pipeline cut relieves its rank: on 4 ranks ddp needs
+    4 x params on some rank in every layout (pp=1: the whole model; pp=2: the big unit), fsdp over dp=2 as
+    much (params x 4 / 2 + 2 x params gathered), and fsdp over dp=4 (pp=1) 3 x params."""
+    units = [UnitCost("u0", 1.0, 2.0, int(BIG), 100, 300), UnitCost("u1", 0.5, 1.0, int(SMALL), 100, 300)]
+    oh = Overheads(p2p_latency_ms=latency, allreduce_gbps=gbps, p2p_gbps=gbps)
+    return CostProfile("m", ["u0", "u1"], [1, 1], [[2, 4]], [ProfileEntry("fast", "32-true", units, overheads=oh)])
+
+
+def test_with_ample_memory_auto_keeps_ddp_and_fsdp_pays_the_all_gather():
+    prof = _lopsided()
+    got = search_plan(prof, ["fast"] * 4, batch_size=8, data_parallel=None, memory_bytes={"fast": 1e9})
+    assert got.data_parallel == "ddp" and got.dp_shard == 1, got.format_table()
+    assert got.plan.meta["predicted"]["data_parallel"] == "ddp" and "chose data_parallel=ddp" in got.format_table()
+    # the same structure sharded over its 4 replicas: the all-gather of the parameters per step on top
+    ddp = search_plan(prof, ["fast"] * 4, batch_size=8, pp_degree=1, n_microbatches=2)
+    fsdp = search_plan(prof, ["fast"] * 4, batch_size=8, pp_degree=1, n_microbatches=2, data_parallel="fsdp")
+    gather = 3 / 4 * (BIG + SMALL) / 1e6 + 3 * 0.01
+    assert (fsdp.data_parallel, fsdp.dp_shard) == ("fsdp", 4)
+    assert fsdp.step_ms == pytest.approx(ddp.step_ms + gather, rel=1e-12)
+    assert fsdp.stages[0].allreduce_ms == pytest.approx(ddp.stages[0].allreduce_ms + gather, rel=1e-12)
+
+
+def test_where_only_sharded_stages_fit_auto_chooses_fsdp_with_the_memory_model_of_sharded_stages():
+    from lightning_hpp.planning.memory import stage_memory_bytes
+
+    prof = _lopsided()
+    got = search_plan(prof, ["fast"] * 4, batch_size=8, data_parallel=None, memory_bytes={"fast": 3.5e6})
+    assert (got.pp_degree, got.dp_degree, got.data_parallel, got.dp_shard) == (1, 4, "fsdp", 4), got.format_table()
+    est = got.stages[0]
+    scale = got.microbatch_size / prof.microbatch_size
+    want = stage_memory_bytes(BIG + SMALL, 3.0, est.in_flight, 600 * scale, dp_shard=4)
+    assert est.memory_bytes == pytest.approx(want, rel=1e-12) and est.memory_bytes <= 3.5e6
+    assert got.plan.meta["predicted"]["data_parallel"] == "fsdp" and got.plan.meta["predicted"]["dp_shard"] == 4
+    table = got.format_table()
+    assert "data_parallel=fsdp (each stage sharded over 4 replicas)" in table and "chose data_parallel=fsdp" in table
+
+
+def test_where_nothing_fits_the_error_names_the_modes_tried_and_fixed_ddp_does_not_switch():
+    prof = _lopsided()
+    with pytest.raises(PartitionError, match=r"ddp, or fsdp.*pp=1, m=1: the whole model does not fit one device "
+                                             r"\(ddp, fsdp over 4\)"):
+        search_plan(prof, ["fast"] * 4, batch_size=8, data_parallel=None, memory_bytes={"fast": 3e6})
+    # the user fixed ddp: the limit fsdp would meet is refused, not met by sharding
+    with pytest.raises(PartitionError, match=r"data parallel ddp:.*the whole model does not fit one device \(ddp\)"):
+        search_plan(prof, ["fast"] * 4, batch_size=8, data_parallel="ddp", memory_bytes={"fast": 3.5e6})
+    with pytest.raises(PartitionError, match="data_parallel='zero3'"):
+        search_plan(prof, ["fast"] * 4, batch_size=8, data_parallel="zero3")
+    with pytest.raises(PartitionError, match="dp_replicate"):
+        search_plan(prof, ["fast"] * 4, batch_size=8, data_parallel="hsdp")
+
+
+def test_fixed_sharding_is_scored_for_every_candidate():
+    from lightning_hpp.planning.memory import stage_memory_bytes
+
+    prof = _lopsided()
+    # fsdp fixed: the pipeline of two positions is sharded over its 2 replicas, and holds what the memory model says
+    got = search_plan(prof, ["fast"] * 4, batch_size=8, pp_degree=2, n_microbatches=2, schedule="1f1b",
+                      data_parallel="fsdp")
+    assert (got.data_parallel, got.dp_shard, got.stages[0].in_flight) == ("fsdp", 2, 2)
+    assert got.stages[0].memory_bytes == pytest.approx(stage_memory_bytes(BIG, 3.0, 2, 300, dp_shard=2))
+    # reshard_after_forward with one micro-batch: one unit gathered at a time
+    one = search_plan(prof, ["fast"] * 4, batch_size=8, pp_degree=1, n_microbatches=1, data_parallel="fsdp",
+                      reshard_after_forward=True)
+    assert one.stages[0].memory_bytes == pytest.approx(stage_memory_bytes(
+        BIG + SMALL, 3.0, 1, 600, dp_shard=4, reshard_after_forward=True, largest_unit_bytes=BIG))
+    # hsdp: sharded over dp / dp_replicate; a dp that dp_replicate does not divide is excluded, saying so
+    h = search_plan(prof, ["fast"] * 4, batch_size=8, pp_degree=1, data_parallel="hsdp", dp_replicate=2)
+    assert (h.data_parallel, h.dp_shard) == ("hsdp", 2)
+    with pytest.raises(PartitionError, match="dp=2 replicas cannot form dp_replicate=4 hsdp groups"):
+        search_plan(prof, ["fast"] * 4, batch_size=8, pp_degree=2, data_parallel="hsdp", dp_replicate=4)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_where_ddp_fits_the_fsdp_branch_changes_nothing(seed):
+    """With unlimited memory auto is today's search; under a limit, wherever it keeps ddp the plan is the same."""
+    rng = random.Random(seed)
+    kinds = ["fast", "slow"][: rng.choice([1, 2])]
+    world = rng.choice([2, 4])
+    rank_kinds = [kinds[r % len(kinds)] for r in range(world)]
+    prof = _profile(rng, rng.randint(2, 5), kinds, b0=2)
+    for mem in ({}, {k: rng.choice([float("inf"), 2e6]) for k in kinds}):
+        kwargs = {"batch_size": 8, "memory_bytes": mem, "link_gbps": LINK}
+        try:
+            today = search_plan(prof, rank_kinds, **kwargs)
+        except PartitionError:
+            today = None
+        auto = search_plan(prof, rank_kinds, data_parallel=None, **kwargs) if today is not None or mem else None
+        if not mem:
+            assert auto.data_parallel == "ddp"
+        if today is not None and auto.data_parallel == "ddp":
+            assert auto.predicted() == today.predicted() and auto.ranks == today.ranks
+            # the table too, but for its last line: what was searched
+            assert auto.format_table().splitlines()[:-1] == today.format_table().splitlines()[:-1]

@@ -38,7 +38,7 @@ def test_bad_sharding_options_are_refused_at_construction(build, message):
 
 
 def test_sharding_is_taken_as_a_section_or_a_dict():
-    assert HPPStrategy()._sharding == ShardingOptions()
+    assert HPPStrategy()._sharding is None  # not given: ddp, or fsdp where plan="auto" fits only sharded stages
     assert HPPStrategy(sharding={"data_parallel": "fsdp"})._sharding == ShardingOptions(data_parallel="fsdp")
     given = ShardingOptions(data_parallel="hsdp", dp_replicate=2, reshard_after_forward=True)
     assert HPPStrategy(sharding=given)._sharding is given
@@ -396,3 +396,11 @@ def test_a_placement_that_does_not_fit_is_refused_naming_the_stage_and_the_bytes
             evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=2, **options, **kw).require_fit()
     with pytest.raises(PartitionError, match=r"dp_shard=3 must divide dp_degree=2"):
         evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=3, **kw)
+
+
+def test_a_bias_monitor_keeps_plan_auto_on_unsharded_stages():
+    from lightning_hpp.assembly.callbacks import sharding_refusals
+    from lightning_hpp.bias.monitor import BiasMonitor
+
+    assert sharding_refusals([]) == []
+    assert "BiasMonitor" in sharding_refusals([BiasMonitor()])[0]

@@ -18,7 +18,8 @@ batch) comes in :class:`SetupInputs`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +31,10 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
 
 from lightning_hpp._dist import broadcast_tensors
+from lightning_hpp.assembly.callbacks import sharding_refusals
 from lightning_hpp.assembly.placement import auto_plan, gather_kinds, kind_grid, loss_probe
 from lightning_hpp.assembly.spec import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PipelineSpec, ResolvedPlan
-from lightning_hpp.errors import PlanError, ShardingError
+from lightning_hpp.errors import PartitionError, PlacementError, PlanError, ShardingError
 from lightning_hpp.model.frontend import balanced_plan, block_names, cut_model, planning_units
 from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, materialize_stages
 from lightning_hpp.model.units import find_units
@@ -64,7 +66,9 @@ class SetupInputs:
         fitting: Whether the entry point trains.
         split_batches: Whether the train loader's batches can be made smaller (``plan="auto"``).
         precision: The precision plugin; ``trainer_precision`` the Trainer's ``precision`` flag.
-        placement, init, sharding: The strategy's option sections.
+        placement, init, sharding: The strategy's option sections (``sharding=None``: not given, so ddp, or
+            fsdp where ``plan="auto"`` finds that only sharded stages fit).
+        callbacks: The Trainer's callbacks (what sharded stages refuse among them keeps ``plan="auto"`` on ddp).
         global_step: The optimizer step being run (read by the precision guards).
         default_seed: The initializers' seed when ``init.seed`` is unset.
         recorded_speeds: Collective: the per-rank speeds the straggler watch recorded in the checkpoint the
@@ -81,7 +85,8 @@ class SetupInputs:
     trainer_precision: str | None
     placement: PlacementOptions = field(default_factory=PlacementOptions)
     init: InitOptions = field(default_factory=InitOptions)
-    sharding: ShardingOptions = field(default_factory=ShardingOptions)
+    sharding: ShardingOptions | None = None
+    callbacks: Sequence[Any] = ()
     split_batches: bool = True
     global_step: Callable[[], int] = lambda: -1
     default_seed: int = 0
@@ -130,6 +135,8 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         PlanError: a plan, schedule or layout that cannot run on this job (the same on every rank).
     """
     world, device = inputs.world_size, inputs.device
+    free_sharding = inputs.sharding is None  # plan="auto" may shard the stages where only that fits
+    inputs = dataclasses.replace(inputs, sharding=inputs.sharding or ShardingOptions())
     if spec.pp_degree is not None and spec.pp_degree > world:
         raise PlanError(f"`HPPStrategy(pp_degree={spec.pp_degree})` needs at least {spec.pp_degree} processes, one per pipeline "
                         f"position, but the job has {world}. Lower `pp_degree`, or start more processes "
@@ -145,7 +152,9 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         # the checks run the whole model, which stays where it is until it is cut (a meta model's stand-ins are on `device`)
         home = next((p.device for p in module.parameters()), device)
         batch = None if inputs.batch is None else move_data_to_device(inputs.batch, home)
-        resolved, example = resolve_plan(module, spec, inputs, batch, rank_kinds)
+        resolved, example = resolve_plan(module, spec, inputs, batch, rank_kinds, free_sharding=free_sharding)
+        if resolved.sharding is not None:  # the same on every rank: every rank ran the same search
+            inputs = dataclasses.replace(inputs, sharding=resolved.sharding)
         example = _in_stage_dtype(module, resolved.plan, example, inputs)
         # both modes whatever the entry point: a pipeline built by `validate()` is the one a later `fit()` trains
         with at_local_width(module, tp_plan, tp) if tp_plan is not None else contextlib.nullcontext():
@@ -289,18 +298,19 @@ def _shard(root: nn.Module, plan: StagePlan, stages: dict[int, StageModule], mes
                         sharding.reshard_after_forward)
 
 
-def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch: Any,
-                 rank_kinds: list[str]) -> tuple[ResolvedPlan, tuple[tuple, dict] | None]:
+def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch: Any, rank_kinds: list[str],
+                 free_sharding: bool = False) -> tuple[ResolvedPlan, tuple[tuple, dict] | None]:
     """The plan before the cut, once, and the example call the cut sees (one micro-batch of the chosen size).
 
     ``plan="auto"`` (collective), the user's plan, the ``@stage`` decorators, or a cut balanced by
-    parameter count over the model's longest block list.
+    parameter count over the model's longest block list. With ``free_sharding`` (no ``ShardingOptions``
+    given) ``plan="auto"`` may shard the stages (``resolved.sharding``) where only sharded stages fit.
     """
     schedule = spec.schedule or DEFAULT_SCHEDULE
     m = spec.n_microbatches or DEFAULT_MICROBATCHES
     if spec.auto:
         example = example_call(module, inputs.step_fn, batch, spec.n_microbatches or 1, at_least_two=False)  # profiled as is
-        resolved = _auto_plan(module, spec, inputs, batch, example, rank_kinds)
+        resolved = _auto_plan(module, spec, inputs, batch, example, rank_kinds, free_sharding)
         if example is not None:  # the cut sees one micro-batch of the chosen size
             example = example_call(module, inputs.step_fn, batch, resolved.split * resolved.n_microbatches)
         return resolved, example
@@ -349,7 +359,15 @@ def example_call(module: nn.Module, step_fn: Callable[..., Any], batch: Any, par
 
 
 def _auto_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch: Any, example: tuple | None,
-               rank_kinds: list[str]) -> ResolvedPlan:
+               rank_kinds: list[str], free_sharding: bool) -> ResolvedPlan:
+    """``plan="auto"`` on this job (collective). The stages' data-parallel mode is the user's ``ShardingOptions``,
+    or, with ``free_sharding``, ddp and fsdp where only sharded stages fit (unless the setup holds something
+    sharded stages refuse: then ddp, and the no-plan error says why fsdp was not tried).
+
+    Raises:
+        PlacementError: ``PlacementOptions(memory=...)`` names a kind no rank has.
+        PartitionError: no plan fits.
+    """
     if example is None:
         raise PlanError("plan='auto' profiles the model on one real micro-batch, but the dataloader gave no batch.")
     if has_meta_parameters(module) and inputs.placement.profile is None:
@@ -359,14 +377,29 @@ def _auto_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch
     units, unit_inputs, to_cut = planning_units(module, example)
     groups = inputs.world_size // spec.pp_degree if spec.pp_degree else 1  # the global batch of the unsearched plan
     probe = loss_probe(module, inputs.step_fn, batch, units, unit_inputs, inputs.device)
-    plan, grid, table, chosen = auto_plan(
-        units, unit_inputs, inputs.rank, rank_kinds, batch_size=batch_size_of(batch), device=inputs.device,
-        data_groups=groups, pp_degree=spec.pp_degree, schedule=spec.schedule, n_microbatches=spec.n_microbatches,
-        loss_probe=probe, profile_path=inputs.placement.profile, split_batches=inputs.split_batches and inputs.fitting,
-        speeds=inputs.recorded_speeds() if inputs.fitting else None)
+    memory, sharding = inputs.placement.memory, inputs.sharding
+    absent = sorted(set(memory or {}) - set(rank_kinds))
+    if absent:
+        raise PlacementError(f"`PlacementOptions(memory=...)` gives the memory of kind(s) {absent}, but the job's ranks "
+                             f"are {sorted(set(rank_kinds))}. Name the ranks' kinds (see `device_map`).")
+    refused = sharding_refusals(inputs.callbacks) if free_sharding else []
+    mode = sharding.data_parallel if not free_sharding else "ddp" if refused else None
+    try:
+        plan, grid, table, chosen = auto_plan(
+            units, unit_inputs, inputs.rank, rank_kinds, batch_size=batch_size_of(batch), device=inputs.device,
+            data_groups=groups, pp_degree=spec.pp_degree, schedule=spec.schedule, n_microbatches=spec.n_microbatches,
+            loss_probe=probe, profile_path=inputs.placement.profile, split_batches=inputs.split_batches and inputs.fitting,
+            speeds=inputs.recorded_speeds() if inputs.fitting else None, memory_bytes=memory, data_parallel=mode,
+            dp_replicate=sharding.dp_replicate, reshard_after_forward=bool(sharding.reshard_after_forward))
+    except PartitionError as err:
+        if not refused:
+            raise
+        raise PartitionError(f"{err} Sharded stages (data_parallel='fsdp'), which hold less per rank, were not tried: "
+                             f"{'; '.join(refused)}.") from None
     rank_zero_info(f"HPPStrategy: plan='auto' chose\n{table}")
+    chose = ShardingOptions(data_parallel=chosen.data_parallel) if free_sharding and chosen.data_parallel != "ddp" else None
     return ResolvedPlan(to_cut(plan), chosen.schedule, chosen.n_microbatches, split=chosen.dp_degree // groups, grid=grid,
-                        pp_degree=chosen.pp_degree)
+                        pp_degree=chosen.pp_degree, sharding=chose)
 
 
 def _in_stage_dtype(module: nn.Module, plan: StagePlan, example: tuple[tuple, dict] | None,

@@ -48,6 +48,14 @@ def pipeline_callbacks(callbacks: Sequence[Any], telemetry: TelemetryOptions | N
     return added
 
 
+def sharding_refusals(callbacks: Sequence[Any]) -> list[str]:
+    """What among ``callbacks`` sharded stages refuse (:func:`refuse_unkept_setups`): why ``plan="auto"``, with no
+    ``ShardingOptions`` given, keeps the stages unsharded."""
+    if any(isinstance(cb, BiasMonitor) for cb in callbacks):
+        return ["`BiasMonitor` is among the callbacks, and sharded stages hold no replica's own gradient to audit"]
+    return []
+
+
 def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fitting: bool, precision_flag: str | None,
                          sharding: ShardingOptions | None = None, callbacks: Sequence[Any] = ()) -> None:
     """Refuse what a pipeline would silently ignore: a CheckpointIO plugin, manual optimization, two default precisions;

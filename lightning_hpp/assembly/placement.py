@@ -99,6 +99,10 @@ def auto_plan(
     link_gbps: float | None = None,
     split_batches: bool = True,
     speeds: dict[int, float] | None = None,
+    memory_bytes: dict[str, float] | None = None,
+    data_parallel: str | None = "ddp",
+    dp_replicate: int | None = None,
+    reshard_after_forward: bool = False,
 ) -> tuple[StagePlan, list[list[int]], str, PartitionResult]:
     """Profile, then search the whole plan for the ranks of this job (collective).
 
@@ -125,6 +129,10 @@ def auto_plan(
         speeds: Per-rank speeds recorded by the straggler watch (``{rank: share of its kind's speed}``): the
             search plans those ranks with their kind's costs divided by the speed
             (:func:`~lightning_hpp.planning.profile.with_rank_speeds`); the profiling is as without them.
+        memory_bytes: Memory per device by kind (the ranks' own kinds; a rank planned with its own speed
+            keeps its kind's); default the datasheet's.
+        data_parallel, dp_replicate, reshard_after_forward: As for ``search_plan``: the user's
+            ``ShardingOptions``, or ``data_parallel=None`` (ddp, or fsdp where only sharded stages fit).
 
     Returns:
         The plan (with ``meta["predicted"]`` and the profile it was made from in ``meta["profile"]``), the rank grid ``grid[position][replica]``, a table
@@ -151,10 +159,12 @@ def auto_plan(
                 profile = p if profile is None else profile.merge(p)
         assert profile is not None
     planned, plan_kinds = with_rank_speeds(profile, rank_kinds, speeds)
+    memory = {p: memory_bytes[k] for p, k in zip(plan_kinds, rank_kinds) if k in memory_bytes} if memory_bytes else None
     result = search_plan(
         planned, plan_kinds, batch_size=batch_size, data_groups=data_groups, pp_degree=pp_degree,
-        n_microbatches=n_microbatches, schedule=schedule,
+        n_microbatches=n_microbatches, schedule=schedule, memory_bytes=memory,
         link_gbps=link_gbps if link_gbps is not None else DEFAULT_LINK_GBPS, split_batches=split_batches,
+        data_parallel=data_parallel, dp_replicate=dp_replicate, reshard_after_forward=reshard_after_forward,
     )
     plan = result.plan
     plan.meta["profile"] = profile.to_dict()  # what the plan was made from: re-plan offline with search_plan

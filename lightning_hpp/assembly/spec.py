@@ -112,6 +112,8 @@ class ResolvedPlan:
             batch is this much smaller (1 otherwise).
         grid: ``plan="auto"``'s rank grid ``grid[position][replica]`` (``None``: from the stages' kinds).
         pp_degree: The pipeline degree asked for or chosen (``None``: from the plan's stages).
+        sharding: The ``ShardingOptions`` ``plan="auto"`` chose where the user gave none (``None``: as given,
+            or ddp).
     """
 
     plan: StagePlan
@@ -120,6 +122,7 @@ class ResolvedPlan:
     split: int = 1
     grid: list[list[int]] | None = None
     pp_degree: int | None = None
+    sharding: Any = None
 
     @property
     def kind(self) -> ScheduleKind:

@@ -390,6 +390,9 @@ class PartitionResult:
         update_ms: The slowest position's update (all-reduce plus optimizer of all its stages), when
             replayed.
         replayed_bubble: The idle share of the replayed makespan, when replayed.
+        data_parallel: How each stage's replicas share it: ``"ddp"`` (whole on every replica), ``"fsdp"`` or
+            ``"hsdp"`` (sharded over ``dp_shard`` of them, FSDP2); what ``plan="auto"`` runs.
+        dp_shard: Replicas each stage is sharded over (1: unsharded).
     """
 
     stages: list[StageEstimate]
@@ -406,6 +409,8 @@ class PartitionResult:
     pipeline_ms: float | None = None
     update_ms: float | None = None
     replayed_bubble: float | None = None
+    data_parallel: str = "ddp"
+    dp_shard: int = 1
 
     @property
     def pp_degree(self) -> int:
@@ -491,6 +496,8 @@ class PartitionResult:
             "n_microbatches": self.n_microbatches,
             "pp_degree": self.pp_degree,
             "dp_degree": self.dp_degree,
+            "data_parallel": self.data_parallel,
+            "dp_shard": self.dp_shard,
             "stages_per_rank": self.stages_per_rank,
             "positions": list(self.positions) if self.positions is not None else list(range(self.pp_degree)),
             "stage_ms": [round(s.stage_ms, 6) for s in self.stages],
@@ -528,6 +535,8 @@ class PartitionResult:
             f"{self.label} plan: {self.schedule}, {self.n_microbatches} micro-batches per replica, "
             f"pp={self.pp_degree} x dp={self.dp_degree} ({self.devices_used} devices)"
             + (f", {self.stages_per_rank} stages per rank" if self.stages_per_rank > 1 else "")
+            + (f", data_parallel={self.data_parallel} (each stage sharded over {self.dp_shard} replicas)"
+               if self.data_parallel != "ddp" else "")
         ]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         rate = self.samples_per_s

@@ -14,7 +14,15 @@ what the user fixed, and returns the plan with the smallest predicted step time 
   interleaved ones ``m`` a multiple of their rounds);
 * the contiguous cuts of the units into ``pp * v`` stages, the device kind of every position (each
   on ``dp`` ranks of one kind when ``pp > 1``; a position's stages share its kind), and the
-  precision where the profile has several for a kind.
+  precision where the profile has several for a kind;
+* the data-parallel mode of the stages' replicas (``data_parallel``): fixed by the caller (``"ddp"``,
+  the default; ``"fsdp"``: every candidate's stages sharded over its ``dp`` replicas; ``"hsdp"``: over
+  ``dp / dp_replicate`` of them, candidates whose ``dp`` ``dp_replicate`` does not divide excluded), or
+  ``None``: memory decides. Then every structure (pp, dp, m, schedule, v, kinds) is searched with
+  ``"ddp"`` first, and only where no cut of it fits with ``dp > 1``, with ``"fsdp"`` over its ``dp``
+  replicas (``reshard_after_forward=False``; ``pp = 1`` is FSDP alone); fsdp is not tried where a
+  kind's costs are fp8 (sharded stages do not take fp8 yet). Between a ddp and an fsdp version of one
+  structure that both fit, ddp is the one kept; across structures, the step time decides.
 
 The batch: ``batch_size`` is what one *data group* draws per step (the DataLoader's batch), and
 ``data_groups`` how many distinct batches the job draws per step. A plan with ``dp`` replicas
@@ -48,9 +56,21 @@ forward and backward as the profile's ``fwd_ms`` and ``bwd_ms``; ``c_mb`` / ``c_
 schedule's fixed cost per micro-batch and per step, ``L`` the loss on the last stage (all from the
 kind's :class:`~lightning_hpp.planning.profile.Overheads`). With ``pp = 1`` (one stage, ``m``
 micro-batches in turn) the step is ``m * (F + B) + u + c_step``, the slowest kind's where the ranks
-have several. Memory: every rank must fit ``sum of its stages' params * (1 + optimizer_factor)`` plus
-the peak, over its order, of the activations its stages keep for micro-batches whose backward has
-not run (``saved_bytes * b / b0`` each).
+have several. Sharded stages (fsdp, hsdp over ``dp_shard`` ranks) add FSDP2's all-gather of their
+parameters to ``u_rank``, not overlapped, with the ring's terms::
+
+    g_s = gathers * ((dp_shard - 1) / dp_shard * params_s / allreduce_bandwidth + (dp_shard - 1) * latency)
+
+(``gathers`` = 1 per step, ``2 m`` with ``reshard_after_forward=True``), and keep the gradient
+reduction's ``a_s`` as ddp's: a sharded version of a structure is never faster than its ddp version.
+
+Memory: every rank must fit its stages' parameters, gradients and optimizer state plus the peak,
+over its order, of the activations its stages keep for micro-batches whose backward has not run
+(``saved_bytes * b / b0`` each), by :func:`~lightning_hpp.planning.memory.stage_memory_bytes` with the
+rank's stages taken together: ``params * (1 + optimizer_factor)`` unsharded, ``params * (1 +
+optimizer_factor) / dp_shard + 2 * params`` sharded (``2 *`` the largest unit with
+``reshard_after_forward=True`` and ``m = 1``: with more micro-batches the unsharded gradients of the
+whole stage stay until its last backward).
 
 The search is exact for this model wherever a structure (pp, dp, m, schedule, v, kinds) has at
 most :data:`EXACT_CUTS` cuts: every one is replayed (in one batch). Beyond, it starts from the cuts
@@ -71,6 +91,7 @@ import numpy as np
 from lightning_hpp.errors import PartitionError, PlacementError, ScheduleError
 from lightning_hpp.pipeline.schedules import SCHEDULES, check_schedule
 from lightning_hpp.planning.devices import assign_ranks, normalize_kind, stage_kind_orders
+from lightning_hpp.planning.memory import stage_memory_bytes
 from lightning_hpp.planning.partition import (
     _INF,
     DEFAULT_LINK_GBPS,
@@ -97,6 +118,9 @@ MAX_STAGES_PER_RANK = 4
 
 EXACT_CUTS = 4096
 """Structures with at most this many cuts are searched exhaustively; larger ones by local search."""
+
+DATA_PARALLEL_MODES = ("ddp", "fsdp", "hsdp")
+"""The data-parallel modes ``search_plan(data_parallel=...)`` takes (``None``: ddp, or fsdp where memory decides)."""
 
 SEARCHED_SCHEDULES = tuple(SCHEDULES)
 """Every schedule the runtime runs, in the order ties are broken (fewer stages, then this order)."""
@@ -144,9 +168,12 @@ def microbatch_options(per_replica: int, fixed: int | None, pp: int, schedule: s
 @dataclasses.dataclass
 class _PlanProblem(_Problem):
     """:class:`~lightning_hpp.planning.partition._Problem` at micro-batch size ``b = scale * b0``,
-    with the fixed costs, the loss, message latency and the optimizer of the module docstring."""
+    with the fixed costs, the loss, message latency and the optimizer of the module docstring, for stages
+    sharded over ``dp_shard`` ranks (1: unsharded) with FSDP2's ``reshard_after_forward``."""
 
     scale: float = 1.0
+    dp_shard: int = 1
+    reshard_after_forward: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -203,9 +230,26 @@ class _PlanProblem(_Problem):
         compute, talk = self.parts(k)
         return compute + talk
 
+    def held(self, params: np.ndarray, largest: np.ndarray | None, activations: np.ndarray | float, m: int) -> np.ndarray:
+        """What one rank holds for ``params`` bytes of parameters (of which the largest unit's ``largest``)
+        and ``activations`` bytes kept for the backward, under this problem's sharding
+        (:func:`~lightning_hpp.planning.memory.stage_memory_bytes`)."""
+        one_unit = self.reshard_after_forward and m == 1  # more micro-batches keep the whole stage's gradients
+        return stage_memory_bytes(params, self.optimizer_factor, 1, activations, dp_shard=self.dp_shard,
+                                  reshard_after_forward=one_unit, largest_unit_bytes=largest if one_unit else None)
+
+    def largest(self, k: int) -> np.ndarray:
+        """The largest unit's parameter bytes of every segment ``[i, j)`` on kind ``k``."""
+        units = np.asarray(self.costs[k].param_bytes, dtype=float)
+        out = np.zeros((self.n + 1, self.n + 1))
+        for i in range(self.n):
+            out[i, i + 1:] = np.maximum.accumulate(units[i:])
+        return out
+
     def memory(self, k: int, s: int, p: int, m: int) -> np.ndarray:
         _, _, params, stash = self._mats[k]
-        return params * (1 + self.optimizer_factor) + _in_flight(self.schedule, s, p, m) * stash * self.scale
+        largest = self.largest(k) if self.reshard_after_forward else None
+        return self.held(params, largest, _in_flight(self.schedule, s, p, m) * stash * self.scale, m)
 
     def optimizer(self, k: int) -> np.ndarray:
         return self._mats[k][2] / 1e6 * self._oh(k).optimizer_ms_per_mb
@@ -217,14 +261,27 @@ class _PlanProblem(_Problem):
         bandwidth = oh.allreduce_gbps * 1e6 if oh.allreduce_gbps else self._bandwidth(k)
         return _ring(dp) * self._mats[k][2] / bandwidth + latency
 
-    def allreduce(self, k: int, dp: int) -> np.ndarray:
-        return self.ring(k, dp) + self.optimizer(k)
+    def gather(self, k: int, m: int) -> np.ndarray:
+        """FSDP2's all-gathers of every segment's parameters over the ``dp_shard`` ranks it is sharded over, per
+        step and not overlapped (0 unsharded): once, or for every micro-batch's forward and backward with
+        ``reshard_after_forward``; each with the ring's terms, one way."""
+        s = self.dp_shard
+        if s <= 1:
+            return np.zeros_like(self._mats[k][2])
+        oh = self._oh(k)
+        bandwidth = oh.allreduce_gbps * 1e6 if oh.allreduce_gbps else self._bandwidth(k)
+        gathers = 2 * m if self.reshard_after_forward else 1
+        return gathers * ((s - 1) / s * self._mats[k][2] / bandwidth + (s - 1) * oh.p2p_latency_ms)
 
-    def exposed(self, k: int, dp: int, i: int, j: int) -> float:
+    def allreduce(self, k: int, dp: int, m: int = 1) -> np.ndarray:
+        return self.ring(k, dp) + self.gather(k, m) + self.optimizer(k)
+
+    def exposed(self, k: int, dp: int, i: int, j: int, m: int = 1) -> float:
         """What of segment ``[i, j)``'s all-reduce the step waits for: its buckets start during the last
-        micro-batch's backward, the first unit's (final last) after it."""
+        micro-batch's backward, the first unit's (final last) after it; and a sharded stage's all-gathers."""
         ring = self.ring(k, dp)
-        return max(float(ring[i, i + 1]), float(ring[i, j] - self._actions[k][1][i, j])) if dp > 1 else 0.0
+        gather = float(self.gather(k, m)[i, j])
+        return max(float(ring[i, i + 1]), float(ring[i, j] - self._actions[k][1][i, j])) + gather if dp > 1 else 0.0
 
     def update_free(self, dp: int) -> bool:
         return dp == 1 and all(self._oh(k).optimizer_ms_per_mb == 0 for k in range(len(self.costs)))
@@ -238,7 +295,7 @@ class _PlanProblem(_Problem):
             precision=self.costs[k].precision,
             compute_ms=float(compute[i, j]),
             comm_ms=float(talk[i, j]),
-            allreduce_ms=float(self.allreduce(k, dp)[i, j]) - opt,
+            allreduce_ms=float(self.allreduce(k, dp, m)[i, j]) - opt,
             memory_bytes=float(self.memory(k, s, p, m)[i, j]),
             memory_limit=self.groups[k].memory_limit,
             in_flight=_in_flight(self.schedule, s, p, m),
@@ -256,7 +313,7 @@ def _data_parallel(
     if any(not e.fits for e in ests):
         return None
     for k, e in zip(kinds, ests):  # the all-reduce overlaps the last micro-batch's backward
-        e.allreduce_ms = problem.exposed(k, dp, 0, n)
+        e.allreduce_ms = problem.exposed(k, dp, 0, n, m)
     slowest = max(ests, key=lambda e: (e.stage_ms, e.allreduce_ms + e.optimizer_ms))
     est = dataclasses.replace(slowest)
     update = max(ests, key=lambda e: e.allreduce_ms + e.optimizer_ms)  # the slowest kind's update
@@ -266,7 +323,7 @@ def _data_parallel(
     if len(kinds) > 1:
         est.replica_kinds = [problem.groups[k].kind for k in kinds]
         est.device = "|".join(est.replica_kinds)
-    return PartitionResult([est], problem.schedule, m, dp)
+    return PartitionResult([est], problem.schedule, m, dp, dp_shard=problem.dp_shard)
 
 
 @dataclasses.dataclass
@@ -289,8 +346,10 @@ class _Pipeline:
         self.kinds = [position_kinds[prog.rank_of[s]] for s in range(prog.n_stages)]
         self.position_kinds = list(position_kinds)
         self.cross_out, self.cross_in = prog.cross_out(), prog.cross_in()
-        self.updates = {k: problem.allreduce(k, dp) for k in set(self.kinds)}
+        self.updates = {k: problem.allreduce(k, dp, prog.m) for k in set(self.kinds)}
         self.rings = {k: problem.ring(k, dp) for k in set(self.kinds)}
+        self.gathers = {k: problem.gather(k, prog.m) for k in set(self.kinds)}
+        self.largest = {k: problem.largest(k) for k in set(self.kinds)} if problem.reshard_after_forward else None
         self.optimizers = {k: problem.optimizer(k) for k in set(self.kinds)}
         self.first_of = [min(prog.stages_of(r)) for r in range(prog.pp)]
         self.fixed = max((problem.costs[k].overheads or _NONE).step_ms for k in set(self.kinds))
@@ -301,7 +360,8 @@ class _Pipeline:
         costs = np.zeros((C, 4, S))
         params = np.zeros((C, S))
         stash = np.zeros((C, S))
-        ring, window, tail, update = (np.zeros((C, prog.pp)) for _ in range(4))
+        largest = np.zeros((C, S))
+        ring, window, tail, update, gather = (np.zeros((C, prog.pp)) for _ in range(5))
         for s, k in enumerate(self.kinds):
             i, j = cuts[:, s], cuts[:, s + 1]
             fwd, bwd, out, back, mb, lf, lb = pr._actions[k]
@@ -312,19 +372,22 @@ class _Pipeline:
             costs[:, 0, s], costs[:, 1, s], costs[:, 2, s], costs[:, 3, s] = f, b, b - w, w
             _, _, par, st = pr._mats[k]
             params[:, s], stash[:, s] = par[i, j], st[i, j] * pr.scale
+            if self.largest is not None:
+                largest[:, s] = self.largest[k][i, j]
             r = prog.rank_of[s]
             ring[:, r] += self.rings[k][i, j]
+            gather[:, r] += self.gathers[k][i, j]
             window[:, r] += bwd[i, j]
             update[:, r] += self.optimizers[k][i, j]
             if s == self.first_of[r]:  # its first unit's gradients are the rank's last ones
                 tail[:, r] = self.rings[k][i, i + 1]
         # the all-reduce overlaps each stage's last backward (pipeline/grads.py): the step waits for what is left
-        update += np.maximum(tail, ring - window) if self.dp > 1 else 0.0
+        update += np.maximum(tail, ring - window) + gather if self.dp > 1 else 0.0
         memory = prog.peak_memory(stash)
         fits = np.ones(C, dtype=bool)
         for r in range(prog.pp):
-            k = self.position_kinds[r]
-            memory[:, r] += params[:, [s for s in prog.stages_of(r)]].sum(axis=1) * (1 + pr.optimizer_factor)
+            k, own = self.position_kinds[r], list(prog.stages_of(r))
+            memory[:, r] = pr.held(params[:, own].sum(axis=1), largest[:, own].max(axis=1), memory[:, r], prog.m)
             fits &= memory[:, r] <= pr.groups[k].memory_limit
         pipeline = prog.makespan(costs)
         upd = update.max(axis=1)
@@ -389,7 +452,8 @@ class _Pipeline:
                 memory_bytes=float(scored.memory[i, r]), memory_limit=pr.groups[k].memory_limit,
                 in_flight=held[s], cost_source=pr.costs[k].source,
             ))
-        res = PartitionResult(stages, schedule, m, dp, fixed_step_ms=self.fixed, stages_per_rank=prog.stages_per_rank,
+        res = PartitionResult(stages, schedule, m, dp, dp_shard=pr.dp_shard, fixed_step_ms=self.fixed,
+                              stages_per_rank=prog.stages_per_rank,
                               positions=list(prog.rank_of), pipeline_ms=float(scored.pipeline[i]),
                               update_ms=float(scored.update[i]),
                               replayed_bubble=float(prog.bubble(scored.costs[i : i + 1])[0]))
@@ -417,6 +481,9 @@ def search_plan(
     link_gbps: float = DEFAULT_LINK_GBPS,
     max_microbatches: int = MAX_MICROBATCHES,
     split_batches: bool = True,
+    data_parallel: str | None = "ddp",
+    dp_replicate: int | None = None,
+    reshard_after_forward: bool = False,
 ) -> PartitionResult:
     """The fastest plan for these ranks under the cost model of the module docstring.
 
@@ -434,10 +501,16 @@ def search_plan(
         max_microbatches: Largest ``m`` tried when ``n_microbatches`` is not fixed.
         split_batches: Whether a data group's batch may be split between several replicas (the
             loader can be rebatched); ``False`` keeps ``dp == data_groups``.
+        data_parallel: The stages' data-parallel mode, one of :data:`DATA_PARALLEL_MODES` (fixed, as
+            ``ShardingOptions(data_parallel=...)``), or ``None``: ddp, and fsdp where no cut of a structure
+            fits with ddp (the module docstring).
+        dp_replicate: ``"hsdp"``'s replica groups (each stage sharded over ``dp / dp_replicate`` ranks).
+        reshard_after_forward: FSDP2's choice for fixed sharded stages (``None``'s fsdp takes ``False``).
 
     Returns:
-        The best plan; ``result.ranks`` is its rank grid ``ranks[stage][replica]``. Ties go to fewer
-        stages, then fewer micro-batches, then 1F1B (fewer micro-batches in flight).
+        The best plan; ``result.ranks`` is its rank grid ``ranks[stage][replica]``, ``result.data_parallel``
+        and ``result.dp_shard`` how its stages' replicas share them. Ties go to fewer stages, then fewer
+        micro-batches, then 1F1B (fewer micro-batches in flight).
 
     Raises:
         PartitionError: no candidate satisfies the constraints or fits in memory (the message says
@@ -451,6 +524,7 @@ def search_plan(
         ("max_microbatches", max_microbatches),
     ):
         check_int(value, f"search_plan({name}=...)", error=PartitionError)
+    _check_sharding(data_parallel, dp_replicate)
     if profile.microbatch_size is None:
         raise PartitionError(
             "The profile records no input shape, so its micro-batch size is unknown; profile the model on a real batch."
@@ -474,6 +548,8 @@ def search_plan(
     n = len(names)
     pps = [pp_degree] if pp_degree is not None else [p for p in range(1, min(n, world) + 1) if world % p == 0]
     b0 = profile.microbatch_size
+    fp8 = sorted(c.kind for c in costs if c.precision == "fp8")
+    tried = _modes_text(data_parallel, dp_replicate, fp8)
 
     best: tuple[tuple, PartitionResult] | None = None
     excluded: list[str] = []
@@ -489,6 +565,10 @@ def search_plan(
             excluded.append(f"pp={p}: dp={dp} replicas cannot split {data_groups} batch(es) of {batch_size} evenly")
             continue
         per_replica = batch_size // (dp // data_groups)
+        modes = _sharding_modes(data_parallel, dp, dp_replicate, fp8)
+        if isinstance(modes, str):
+            excluded.append(f"pp={p}: {modes}")
+            continue
         if p == 1:
             orders: list[list[str]] = [kinds]
         else:
@@ -514,11 +594,18 @@ def search_plan(
                     )
                 for m in ms:
                     problem = _PlanProblem(costs, groups, sched, optimizer_factor, None, scale=per_replica / m / b0)
+                    sharded = {shard: problem if shard == 1 else dataclasses.replace(
+                        problem, dp_shard=shard, reshard_after_forward=reshard_after_forward) for _, shard in modes}
+                    label = ", ".join(mode if shard == 1 else f"{mode} over {shard}" for mode, shard in modes)
                     cands = []
                     if p == 1:
-                        res = _data_parallel(problem, m, dp, names, [kinds.index(k) for k in orders[0]])
+                        for mode, shard in modes:  # the first mode whose whole model fits
+                            res = _data_parallel(sharded[shard], m, dp, names, [kinds.index(k) for k in orders[0]])
+                            if res is not None:
+                                res.data_parallel = mode
+                                break
                         if res is None:
-                            excluded.append(f"pp=1, m={m}: the whole model does not fit one device")
+                            excluded.append(f"pp=1, m={m}: the whole model does not fit one device ({label})")
                             continue
                         res.ranks = [list(range(world))]
                         res.fixed_step_ms = max((costs[kinds.index(k)].overheads or _NONE).step_ms for k in orders[0])
@@ -530,15 +617,17 @@ def search_plan(
                             if best is not None and problem.lower_bound(ks, p * v, m) > best[1].step_ms:
                                 continue  # no cut of this layout can beat the best plan so far
                             prog = prog or program(sched, p, p * v, m)
-                            pipe = _Pipeline(problem, prog, ks, dp)
-                            found = pipe.best()
-                            if found is None:
-                                continue
-                            res = pipe.result(*found, m, names, sched)
-                            res.ranks = assign_ranks(list(order), have, p, dp)
-                            cands.append(res)
+                            for mode, shard in modes:  # the first mode in which a cut of this layout fits
+                                pipe = _Pipeline(sharded[shard], prog, ks, dp)
+                                found = pipe.best()
+                                if found is not None:
+                                    res = pipe.result(*found, m, names, sched)
+                                    res.data_parallel = mode
+                                    res.ranks = assign_ranks(list(order), have, p, dp)
+                                    cands.append(res)
+                                    break
                         if not cands:
-                            excluded.append(f"pp={p}, {sched}, v={v}, m={m}: no cut fits in memory")
+                            excluded.append(f"pp={p}, {sched}, v={v}, m={m}: no cut fits in memory ({label})")
                     for res in cands:
                         res.microbatch_size = per_replica // m
                         res.label = "auto"
@@ -549,13 +638,51 @@ def search_plan(
         why = "; ".join(excluded) or "no candidates"
         raise PartitionError(
             f"plan='auto' found no plan for {world} rank(s) ({', '.join(have)}) with batch_size={batch_size}, "
-            f"pp_degree={pp_degree!r}, n_microbatches={n_microbatches!r}, schedule={schedule!r}: {why}. Relax a fixed "
-            f"value, or change the batch size."
+            f"pp_degree={pp_degree!r}, n_microbatches={n_microbatches!r}, schedule={schedule!r}, data parallel "
+            f"{tried}: {why}. Relax a fixed value, or change the batch size."
         )
     result = best[1]
     result.notes.append(
         f"searched: pp in {pps}, schedules {schedules} (up to {MAX_STAGES_PER_RANK} stages per rank), m up to "
-        f"{n_microbatches or max_microbatches}, "
-        f"global batch {batch_size * data_groups}"
+        f"{n_microbatches or max_microbatches}, data parallel {tried}, "
+        f"global batch {batch_size * data_groups}; chose data_parallel={result.data_parallel}"
     )
     return result
+
+
+def _check_sharding(data_parallel: str | None, dp_replicate: int | None) -> None:
+    if data_parallel is not None and data_parallel not in DATA_PARALLEL_MODES:
+        raise PartitionError(f"search_plan(data_parallel={data_parallel!r}): use one of {DATA_PARALLEL_MODES}, or None "
+                             f"(ddp, and fsdp where only sharded stages fit).")
+    if (data_parallel == "hsdp") != (dp_replicate is not None):
+        raise PartitionError(f"search_plan(data_parallel={data_parallel!r}, dp_replicate={dp_replicate!r}): "
+                             f"dp_replicate is hsdp's number of replica groups; give it with data_parallel='hsdp' only.")
+    if dp_replicate is not None:
+        check_int(dp_replicate, "search_plan(dp_replicate=...)", error=PartitionError)
+
+
+def _sharding_modes(data_parallel: str | None, dp: int, dp_replicate: int | None,
+                    fp8: Sequence[str]) -> list[tuple[str, int]] | str:
+    """The ``(mode, dp_shard)`` to try for a structure with ``dp`` replicas, in order (the first that fits
+    is kept), or why no mode can run it."""
+    if data_parallel == "fsdp":
+        return [("fsdp", dp)]
+    if data_parallel == "hsdp":
+        assert dp_replicate is not None
+        if dp % dp_replicate:
+            return f"dp={dp} replicas cannot form dp_replicate={dp_replicate} hsdp groups of equal size"
+        return [("hsdp", dp // dp_replicate)]
+    if data_parallel is None and dp > 1 and not fp8:
+        return [("ddp", 1), ("fsdp", dp)]
+    return [("ddp", 1)]
+
+
+def _modes_text(data_parallel: str | None, dp_replicate: int | None, fp8: Sequence[str]) -> str:
+    """What the search tries for the stages' replicas, for the table and the no-plan error."""
+    if data_parallel == "hsdp":
+        return f"hsdp (dp_replicate={dp_replicate})"
+    if data_parallel is not None:
+        return str(data_parallel)
+    if fp8:
+        return f"ddp only (fsdp not tried: {', '.join(fp8)} run fp8, which sharded stages do not take yet)"
+    return "ddp, or fsdp over the dp replicas where no ddp cut fits"

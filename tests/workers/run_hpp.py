@@ -10,6 +10,7 @@ import sys
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_hpp import HPPPrecision, HPPStrategy, StagePlan, StageSpec
 from tests.models import MLP, loaders
@@ -58,8 +59,17 @@ def run(cfg: dict, devices: int) -> None:
     )
     train, val = loaders(cfg["batch"])
     trainer.fit(model, train, val)
+    state, sharded = {}, []
+    for k, v in model.state_dict().items():
+        if "layers" in k:
+            if isinstance(v, DTensor):  # an FSDP2 shard: gathered over the stage's replicas (they hold the same names)
+                sharded.append(k)
+                v = v.full_tensor()
+            state[k] = v.detach().clone()
     out = {
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items() if "layers" in k},
+        "state": state,
+        "sharded": sharded,
+        "sharded_stages": strategy._pipeline.runner.sharded is not None,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "global_step": trainer.global_step,
         "stage_ids": strategy.stage_ids,
