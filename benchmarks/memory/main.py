@@ -25,12 +25,12 @@ Configurations per size, each in 4 fresh processes (one launch per configuration
 * ``pp2_ddp``   — ``HPPStrategy`` pp=2 × 2 whole replicas per stage (meta path);
 * ``pp2_fsdp``  — pp=2 × ``ShardingOptions(data_parallel="fsdp")``: each stage sharded over its 2 replicas
   (FSDP2, gathered once per step: ``reshard_after_forward`` defaults to False);
-* ``pp2_fsdp_raf`` — the same with ``reshard_after_forward=True`` (blocks freed after each forward; with
-  several micro-batches a step the stage is still held gathered from its first backward on);
+* ``pp2_fsdp_raf`` — the same with ``reshard_after_forward=True`` (blocks freed after each forward; the
+  stage is still held gathered from its first backward to the reduction after its last);
 * ``fsdp``      — pp=1 × fsdp 4, ``reshard_after_forward=True``: FSDP alone (Lightning's FSDPStrategy
   refuses CPU, so FSDP2 runs through HPPStrategy's one-stage path), ``--m`` micro-batches a step;
 * ``fsdp_m1``   — the same with one micro-batch a step (the whole batch at once, as FSDP alone runs):
-  the only configuration where ``reshard_after_forward`` keeps one block gathered at a time.
+  torch pipelining holds the stage gathered to the end of its backward here too.
 
 ``--optimizer adam`` trains with Adam (two moments: 16 bytes a parameter with its gradient).
 
@@ -164,8 +164,8 @@ def predict_sharded(cfg: str, blocks: int, rank: int, job: dict[str, Any], state
 
     Parameters, gradients and optimizer state per rank are the stage's ``/ dp`` under FSDP (whole under
     ddp); while a step runs FSDP2 holds ``gathered`` bytes as well (``lightning_hpp.planning.memory``:
-    the whole stage's parameters and unsharded gradients; two blocks' with ``reshard_after_forward`` only
-    when a step is one micro-batch, since torch pipelining keeps the stage gathered between micro-batches). Activations as :func:`predict`'s 1F1B count, with ``a`` of a micro-batch of the replica's batch.
+    the whole stage's parameters and unsharded gradients, with or without ``reshard_after_forward`` and at
+    any number of micro-batches: torch pipelining reshards only after the stage's last backward). Activations as :func:`predict`'s 1F1B count, with ``a`` of a micro-batch of the replica's batch.
     """
     from lightning_hpp.planning.memory import gathered_bytes
 
@@ -177,7 +177,7 @@ def predict_sharded(cfg: str, blocks: int, rank: int, job: dict[str, Any], state
     k = len(stage_blocks(blocks, pp, s))
     stage = k * b["block"] + (b["head"] if s == pp - 1 else 0)
     shards = dp if options["data_parallel"] == "fsdp" else 1
-    gathered = int(gathered_bytes(stage, shards, bool(options.get("reshard_after_forward")), b["block"], m))
+    gathered = int(gathered_bytes(stage, shards))
     a = (job["batch"] // dp // m) * w * 4
     act = min(m, pp - s) * k * a + m * a + (m * a if s < pp - 1 else 0) + 2 * a
     local = stage // shards

@@ -41,9 +41,11 @@ def default_reshard_after_forward(value: bool | None) -> bool:
     are gathered once, at the stage's first forward, and freed after its last backward (when the schedule
     reduce-scatters): one all-gather per step, at the cost of holding the stage's full parameters during the
     step (the optimizer state stays sharded). With ``True`` FSDP2 frees them after every forward and gathers
-    them again for the next forward or backward, yet saves no memory under several micro-batches: torch
-    pipelining keeps them gathered after every backward but the last, and the gradients unsharded until then
-    (``lightning_hpp.planning.memory``; measured in benchmarks/memory). torchtitan chooses ``False`` too."""
+    them again for the next forward or backward, yet the peak at the end of the backward stays: torch
+    pipelining keeps every unit gathered after its backward, the last micro-batch's included, and the
+    gradients unsharded, until the schedule's reduction after the stage's last backward
+    (``lightning_hpp.planning.memory``; measured in benchmarks/memory). It lowers only what the forwards
+    hold (GPipe's, with many micro-batches of activations). torchtitan chooses ``False`` too."""
     return False if value is None else bool(value)
 
 

@@ -68,9 +68,8 @@ Memory: every rank must fit its stages' parameters, gradients and optimizer stat
 over its order, of the activations its stages keep for micro-batches whose backward has not run
 (``saved_bytes * b / b0`` each), by :func:`~lightning_hpp.planning.memory.stage_memory_bytes` with the
 rank's stages taken together: ``params * (1 + optimizer_factor)`` unsharded, ``params * (1 +
-optimizer_factor) / dp_shard + 2 * params`` sharded (``2 *`` the largest unit with
-``reshard_after_forward=True`` and ``m = 1``: with more micro-batches the unsharded gradients of the
-whole stage stay until its last backward).
+optimizer_factor) / dp_shard + 2 * params`` sharded, whatever ``reshard_after_forward`` (torch pipelining
+keeps a sharded stage gathered, its gradients whole, until the reduction after its last backward).
 
 The search is exact for this model wherever a structure (pp, dp, m, schedule, v, kinds) has at
 most :data:`EXACT_CUTS` cuts: every one is replayed (in one batch). Beyond, it starts from the cuts
@@ -230,26 +229,14 @@ class _PlanProblem(_Problem):
         compute, talk = self.parts(k)
         return compute + talk
 
-    def held(self, params: np.ndarray, largest: np.ndarray | None, activations: np.ndarray | float, m: int) -> np.ndarray:
-        """What one rank holds for ``params`` bytes of parameters (of which the largest unit's ``largest``)
-        and ``activations`` bytes kept for the backward, under this problem's sharding
-        (:func:`~lightning_hpp.planning.memory.stage_memory_bytes`)."""
-        one_unit = self.reshard_after_forward and m == 1  # more micro-batches keep the whole stage's gradients
-        return stage_memory_bytes(params, self.optimizer_factor, 1, activations, dp_shard=self.dp_shard,
-                                  reshard_after_forward=one_unit, largest_unit_bytes=largest if one_unit else None)
-
-    def largest(self, k: int) -> np.ndarray:
-        """The largest unit's parameter bytes of every segment ``[i, j)`` on kind ``k``."""
-        units = np.asarray(self.costs[k].param_bytes, dtype=float)
-        out = np.zeros((self.n + 1, self.n + 1))
-        for i in range(self.n):
-            out[i, i + 1:] = np.maximum.accumulate(units[i:])
-        return out
+    def held(self, params: np.ndarray, activations: np.ndarray | float) -> np.ndarray:
+        """What one rank holds for ``params`` bytes of parameters and ``activations`` bytes kept for the
+        backward, under this problem's sharding (:func:`~lightning_hpp.planning.memory.stage_memory_bytes`)."""
+        return stage_memory_bytes(params, self.optimizer_factor, 1, activations, dp_shard=self.dp_shard)
 
     def memory(self, k: int, s: int, p: int, m: int) -> np.ndarray:
         _, _, params, stash = self._mats[k]
-        largest = self.largest(k) if self.reshard_after_forward else None
-        return self.held(params, largest, _in_flight(self.schedule, s, p, m) * stash * self.scale, m)
+        return self.held(params, _in_flight(self.schedule, s, p, m) * stash * self.scale)
 
     def optimizer(self, k: int) -> np.ndarray:
         return self._mats[k][2] / 1e6 * self._oh(k).optimizer_ms_per_mb
@@ -349,7 +336,6 @@ class _Pipeline:
         self.updates = {k: problem.allreduce(k, dp, prog.m) for k in set(self.kinds)}
         self.rings = {k: problem.ring(k, dp) for k in set(self.kinds)}
         self.gathers = {k: problem.gather(k, prog.m) for k in set(self.kinds)}
-        self.largest = {k: problem.largest(k) for k in set(self.kinds)} if problem.reshard_after_forward else None
         self.optimizers = {k: problem.optimizer(k) for k in set(self.kinds)}
         self.first_of = [min(prog.stages_of(r)) for r in range(prog.pp)]
         self.fixed = max((problem.costs[k].overheads or _NONE).step_ms for k in set(self.kinds))
@@ -360,7 +346,6 @@ class _Pipeline:
         costs = np.zeros((C, 4, S))
         params = np.zeros((C, S))
         stash = np.zeros((C, S))
-        largest = np.zeros((C, S))
         ring, window, tail, update, gather = (np.zeros((C, prog.pp)) for _ in range(5))
         for s, k in enumerate(self.kinds):
             i, j = cuts[:, s], cuts[:, s + 1]
@@ -372,8 +357,6 @@ class _Pipeline:
             costs[:, 0, s], costs[:, 1, s], costs[:, 2, s], costs[:, 3, s] = f, b, b - w, w
             _, _, par, st = pr._mats[k]
             params[:, s], stash[:, s] = par[i, j], st[i, j] * pr.scale
-            if self.largest is not None:
-                largest[:, s] = self.largest[k][i, j]
             r = prog.rank_of[s]
             ring[:, r] += self.rings[k][i, j]
             gather[:, r] += self.gathers[k][i, j]
@@ -387,7 +370,7 @@ class _Pipeline:
         fits = np.ones(C, dtype=bool)
         for r in range(prog.pp):
             k, own = self.position_kinds[r], list(prog.stages_of(r))
-            memory[:, r] = pr.held(params[:, own].sum(axis=1), largest[:, own].max(axis=1), memory[:, r], prog.m)
+            memory[:, r] = pr.held(params[:, own].sum(axis=1), memory[:, r])
             fits &= memory[:, r] <= pr.groups[k].memory_limit
         pipeline = prog.makespan(costs)
         upd = update.max(axis=1)
