@@ -30,7 +30,13 @@ Configurations per size, each in 4 fresh processes (one launch per configuration
 * ``fsdp``      — pp=1 × fsdp 4, ``reshard_after_forward=True``: FSDP alone (Lightning's FSDPStrategy
   refuses CPU, so FSDP2 runs through HPPStrategy's one-stage path), ``--m`` micro-batches a step;
 * ``fsdp_m1``   — the same with one micro-batch a step (the whole batch at once, as FSDP alone runs):
-  torch pipelining holds the stage gathered to the end of its backward here too.
+  torch pipelining's schedule still keeps the stage gathered with unsharded gradients to the end of the
+  backward;
+* ``fsdp_plain`` — FSDP2 as users run it alone, outside pipelining and outside Lightning: ``init_process_group("gloo")``,
+  the MLP built on the meta device, ``fully_shard(block, reshard_after_forward=True)`` per block and then on the root,
+  ``to_empty`` + the initializers HPPStrategy's materialization runs (the same weights), ``--optimizer``, and
+  ``loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)`` on the rank's batch / 4: the one configuration
+  where ``reshard_after_forward`` keeps one block gathered at a time.
 
 ``--optimizer adam`` trains with Adam (two moments: 16 bytes a parameter with its gradient).
 
@@ -68,7 +74,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 GROUP_ENV = "HPP_MEM_CGROUP"  # path prefix of the rank groups; a rank joins f"{prefix}{LOCAL_RANK}"
-CONFIGS = ("hpp", "hpp_ckpt", "hpp_eager", "ddp", "hpp_probe", "pp2_ddp", "pp2_fsdp", "pp2_fsdp_raf", "fsdp", "fsdp_m1")
+CONFIGS = ("hpp", "hpp_ckpt", "hpp_eager", "ddp", "hpp_probe", "pp2_ddp", "pp2_fsdp", "pp2_fsdp_raf", "fsdp", "fsdp_m1",
+           "fsdp_plain")
 # the sharded configurations: (pipeline stages, ShardingOptions) on the 4 ranks; the others are pp=4 (hpp*) or DDP
 SHARDED = {
     "pp2_ddp": (2, {"data_parallel": "ddp"}),
@@ -76,8 +83,9 @@ SHARDED = {
     "pp2_fsdp_raf": (2, {"data_parallel": "fsdp", "reshard_after_forward": True}),
     "fsdp": (1, {"data_parallel": "fsdp", "reshard_after_forward": True}),
     "fsdp_m1": (1, {"data_parallel": "fsdp", "reshard_after_forward": True}),  # and one micro-batch a step
+    "fsdp_plain": (1, {"data_parallel": "fsdp", "reshard_after_forward": True}),  # FSDP2 alone (plain_fsdp_worker)
 }
-ONE_MICROBATCH = ("fsdp_m1",)  # FSDP as FSDP runs alone: the whole batch in one forward and backward
+ONE_MICROBATCH = ("fsdp_m1", "fsdp_plain")  # FSDP as FSDP runs alone: the whole batch in one forward and backward
 LABELS = {
     "hpp": "HPP pp=4, meta (configure_model)",
     "hpp_ckpt": "HPP pp=4, meta + activation ckpt",
@@ -89,9 +97,11 @@ LABELS = {
     "pp2_fsdp_raf": "HPP pp=2 × fsdp 2, reshard_after_forward (meta)",
     "fsdp": "HPP pp=1 × fsdp 4, reshard_after_forward (meta)",
     "fsdp_m1": "HPP pp=1 × fsdp 4, reshard_after_forward, m=1 (meta)",
+    "fsdp_plain": "FSDP2 alone × 4, reshard_after_forward (meta, no Lightning)",
 }
 SHORT = {"hpp": "HPP\nmeta", "hpp_ckpt": "HPP meta\n+ ckpt", "hpp_eager": "HPP\nnon-meta", "ddp": "DDP",
-         "hpp_probe": "probe:\ngrads freed", "pp2_ddp": "pp2 ×\nddp2", "pp2_fsdp": "pp2 ×\nfsdp2", "pp2_fsdp_raf": "pp2 × fsdp2\nreshard", "fsdp": "fsdp4", "fsdp_m1": "fsdp4\nm=1"}
+         "hpp_probe": "probe:\ngrads freed", "pp2_ddp": "pp2 ×\nddp2", "pp2_fsdp": "pp2 ×\nfsdp2", "pp2_fsdp_raf": "pp2 × fsdp2\nreshard", "fsdp": "fsdp4", "fsdp_m1": "fsdp4\nm=1",
+         "fsdp_plain": "FSDP2\nalone"}
 CLASSES = 10
 MB = 2**20
 
@@ -165,7 +175,10 @@ def predict_sharded(cfg: str, blocks: int, rank: int, job: dict[str, Any], state
     Parameters, gradients and optimizer state per rank are the stage's ``/ dp`` under FSDP (whole under
     ddp); while a step runs FSDP2 holds ``gathered`` bytes as well (``lightning_hpp.planning.memory``:
     the whole stage's parameters and unsharded gradients, with or without ``reshard_after_forward`` and at
-    any number of micro-batches: torch pipelining reshards only after the stage's last backward). Activations as :func:`predict`'s 1F1B count, with ``a`` of a micro-batch of the replica's batch.
+    any number of micro-batches: torch pipelining reshards only after the stage's last backward). Activations
+    as :func:`predict`'s 1F1B count, with ``a`` of a micro-batch of the replica's batch. ``fsdp_plain`` (pp=1,
+    m=1, no pipelining): a quarter of the state, one block's parameters and gradients gathered at a time
+    (``2 ×`` the largest unit), and DDP's ``(blocks + 1)·a + 2a`` of the rank's batch / 4.
     """
     from lightning_hpp.planning.memory import gathered_bytes
 
@@ -177,7 +190,7 @@ def predict_sharded(cfg: str, blocks: int, rank: int, job: dict[str, Any], state
     k = len(stage_blocks(blocks, pp, s))
     stage = k * b["block"] + (b["head"] if s == pp - 1 else 0)
     shards = dp if options["data_parallel"] == "fsdp" else 1
-    gathered = int(gathered_bytes(stage, shards))
+    gathered = 2 * b["block"] if cfg == "fsdp_plain" else int(gathered_bytes(stage, shards))
     a = (job["batch"] // dp // m) * w * 4
     act = min(m, pp - s) * k * a + m * a + (m * a if s < pp - 1 else 0) + 2 * a
     local = stage // shards
@@ -366,6 +379,9 @@ def worker(job: dict[str, Any]) -> None:
     progress.mark("imported")
     cfg = job["cfg"]
     torch.manual_seed(0)
+    if cfg == "fsdp_plain":
+        plain_fsdp_worker(job, rank, progress)
+        return
     model = lightning_module(job, in_configure_model=cfg in ("hpp", "hpp_ckpt", "hpp_probe", *SHARDED))
     progress.mark("model built" if model.model is not None else "module built (model in configure_model)")
 
@@ -432,6 +448,70 @@ def worker(job: dict[str, Any]) -> None:
                   grad_bytes=sum(local(p.grad) for p in params if p.grad is not None),
                   optimizer_state_bytes=state_bytes,
                   meta_params_left=sum(p.is_meta for p in model.parameters()))
+
+
+def plain_fsdp_worker(job: dict[str, Any], rank: int, progress: Progress) -> None:
+    """``fsdp_plain``: FSDP2 on its own, as a user runs it without pipelining and without Lightning (whose
+    FSDPStrategy refuses CPU), on the launcher's ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``."""
+    import zlib
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from lightning_hpp.model.materialize import _whole
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=job["timeout"]))
+    mesh = init_device_mesh("cpu", (job["ranks"],))
+    with torch.device("meta"):  # the same LightningModule, used as a plain module: its MLP and its optimizer
+        module = lightning_module(job, in_configure_model=False)
+    progress.mark("model built on meta")
+    mlp = module.model
+    for block in list(mlp)[:-1]:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(mlp, mesh=mesh, reshard_after_forward=True)  # the root: the head
+    mlp.to_empty(device="cpu")
+    # the initial values HPPStrategy's materialization gives (lightning_hpp.model.materialize): each module's
+    # reset_parameters on the whole tensor, seeded by its name, each rank keeping its shard
+    with torch.no_grad():
+        for name, mod in module.named_modules():
+            if hasattr(mod, "reset_parameters") and any(True for _ in mod.parameters(recurse=False)):
+                torch.manual_seed(zlib.crc32(name.encode()) % 2**63)
+                with _whole(mod):
+                    mod.reset_parameters()
+    opt = module.configure_optimizers()
+    progress.mark("setup done (cut, materialized, optimizer built)")
+
+    g = torch.Generator().manual_seed(0)
+    n = job["steps"] * job["batch"]
+    data = TensorDataset(torch.randn(n, job["width"], generator=g), torch.randint(0, CLASSES, (n,), generator=g))
+    sampler = DistributedSampler(data, num_replicas=job["ranks"], rank=rank, shuffle=False)  # what Lightning's DDP adds
+    losses: list[float] = []
+    step_s: list[float] = []
+    for i, (x, y) in enumerate(DataLoader(data, batch_size=job["batch"] // job["ranks"], sampler=sampler, drop_last=True)):
+        t = time.perf_counter()
+        loss = F.cross_entropy(mlp(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_s.append(time.perf_counter() - t)
+        losses.append(float(loss.detach()))
+        progress.mark(f"step {i + 1}")
+
+    def local(t):  # a DTensor's bytes on this rank
+        t = getattr(t, "_local_tensor", t)
+        return t.numel() * t.element_size()
+
+    params = list(mlp.parameters())
+    state_bytes = sum(local(t) for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
+    progress.mark("done", losses=losses, step_s=step_s, stages="all", param_bytes=sum(local(p) for p in params),
+                  grad_bytes=sum(local(p.grad) for p in params if p.grad is not None), optimizer_state_bytes=state_bytes,
+                  meta_params_left=sum(p.is_meta for p in params))
+    dist.destroy_process_group()
 
 
 # ============================================================================================ launcher side
@@ -612,6 +692,7 @@ def killed_during(last_phase: str) -> str:
         return f"step {int(last_phase.split()[1]) + 1}"
     return {"imported": "model construction", "model built": "setup (cut / DDP wrap)",
             "module built (model in configure_model)": "setup (trace, cut, materialize)",
+            "model built on meta": "setup (shard, materialize)",
             "setup done (cut, materialized, optimizer built)": "step 1"}.get(last_phase, last_phase)
 
 
@@ -663,7 +744,8 @@ def chart(res: dict[str, Any], path: Path) -> None:
     fig = Figure(figsize=(5.2 * len(scales), 5.2))
     FigureCanvasAgg(fig)
     colors = {"hpp": "#4C72B0", "hpp_ckpt": "#64B5CD", "hpp_eager": "#8172B2", "ddp": "#DD8452", "hpp_probe": "#55A868",
-              "pp2_ddp": "#C44E52", "pp2_fsdp": "#937860", "pp2_fsdp_raf": "#DA8BC3", "fsdp": "#8C8C8C", "fsdp_m1": "#CCB974"}
+              "pp2_ddp": "#C44E52", "pp2_fsdp": "#937860", "pp2_fsdp_raf": "#DA8BC3", "fsdp": "#8C8C8C", "fsdp_m1": "#CCB974",
+              "fsdp_plain": "#2F4F4F"}
     top = max(max(x["peak_mb"] for r in res["runs"] for x in r["ranks"]), res["limit_mb"]) * 1.12
     for col, scale in enumerate(scales):
         ax = fig.add_subplot(1, len(scales), 1 + col)
