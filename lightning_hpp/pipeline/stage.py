@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
 from torch.utils.checkpoint import checkpoint
 
 from lightning_hpp.errors import PlanError
@@ -232,15 +234,34 @@ class _Stage(PipelineStage):
     """A PipelineStage that tells its StageModule when a pass only infers metadata (forward, and
     backward: torch then calls the loss function once on the inference outputs), and runs the step's
     last full backward of the stage inside ``on_last_backward(stage_index)`` when set (where the
-    gradient hand-over starts the data-parallel all-reduce of finished gradients)."""
+    gradient hand-over starts the data-parallel all-reduce of finished gradients).
+
+    An FSDP2 stage's last full backward runs as FSDP2 runs outside a pipeline: each unit is resharded
+    and its gradients reduce-scattered as soon as its backward is done. torch 2.13 runs every backward of
+    a stage with ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)`` and
+    reduces only in the schedule's ``REDUCE_GRAD`` after it, so the stage's whole parameters and unsharded
+    gradients coexist at the end of the backward; here the units free them one after another (the
+    schedule's reduction then finds nothing left to reduce and only scales). With one micro-batch a step
+    that is FSDP's own peak (one unit gathered with ``reshard_after_forward=True``); with several, the
+    gradients accumulated over the earlier micro-batches are still whole when the last backward starts."""
 
     on_last_backward: Callable[[int], contextlib.AbstractContextManager] | None = None
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        run = super().backward_maybe_with_nosync
+        if last_backward and backward_type == "full" and isinstance(self.submod, FSDPModule):
+            run = self._fsdp_last_backward
         if not (last_backward and backward_type == "full" and self.on_last_backward is not None):
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+            return run(backward_type, bwd_kwargs, last_backward=last_backward)
         with self.on_last_backward(self.stage_index):
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+            return run(backward_type, bwd_kwargs, last_backward=last_backward)
+
+    def _fsdp_last_backward(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = True) -> Any:
+        self.submod.set_is_last_backward(True)
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_requires_gradient_sync(True)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        return grads, None
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         self.submod.inferring = True
