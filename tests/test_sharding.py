@@ -353,10 +353,21 @@ def test_sharded_stages_count_one_shard_of_params_grads_and_optimizer_state_plus
 
     # unsharded: params x (1 + factor) + in-flight activations, as before
     assert stage_memory_bytes(1000, 3.0, 2, 10) == 4000 + 20
-    # sharded over 4: a quarter of params, grads and Adam state, plus the stage gathered for the step
-    # (parameters and their unsharded gradients: torch pipelining reshards and reduce-scatters only after the
-    # stage's last backward, so reshard_after_forward does not lower the peak; benchmarks/memory measures it)
-    assert stage_memory_bytes(1000, 3.0, 2, 10, dp_shard=4) == 1000 + 2000 + 20
+    # sharded over 4: a quarter of params, grads and Adam state, plus what is gathered or unsharded. Several
+    # micro-batches: the whole stage's parameters and gradients (every backward but the last keeps them, whatever
+    # reshard_after_forward)
+    for m in (2, 8):
+        for raf in (False, True):
+            assert stage_memory_bytes(1000, 3.0, 2, 10, dp_shard=4, n_microbatches=m, reshard_after_forward=raf,
+                                      largest_unit_bytes=100) == 1000 + 2000 + 20
+    # one micro-batch: the last backward reshards unit by unit, so the parameters and one unit's gradients, or
+    # with reshard_after_forward one unit's parameters and gradients (benchmarks/memory: fsdp_m1 as fsdp_plain)
+    one = dict(dp_shard=4, n_microbatches=1, largest_unit_bytes=100)
+    assert stage_memory_bytes(1000, 3.0, 1, 10, **one) == 1000 + 1100 + 10
+    assert stage_memory_bytes(1000, 3.0, 1, 10, reshard_after_forward=True, **one) == 1000 + 200 + 10
+    # the largest unit not given: counted whole
+    assert stage_memory_bytes(1000, 3.0, 1, 10, dp_shard=4, n_microbatches=1, reshard_after_forward=True) == (
+        1000 + 2000 + 10)
 
 
 def test_a_placement_that_does_not_fit_is_refused_naming_the_stage_and_the_bytes():
@@ -376,16 +387,20 @@ def test_a_placement_that_does_not_fit_is_refused_naming_the_stage_and_the_bytes
                                              r"\(parameters 8.0 MB x \(1 \+ optimizer_factor 3\) \+ 2 in-flight"
                                              r".*but the device has 30.0 MB.*ShardingOptions\(data_parallel='fsdp'\)"):
         ddp.require_fit()
-    # sharded over its 2 replicas it does not fit either: 16 MB of shards + 16 MB gathered (the stage's
-    # parameters and gradients whole while a step runs)
-    with pytest.raises(PartitionError, match=r"Stage 0 .* needs 32.0 MB per rank \(parameters 8.0 MB x \(1 \+ "
-                                             r"optimizer_factor 3\) / dp_shard 2 \+ 16.0 MB gathered"):
-        evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=2, **kw).require_fit()
-    # over 4 replicas it does: 8 + 16 MB
-    four = dict(kw, dp_degree=4)
-    fsdp = evaluate(profile, "8xa100:0.03", stages, ["a100"] * 2, dp_shard=4, **four)
-    assert fsdp.stages[0].memory_bytes == 8e6 * 4 / 4 + 2 * 8e6 + 2 * 2000
-    assert fsdp.require_fit() is fsdp and "/ dp_shard 4 + 16.0 MB gathered" in fsdp.stages[0].memory_detail
+    # sharded over its 2 replicas with one unit gathered at a time (one micro-batch a step), the same stage
+    # fits: 16 + 8 MB
+    one = dict(kw, n_microbatches=1)
+    fsdp = evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=2, reshard_after_forward=True, **one)
+    assert fsdp.stages[0].memory_bytes == 8e6 * 4 / 2 + 2 * 4e6 + 2000
+    assert fsdp.require_fit() is fsdp and "/ dp_shard 2 + 8.0 MB gathered" in fsdp.stages[0].memory_detail
+    # without reshard_after_forward, one micro-batch holds the stage's parameters and one unit's gradients
+    kept = evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=2, **one)
+    assert kept.stages[0].memory_bytes == 8e6 * 4 / 2 + 8e6 + 4e6 + 2000 and kept.fits
+    # gathered for the whole step (the default, or reshard_after_forward under 2 micro-batches), it does not
+    for options in ({}, {"reshard_after_forward": True}):
+        with pytest.raises(PartitionError, match=r"Stage 0 .* needs 32.0 MB per rank \(parameters 8.0 MB x \(1 \+ "
+                                                 r"optimizer_factor 3\) / dp_shard 2 \+ 16.0 MB gathered"):
+            evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=2, **options, **kw).require_fit()
     with pytest.raises(PartitionError, match=r"dp_shard=3 must divide dp_degree=2"):
         evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=3, **kw)
 

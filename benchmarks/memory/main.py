@@ -25,18 +25,16 @@ Configurations per size, each in 4 fresh processes (one launch per configuration
 * ``pp2_ddp``   — ``HPPStrategy`` pp=2 × 2 whole replicas per stage (meta path);
 * ``pp2_fsdp``  — pp=2 × ``ShardingOptions(data_parallel="fsdp")``: each stage sharded over its 2 replicas
   (FSDP2, gathered once per step: ``reshard_after_forward`` defaults to False);
-* ``pp2_fsdp_raf`` — the same with ``reshard_after_forward=True`` (blocks freed after each forward; the
-  stage is still held gathered from its first backward to the reduction after its last);
+* ``pp2_fsdp_raf`` — the same with ``reshard_after_forward=True`` (blocks freed after each forward; with
+  several micro-batches the stage's gradients are whole and its blocks gathered when its last backward starts);
 * ``fsdp``      — pp=1 × fsdp 4, ``reshard_after_forward=True``: FSDP alone (Lightning's FSDPStrategy
   refuses CPU, so FSDP2 runs through HPPStrategy's one-stage path), ``--m`` micro-batches a step;
-* ``fsdp_m1``   — the same with one micro-batch a step (the whole batch at once, as FSDP alone runs):
-  torch pipelining's schedule still keeps the stage gathered with unsharded gradients to the end of the
-  backward;
+* ``fsdp_m1``   — the same with one micro-batch a step (the whole batch at once, as FSDP alone runs): the
+  stage's last backward reshards block by block, so one block is gathered at a time, as in ``fsdp_plain``;
 * ``fsdp_plain`` — FSDP2 as users run it alone, outside pipelining and outside Lightning: ``init_process_group("gloo")``,
   the MLP built on the meta device, ``fully_shard(block, reshard_after_forward=True)`` per block and then on the root,
   ``to_empty`` + the initializers HPPStrategy's materialization runs (the same weights), ``--optimizer``, and
-  ``loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)`` on the rank's batch / 4: the one configuration
-  where ``reshard_after_forward`` keeps one block gathered at a time.
+  ``loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)`` on the rank's batch / 4.
 
 ``--optimizer adam`` trains with Adam (two moments: 16 bytes a parameter with its gradient).
 
@@ -174,11 +172,11 @@ def predict_sharded(cfg: str, blocks: int, rank: int, job: dict[str, Any], state
 
     Parameters, gradients and optimizer state per rank are the stage's ``/ dp`` under FSDP (whole under
     ddp); while a step runs FSDP2 holds ``gathered`` bytes as well (``lightning_hpp.planning.memory``:
-    the whole stage's parameters and unsharded gradients, with or without ``reshard_after_forward`` and at
-    any number of micro-batches: torch pipelining reshards only after the stage's last backward). Activations
-    as :func:`predict`'s 1F1B count, with ``a`` of a micro-batch of the replica's batch. ``fsdp_plain`` (pp=1,
-    m=1, no pipelining): a quarter of the state, one block's parameters and gradients gathered at a time
-    (``2 ×`` the largest unit), and DDP's ``(blocks + 1)·a + 2a`` of the rank's batch / 4.
+    the whole stage's parameters and gradients with several micro-batches; with one, the parameters and one
+    block's gradients, or two blocks' worth with ``reshard_after_forward``). Activations as :func:`predict`'s
+    1F1B count, with ``a`` of a micro-batch of the replica's batch. ``fsdp_plain`` (pp=1, m=1, no pipelining)
+    is the same count: a quarter of the state, one block's parameters and gradients gathered at a time, and
+    DDP's ``(blocks + 1)·a + 2a`` of the rank's batch / 4.
     """
     from lightning_hpp.planning.memory import gathered_bytes
 
@@ -190,7 +188,8 @@ def predict_sharded(cfg: str, blocks: int, rank: int, job: dict[str, Any], state
     k = len(stage_blocks(blocks, pp, s))
     stage = k * b["block"] + (b["head"] if s == pp - 1 else 0)
     shards = dp if options["data_parallel"] == "fsdp" else 1
-    gathered = 2 * b["block"] if cfg == "fsdp_plain" else int(gathered_bytes(stage, shards))
+    raf = bool(options.get("reshard_after_forward"))
+    gathered = int(gathered_bytes(stage, shards, n_microbatches=m, reshard_after_forward=raf, largest_unit_bytes=b["block"]))
     a = (job["batch"] // dp // m) * w * 4
     act = min(m, pp - s) * k * a + m * a + (m * a if s < pp - 1 else 0) + 2 * a
     local = stage // shards

@@ -591,12 +591,13 @@ def _precision_map(precision: str | Mapping[str, str] | None, kinds: Sequence[st
 
 def _estimate(
     costs: KindCosts, group: DeviceGroup, i: int, j: int, s: int, p: int, m: int, dp: int, schedule: str,
-    optimizer_factor: float, unit_names: Sequence[str], dp_shard: int = 1,
+    optimizer_factor: float, unit_names: Sequence[str], dp_shard: int = 1, reshard_after_forward: bool = False,
 ) -> StageEstimate:
     link = group.link_gbps * 1e6  # bytes per ms
     fl = _in_flight(schedule, s, p, m)
     params = costs.params(i, j)
-    sharding = {"dp_shard": dp_shard}
+    sharding = dict(dp_shard=dp_shard, reshard_after_forward=reshard_after_forward, n_microbatches=m,
+                    largest_unit_bytes=max(costs.params(u, u + 1) for u in range(i, j)))
     return StageEstimate(
         units=list(unit_names[i:j]),
         device=group.kind,
@@ -625,6 +626,7 @@ def evaluate(
     optimizer_factor: float = 3.0,
     label: str = "given",
     dp_shard: int = 1,
+    reshard_after_forward: bool = False,
 ) -> PartitionResult:
     """Predict the numbers of a given placement (the cost model :func:`partition` minimises).
 
@@ -635,8 +637,8 @@ def evaluate(
         stage_kinds: Device kind of every stage.
         schedule, n_microbatches, dp_degree, precision, optimizer_factor: As for :func:`partition`.
         label: Name shown in the table.
-        dp_shard: Stages sharded over ``dp_shard`` of their ``dp_degree`` replicas (FSDP2; 1: unsharded):
-            the memory model of
+        dp_shard, reshard_after_forward: Stages sharded over ``dp_shard`` of their ``dp_degree`` replicas
+            (FSDP2; 1: unsharded) and FSDP2's choice for them: the memory model of
             :mod:`lightning_hpp.planning.memory` (:meth:`PartitionResult.require_fit` refuses what does not fit).
 
     Returns:
@@ -674,7 +676,7 @@ def evaluate(
             )
         costs = _choose_costs(profile, kind, fixed.get(kind))
         out.append(_estimate(costs, group, i, i + len(units), s, p, m, dp, schedule, optimizer_factor, profile.unit_names,
-                             dp_shard=shard))
+                             dp_shard=shard, reshard_after_forward=reshard_after_forward))
         i += len(units)
     return PartitionResult(out, schedule, m, dp, profile.microbatch_size, label)
 

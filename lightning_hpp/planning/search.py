@@ -68,8 +68,9 @@ Memory: every rank must fit its stages' parameters, gradients and optimizer stat
 over its order, of the activations its stages keep for micro-batches whose backward has not run
 (``saved_bytes * b / b0`` each), by :func:`~lightning_hpp.planning.memory.stage_memory_bytes` with the
 rank's stages taken together: ``params * (1 + optimizer_factor)`` unsharded, ``params * (1 +
-optimizer_factor) / dp_shard + 2 * params`` sharded, whatever ``reshard_after_forward`` (torch pipelining
-keeps a sharded stage gathered, its gradients whole, until the reduction after its last backward).
+optimizer_factor) / dp_shard + gathered`` sharded, where ``gathered`` is ``2 * params`` with several
+micro-batches, and with one ``params`` plus the largest unit's (``2 *`` the largest unit's with
+``reshard_after_forward=True``).
 
 The search is exact for this model wherever a structure (pp, dp, m, schedule, v, kinds) has at
 most :data:`EXACT_CUTS` cuts: every one is replayed (in one batch). Beyond, it starts from the cuts
@@ -229,14 +230,26 @@ class _PlanProblem(_Problem):
         compute, talk = self.parts(k)
         return compute + talk
 
-    def held(self, params: np.ndarray, activations: np.ndarray | float) -> np.ndarray:
-        """What one rank holds for ``params`` bytes of parameters and ``activations`` bytes kept for the
-        backward, under this problem's sharding (:func:`~lightning_hpp.planning.memory.stage_memory_bytes`)."""
-        return stage_memory_bytes(params, self.optimizer_factor, 1, activations, dp_shard=self.dp_shard)
+    def held(self, params: np.ndarray, largest: np.ndarray | None, activations: np.ndarray | float, m: int) -> np.ndarray:
+        """What one rank holds for ``params`` bytes of parameters (of which the largest unit's ``largest``)
+        and ``activations`` bytes kept for the backward, under this problem's sharding
+        (:func:`~lightning_hpp.planning.memory.stage_memory_bytes`)."""
+        return stage_memory_bytes(params, self.optimizer_factor, 1, activations, dp_shard=self.dp_shard,
+                                  n_microbatches=m, reshard_after_forward=self.reshard_after_forward,
+                                  largest_unit_bytes=largest)
+
+    def largest(self, k: int) -> np.ndarray:
+        """The largest unit's parameter bytes of every segment ``[i, j)`` on kind ``k``."""
+        units = np.asarray(self.costs[k].param_bytes, dtype=float)
+        out = np.zeros((self.n + 1, self.n + 1))
+        for i in range(self.n):
+            out[i, i + 1:] = np.maximum.accumulate(units[i:])
+        return out
 
     def memory(self, k: int, s: int, p: int, m: int) -> np.ndarray:
         _, _, params, stash = self._mats[k]
-        return self.held(params, _in_flight(self.schedule, s, p, m) * stash * self.scale)
+        largest = self.largest(k) if self.dp_shard > 1 and m == 1 else None
+        return self.held(params, largest, _in_flight(self.schedule, s, p, m) * stash * self.scale, m)
 
     def optimizer(self, k: int) -> np.ndarray:
         return self._mats[k][2] / 1e6 * self._oh(k).optimizer_ms_per_mb
@@ -336,6 +349,8 @@ class _Pipeline:
         self.updates = {k: problem.allreduce(k, dp, prog.m) for k in set(self.kinds)}
         self.rings = {k: problem.ring(k, dp) for k in set(self.kinds)}
         self.gathers = {k: problem.gather(k, prog.m) for k in set(self.kinds)}
+        one = problem.dp_shard > 1 and prog.m == 1  # one micro-batch: the largest unit bounds what is gathered
+        self.largest = {k: problem.largest(k) for k in set(self.kinds)} if one else None
         self.optimizers = {k: problem.optimizer(k) for k in set(self.kinds)}
         self.first_of = [min(prog.stages_of(r)) for r in range(prog.pp)]
         self.fixed = max((problem.costs[k].overheads or _NONE).step_ms for k in set(self.kinds))
@@ -346,6 +361,7 @@ class _Pipeline:
         costs = np.zeros((C, 4, S))
         params = np.zeros((C, S))
         stash = np.zeros((C, S))
+        largest = np.zeros((C, S))
         ring, window, tail, update, gather = (np.zeros((C, prog.pp)) for _ in range(5))
         for s, k in enumerate(self.kinds):
             i, j = cuts[:, s], cuts[:, s + 1]
@@ -357,6 +373,8 @@ class _Pipeline:
             costs[:, 0, s], costs[:, 1, s], costs[:, 2, s], costs[:, 3, s] = f, b, b - w, w
             _, _, par, st = pr._mats[k]
             params[:, s], stash[:, s] = par[i, j], st[i, j] * pr.scale
+            if self.largest is not None:
+                largest[:, s] = self.largest[k][i, j]
             r = prog.rank_of[s]
             ring[:, r] += self.rings[k][i, j]
             gather[:, r] += self.gathers[k][i, j]
@@ -370,7 +388,7 @@ class _Pipeline:
         fits = np.ones(C, dtype=bool)
         for r in range(prog.pp):
             k, own = self.position_kinds[r], list(prog.stages_of(r))
-            memory[:, r] = pr.held(params[:, own].sum(axis=1), memory[:, r])
+            memory[:, r] = pr.held(params[:, own].sum(axis=1), largest[:, own].max(axis=1), memory[:, r], prog.m)
             fits &= memory[:, r] <= pr.groups[k].memory_limit
         pipeline = prog.makespan(costs)
         upd = update.max(axis=1)
