@@ -38,14 +38,14 @@ def default_reshard_after_forward(value: bool | None) -> bool:
     """``reshard_after_forward`` for a stage under a micro-batched schedule: ``None`` means ``False``.
 
     A pipeline stage runs ``n_microbatches`` forwards and backwards per step. With ``False`` the parameters
-    are gathered once, at the stage's first forward, and freed after its last backward (when the schedule
-    reduce-scatters): one all-gather per step, at the cost of holding the stage's full parameters during the
-    step (the optimizer state stays sharded). With ``True`` FSDP2 frees them after every forward and gathers
-    them again for the next forward or backward, yet the peak at the end of the backward stays: torch
-    pipelining keeps every unit gathered after its backward, the last micro-batch's included, and the
-    gradients unsharded, until the schedule's reduction after the stage's last backward
-    (``lightning_hpp.planning.memory``; measured in benchmarks/memory). It lowers only what the forwards
-    hold (GPipe's, with many micro-batches of activations). torchtitan chooses ``False`` too."""
+    are gathered once, at the stage's first forward, and freed unit by unit in its last backward: one
+    all-gather per step, at the cost of holding the stage's full parameters during the step (the optimizer
+    state stays sharded). With ``True`` FSDP2 frees them after every forward and gathers them again for the
+    next forward or backward; with several micro-batches that lowers only what the forwards hold (GPipe's,
+    with many micro-batches of activations), since every backward but the last keeps its units gathered
+    and their gradients unsharded; with one micro-batch a step it keeps one unit gathered at a time, as FSDP
+    alone does (:mod:`lightning_hpp.planning.memory`; measured in benchmarks/memory). torchtitan chooses
+    ``False`` for pipelines too."""
     return False if value is None else bool(value)
 
 
