@@ -220,7 +220,7 @@ class SlowdownDetector:
             self._since = None
             return None
         if self._since is None:
-            self._since = (flagged[0][0], now - value_ms / 1e3)
+            self._since = (self._onset(), now - value_ms / 1e3)
         if len(self._recent) < self.steps or not slow or now - self._since[1] < self.min_s:
             return None
         found = Slowdown(since_step=self._since[0], step=step, measured_ms=statistics.median(v for _, v in flagged),
@@ -230,6 +230,18 @@ class SlowdownDetector:
         self._recent.clear()
         self._since = None
         return found
+
+    def _onset(self) -> int:
+        """The slowdown's first step: the earliest slow step of the window with no two fast steps in a row
+        after it (a noisy step a few steps before the change is not where it began; one fast step inside a
+        slowdown, as a quota's, does not cut it)."""
+        onset, fast = self._recent[-1][0], 0
+        for s, _, slow in reversed(self._recent):
+            if slow:
+                onset, fast = s, 0
+            elif (fast := fast + 1) == 2:
+                break
+        return onset
 
 
 @dataclass
