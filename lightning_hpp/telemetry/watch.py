@@ -235,13 +235,13 @@ class SlowdownDetector:
         """The slowdown's first step: the earliest slow step of the window with no two fast steps in a row
         after it (a noisy step a few steps before the change is not where it began; one fast step inside a
         slowdown, as a quota's, does not cut it)."""
-        onset, fast = self._recent[-1][0], 0
+        onset, fast = None, 0
         for s, _, slow in reversed(self._recent):
             if slow:
                 onset, fast = s, 0
             elif (fast := fast + 1) == 2:
                 break
-        return onset
+        return onset if onset is not None else next(s for s, _, slow in self._recent if slow)
 
 
 @dataclass
