@@ -80,6 +80,12 @@ def test_a_noisy_step_before_the_change_is_not_where_the_slowdown_began():
     assert f.since_step == 100 and 100 < step < 100 + WatchOptions().steps
 
 
+def test_min_s_counts_from_the_slowdowns_first_step():
+    # 200 ms steps from step 100: 1 s of slowdown has passed at the end of step 104, when most of the window is slow
+    (step, f), = _feed(_detector(min_s=1.0), [20.0] * 100 + [200.0] * 50)
+    assert (f.since_step, step) == (100, 104)
+
+
 def test_detector_finds_an_intermittent_quota_and_skips_warmup():
     d = _detector(warmup=10, min_s=0.0)
     # a quota that pauses the rank in two steps of three, from step 50 on; the first 10 steps are 10x slow (warm-up)

@@ -177,8 +177,8 @@ class SlowdownDetector:
         self.ratio, self.steps, self.warmup, self.min_ms, self.min_s = ratio, steps, warmup, min_ms, min_s
         self._seen = 0
         self._base: deque[float] = deque(maxlen=window)
-        self._recent: deque[tuple[int, float, bool]] = deque(maxlen=steps)
-        self._since: tuple[int, float] | None = None  # first slow step of the current slowdown, and when
+        self._recent: deque[tuple[int, float, bool, float]] = deque(maxlen=steps)  # step, ms, slow, its start
+        self._since: tuple[int, float] | None = None  # first slow step of the current slowdown, and when it began
 
     @property
     def baseline_ms(self) -> float | None:
@@ -190,7 +190,7 @@ class SlowdownDetector:
         base = self.baseline_ms
         if base is None or not self._recent or base <= 0:
             return 0.0
-        return statistics.median(v for _, v, _ in self._recent) / base
+        return statistics.median(r[1] for r in self._recent) / base
 
     def threshold(self) -> float | None:
         """Above this a step is slow (``None`` while the baseline fills)."""
@@ -212,15 +212,15 @@ class SlowdownDetector:
             self._base.append(value_ms)
             return None
         slow = value_ms > limit
-        self._recent.append((step, value_ms, slow))
+        self._recent.append((step, value_ms, slow, now - value_ms / 1e3))
         if not slow:
             self._base.append(value_ms)
-        flagged = [(s, v) for s, v, f in self._recent if f]
+        flagged = [(s, v) for s, v, f, _ in self._recent if f]
         if 2 * len(flagged) <= len(self._recent):
             self._since = None
             return None
         if self._since is None:
-            self._since = (self._onset(), now - value_ms / 1e3)
+            self._since = self._onset()
         if len(self._recent) < self.steps or not slow or now - self._since[1] < self.min_s:
             return None
         found = Slowdown(since_step=self._since[0], step=step, measured_ms=statistics.median(v for _, v in flagged),
@@ -231,17 +231,17 @@ class SlowdownDetector:
         self._since = None
         return found
 
-    def _onset(self) -> int:
-        """The slowdown's first step: the earliest slow step of the window with no two fast steps in a row
-        after it (a noisy step a few steps before the change is not where it began; one fast step inside a
-        slowdown, as a quota's, does not cut it)."""
+    def _onset(self) -> tuple[int, float]:
+        """The slowdown's first step and when it began: the earliest slow step of the window with no two fast
+        steps in a row after it (a noisy step a few steps before the change is not where it began; one fast
+        step inside a slowdown, as a quota's, does not cut it). ``min_s`` counts from its start."""
         onset, fast = None, 0
-        for s, _, slow in reversed(self._recent):
+        for step, _, slow, start in reversed(self._recent):
             if slow:
-                onset, fast = s, 0
+                onset, fast = (step, start), 0
             elif (fast := fast + 1) == 2:
                 break
-        return onset if onset is not None else next(s for s, _, slow in self._recent if slow)
+        return onset if onset is not None else next((r[0], r[3]) for r in self._recent if r[2])
 
 
 @dataclass
