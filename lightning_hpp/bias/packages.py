@@ -3,12 +3,12 @@ snapshot record them, cached across processes.
 
 Reading every distribution's metadata (a few hundred ``METADATA`` files) takes 0.2-1.4 s on a loaded
 2-core machine, and every rank does it at every fit start: a restarted job pays it again before its
-first step. The list depends only
-on the directories of the import path, so it is cached in one file (``$XDG_CACHE_HOME/lightning_hpp/``,
-default ``~/.cache/lightning_hpp/``) under a key made of the interpreter, every ``sys.path`` entry and the
-modification time of each entry that holds distributions: installing, removing or upgrading one (pip, uv,
-conda, an editable install) adds or removes its ``*.dist-info`` directory, which changes the time of the
-directory holding it, so the key changes and the list is read again. A cache that cannot be read or
+first step. The list depends only on the directories of the import path, so it is cached in one file
+(``$XDG_CACHE_HOME/lightning_hpp/``, default ``~/.cache/lightning_hpp/``) under a key made of the
+interpreter, every ``sys.path`` entry and the modification time of each entry that holds distributions:
+installing, removing or upgrading one (pip, uv, conda, an editable install) adds or removes its
+``*.dist-info`` directory, which changes the time of the directory holding it, so the key changes and the
+list is read again. A cache that cannot be read or
 written is not an error: the list is then read from the metadata, as without a cache.
 """
 
