@@ -123,14 +123,17 @@ def test_checkpoint_loads_under_other_cuts_and_dp_degrees(shared):
             assert torch.equal(optim[k]["momentum_buffer"], saved_optim[k]["momentum_buffer"]), f"{tag}: momentum of {k}"
 
 
-def test_kill_9_under_torchrun_restarts_resumes_and_matches(shared, tmp_path):
+@pytest.mark.parametrize("launcher", ["torch.distributed.run", "lightning_hpp.torchrun"])
+def test_kill_9_under_torchrun_restarts_resumes_and_matches(shared, tmp_path, launcher):
+    """torchrun execs fresh workers; ``lightning_hpp.torchrun`` forks them from a forkserver that imported
+    Lightning once, so the restarted workers (and the first ones) find it imported before the script runs."""
     ckpt = str(tmp_path / "ckpt")
     for r in (0, 1):
         shutil.copy(shared[0] / f"full_rank{r}.pt", tmp_path)  # the uninterrupted 12-step run
     cfg = {"stages": TWO, "steps": 12, "tag": "elastic", "out": str(tmp_path), "ckpt_dir": ckpt, "every": 2, "resume": "auto", "kill_at": 5, "kill_rank": 1}
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.5",
+        [sys.executable, "-m", launcher, "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.5",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{find_free_network_port()}", "-m", "tests.workers.run_resume", json.dumps(cfg)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
     )
@@ -139,11 +142,16 @@ def test_kill_9_under_torchrun_restarts_resumes_and_matches(shared, tmp_path):
     first = json.loads((tmp_path / "first_step_after_restart").read_text())
     # the restarted job resumed from the step-4 checkpoint (the kill came after step 5) ...
     assert first["global_step"] == 5
+    assert first["preloaded"] is (launcher == "lightning_hpp.torchrun")
+    # per-worker state read at import is the worker's own: torchrun's OMP_NUM_THREADS=1, Lightning's rank-zero
+    # messages on rank 0 only (once per attempt)
+    assert first["threads"] == int(os.environ.get("OMP_NUM_THREADS", "1"))
+    assert (proc.stdout + proc.stderr).count("GPU available") == 2, proc.stderr[-3000:]
     assert _load(tmp_path, "elastic", 0)["resumed_from"].endswith("step-4")
     # ... and ended bitwise equal to the uninterrupted run
     _assert_bitwise(tmp_path, "full", "elastic")
     recovery = first["time"] - killed_at
-    print(f"recovery time (kill -9 -> first resumed step): {recovery:.1f} s")
+    print(f"recovery time under {launcher} (kill -9 -> first resumed step): {recovery:.1f} s")
     (tmp_path / "recovery_seconds").write_text(f"{recovery:.2f}")
     assert recovery < 120
 

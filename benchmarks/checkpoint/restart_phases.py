@@ -17,7 +17,10 @@ step 5 of the first attempt), run through this script's worker, which stamps, in
   fingerprints, callbacks) up to the first batch;
 * ``first step``: the first resumed step.
 
-Rank 0's stamps are reported (the first step ends on both ranks together). Usage::
+Rank 0's stamps are reported (the first step ends on both ranks together). Each run is made under both
+launchers, one after the other (paired): ``torchrun`` (``python -m torch.distributed.run``: every worker a
+fresh ``python``) and ``lightning_hpp.torchrun`` (the same agent; workers forked from a forkserver that has
+imported torch, Lightning and lightning_hpp). Usage::
 
     python benchmarks/checkpoint/restart_phases.py --runs 3
 """
@@ -125,13 +128,16 @@ def phases(stamps: dict[str, float], sums: dict[str, float], killed_at: float) -
     }
 
 
-def one_run(out: Path) -> dict[str, Any]:
+LAUNCHERS = {"torchrun": "torch.distributed.run", "lightning_hpp.torchrun": "lightning_hpp.torchrun"}
+
+
+def one_run(out: Path, launcher: str) -> dict[str, Any]:
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
     cfg = {"stages": [["layers.0-3"], ["layers.4-6"]], "steps": 8, "tag": "phases", "out": str(out), "ckpt_dir": str(out / "ckpt"),
            "every": 2, "resume": "auto", "kill_at": 5, "kill_rank": 1}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.5",
+        [sys.executable, "-m", LAUNCHERS[launcher], "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.5",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{find_free_network_port()}", str(Path(__file__).resolve()),
          "--worker", json.dumps(cfg)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
@@ -149,25 +155,32 @@ def one_run(out: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--launchers", nargs="+", default=list(LAUNCHERS), choices=list(LAUNCHERS))
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         sys.path.insert(0, str(ROOT))
         worker(json.loads(args.worker))
         return
-    rows = []
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in args.launchers}
     load = [os.getloadavg()]
     for i in range(args.runs):
-        with tempfile.TemporaryDirectory(prefix="hpp-restart-") as d:
-            rows.append(one_run(Path(d)))
-        print(f"run {i}: {rows[-1]['total']:.2f} s", flush=True)
+        for name in args.launchers:
+            with tempfile.TemporaryDirectory(prefix="hpp-restart-") as d:
+                rows[name].append(one_run(Path(d), name))
+            print(f"run {i}, {name}: {rows[name][-1]['total']:.2f} s", flush=True)
     load.append(os.getloadavg())
-    lines = ["| phase of the restarted rank 0 | median (s) | runs (s) |", "|---|---:|---|"]
-    for name in [*PHASES, "total"]:
-        values = [r[name] for r in rows]
-        label = "**kill → end of the first resumed step**" if name == "total" else name
-        lines.append(f"| {label} | {statistics.median(values):.2f} | {', '.join(f'{v:.2f}' for v in values)} |")
-    print(f"load average {load[0]} -> {load[1]}; every run resumed at step {[r['resumed_at_step'] for r in rows]}")
+    head = " | ".join(f"{name}: median (s) | runs (s)" for name in args.launchers)
+    lines = [f"| phase of the restarted rank 0 | {head} |", "|---|" + "---:|---|" * len(args.launchers)]
+    for phase in [*PHASES, "total"]:
+        label = "**kill → end of the first resumed step**" if phase == "total" else phase
+        cells = []
+        for name in args.launchers:
+            values = [r[phase] for r in rows[name]]
+            cells.append(f"{statistics.median(values):.2f} | {', '.join(f'{v:.2f}' for v in values)}")
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    resumed = {name: [r["resumed_at_step"] for r in rows[name]] for name in args.launchers}
+    print(f"load average {load[0]} -> {load[1]}; every run resumed at step {resumed}")
     print("\n".join(lines))
 
 

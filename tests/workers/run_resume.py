@@ -11,6 +11,8 @@ import signal
 import sys
 import time
 
+PRELOADED = "lightning" in sys.modules  # before this script's imports: a worker of lightning_hpp.torchrun
+
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -69,7 +71,8 @@ class _FirstStepStamp(Callback):
         if not self.done and trainer.global_rank == 0:
             self.done = True
             with open(self.path, "w") as f:
-                f.write(json.dumps({"time": time.time(), "global_step": trainer.global_step}))
+                f.write(json.dumps({"time": time.time(), "global_step": trainer.global_step, "preloaded": PRELOADED,
+                                    "threads": torch.get_num_threads()}))
 
 
 def main(cfg: dict) -> None:
