@@ -24,6 +24,7 @@ next restart. Python's string-hash seed is the forkserver's, shared by the job's
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import multiprocessing
 import os
@@ -42,14 +43,18 @@ def _worker(kind: str, target: str, *script_args: str) -> None:
         if reconfigure is not None:
             reconfigure(line_buffering=True)
     _reset_preloaded_state()
-    if kind == "module":
-        sys.argv = [target, *script_args]  # run_module(alter_sys=True) replaces argv[0] with the module's path
-        sys.path.insert(0, os.getcwd())
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = [target, *script_args]
-        sys.path.insert(0, os.path.dirname(target))
-        runpy.run_path(target, run_name="__main__")
+    sys.argv = [target, *script_args]
+    try:
+        if kind == "module":  # as ``python -m``: the working directory first on the path, argv[0] the module's file
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(target))
+            runpy.run_path(target, run_name="__main__")
+    finally:
+        # a multiprocessing worker ends in os._exit, which skips atexit: run its handlers as an interpreter's
+        # exit would (lightning_hpp's finishes a background checkpoint upload and closes the process groups)
+        atexit._run_exitfuncs()
 
 
 def _reset_preloaded_state() -> None:

@@ -1,8 +1,14 @@
 """``python -m lightning_hpp.torchrun``'s refusals (its restarts are in ``test_resume.py``)."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from lightning_hpp import torchrun
+from tests.launch import ROOT
 
 
 @pytest.mark.parametrize(("argv", "said"), [
@@ -21,3 +27,29 @@ def test_bad_launches_are_refused_before_any_worker_starts(argv, said, capsys):
 def test_a_script_option_named_like_a_launcher_option_is_the_script_s():
     assert not torchrun._given(["--nproc-per-node", "2", "train.py", "--start-method", "x"], "train.py", "--start-method")
     assert torchrun._given(["--start_method=spawn", "train.py"], "train.py", "--start-method", "--start_method")
+
+
+SCRIPT = '''
+import atexit, json, os, sys
+preloaded = "lightning" in sys.modules
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+seen = {"name": __name__, "argv": sys.argv, "path0": sys.path[0], "preloaded": preloaded,
+        "rank_zero_only": rank_zero_only.rank, "rank": int(os.environ["RANK"])}
+atexit.register(lambda: open(os.path.join(sys.argv[1], f"rank{seen['rank']}.json"), "w").write(json.dumps(seen)))
+'''
+
+
+def test_workers_run_the_script_as_python_would_with_lightning_imported_and_atexit_run(tmp_path):
+    script = tmp_path / "scripts" / "train.py"
+    script.parent.mkdir()
+    script.write_text(SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "lightning_hpp.torchrun", "--standalone", "--nproc-per-node", "2",
+                           str(script.relative_to(tmp_path)), str(out), "--flag"],
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        seen = json.loads((out / f"rank{rank}.json").read_text())  # written by the script's atexit handler
+        assert seen == {"name": "__main__", "argv": [str(script), str(out), "--flag"], "path0": str(script.parent),
+                        "preloaded": True, "rank_zero_only": rank, "rank": rank}
