@@ -4,12 +4,13 @@
 ``-m package.module`` too) takes torchrun's options and runs torch's own elastic agent: the rendezvous,
 ``--max-restarts``, the monitoring, ``--log-dir``/``--redirects``/``--tee``. What it changes is how a worker
 process starts. torchrun execs ``python script.py`` per worker, so every worker, and every worker of every
-restart, imports torch and Lightning again: on a small CPU host that is 5–8 s of a 6–9 s restart. Here the
-workers are forks of a multiprocessing *forkserver* that imported those modules (and ``--preload`` ones)
-once, when the job started; a worker sets its environment (``RANK``, ``LOCAL_RANK``, ``TORCHELASTIC_*``,
-...), then runs the script as ``__main__`` with ``runpy`` (``sys.argv`` and ``sys.path[0]`` as ``python``
-sets them). The forkserver outlives the workers, so a restart after a failed or killed rank costs the
-agent's detection and rendezvous, a fork and the script, not the imports.
+restart, imports torch and Lightning again: on a 2-core CPU host 6–7 s of a 7–8 s restart after ``kill -9``
+(1.3–1.6 s here; ``benchmarks/checkpoint/RECOVERY.md``). Here the workers are forks of a multiprocessing
+*forkserver* that imported those modules (and ``--preload`` ones) once, when the job started; a worker sets
+its environment (``RANK``, ``LOCAL_RANK``, ``TORCHELASTIC_*``, ...), then runs the script as ``__main__``
+with ``runpy`` (``sys.argv`` and ``sys.path[0]`` as ``python`` sets them). The forkserver outlives the
+workers, so a restart after a failed or killed rank costs the agent's detection and rendezvous, a fork and
+the script, not the imports.
 
 What a worker shares with its forkserver: the modules it preloaded, imported once with the launcher's
 environment. Per-worker state those modules read at import is set again here: Lightning's
