@@ -10,6 +10,12 @@ busy-loop process instead, which the kernel's fair scheduler also halves it with
 which one ran. The group (or the busy loop) is removed afterwards, also when something fails.
 With ``--equal`` nothing is throttled: two equal cores, one kind (``cpu``).
 
+``--ranks 4`` runs four ranks, two per core (ranks 0 and 1 on core 0, 2 and 3 on core 1), each held by
+a cgroup quota of its own so that each is a device of fixed speed: half a core each with ``--equal``;
+otherwise half a core for the ``fast`` ranks 0 and 1 and ``--quota`` of that for the ``slow`` ranks 2
+and 3 (a quarter of core 1 each at the default 0.5). The hand plans then have 4 pipeline positions
+(``pp_degree=4``), their blocks in proportion to the positions' speeds.
+
 The kinds reach HPPStrategy through the override, ``PlacementOptions(device_map="0:fast,1:slow")`` (or, with
 ``--kind-source env``, ``HPP_DEVICE_KIND`` set per rank). One invocation runs, on the same model
 (``--model mlp``: a 12-layer 1024-wide MLP plus a 10-class head; ``--model lm``: the small
@@ -56,11 +62,26 @@ CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
 KINDS = ("fast", "slow")
 EQUAL_KINDS = ("cpu", "cpu")
+KINDS4 = ("fast", "fast", "slow", "slow")
+
 FAMILIES = ("gpipe", "interleaved1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 """Schedule families besides 1F1B with a hand plan of their own (``hand-<family>``; two stages per rank where multi)."""
-BASES = ("auto", "uniform", "hand", *(f"hand-{f}" for f in FAMILIES), "ddp")
+BASES = ("auto", "uniform", "hand", *(f"hand-{f}" for f in FAMILIES), "ddp", "fsdp")
 LABELS = {"auto": 'plan="auto"', "uniform": "uniform cut", "hand": "hand-balanced cut", "ddp": "DDP",
+          "fsdp": "FSDP2 (fully_shard per block, plain loop)",
           **{f"hand-{f}": f"hand-balanced {f}" for f in FAMILIES}}
+
+
+def rank_kinds(job: dict[str, Any]) -> tuple[str, ...]:
+    """The device kind of every rank of the job."""
+    if job["devices"] == 4:
+        return ("cpu",) * 4 if job["equal"] else KINDS4
+    return EQUAL_KINDS if job["equal"] else KINDS
+
+
+def speeds(job: dict[str, Any]) -> list[float]:
+    """Every rank's speed relative to a fast one (the hand plans' block shares)."""
+    return [1.0 if k in ("fast", "cpu") else job["quota"] for k in rank_kinds(job)]
 
 
 def _throughput_helpers() -> Any:
@@ -139,11 +160,50 @@ class SlowCore:
         self.group = None
 
 
-def pin_and_throttle(rank: int, procs_file: str | None) -> dict[str, Any]:
-    """Pin this process to core ``rank``; rank 1 joins the quota group. Run before torch is imported."""
-    os.sched_setaffinity(0, {rank})
-    if rank == 1 and procs_file:
-        with open(procs_file, "w") as f:
+class RankQuotas:
+    """A cgroup-v1 CPU quota group per rank (``--ranks 4``): ``{rank: share of a core}``. No fallback: two
+    ranks sharing a core without quotas would not be devices of fixed speed."""
+
+    def __init__(self, quotas: dict[int, float]) -> None:
+        self.quotas = quotas
+        self.groups: dict[int, SlowCore] = {}
+        self.method = ""
+        self.stat: dict[str, dict[str, int]] = {}
+
+    def __enter__(self) -> RankQuotas:
+        try:
+            for rank, quota in self.quotas.items():
+                group = SlowCore(core=-1, quota=quota)
+                group.group = CGROUP_ROOT / f"hpp_bench_{os.getpid()}_r{rank}"
+                group.group.mkdir()
+                (group.group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+                (group.group / "cpu.cfs_quota_us").write_text(str(int(PERIOD_US * quota)))
+                self.groups[rank] = group
+        except OSError as err:
+            self.__exit__()
+            raise SystemExit(f"--ranks 4 needs a writable cgroup-v1 cpu controller at {CGROUP_ROOT} (one quota group "
+                             f"per rank): {err}. Run as root on a host with cgroup v1, or use --ranks 2.") from err
+        self.method = "cgroup-v1 cpu quota per rank " + ", ".join(
+            f"{r}: {int(PERIOD_US * q)}/{PERIOD_US}" for r, q in self.quotas.items())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for rank, group in self.groups.items():
+            group._remove_group()
+            self.stat[str(rank)] = group.stat
+        self.groups = {}
+
+    @property
+    def procs_files(self) -> dict[str, str]:
+        return {str(r): str(g.group / "cgroup.procs") for r, g in self.groups.items() if g.group is not None}
+
+
+def pin_and_throttle(rank: int, procs_files: dict[str, str], ranks: int = 2) -> dict[str, Any]:
+    """Pin this process to its core (``rank``; with 4 ranks ``rank // 2``) and join its quota group, if it has
+    one. Run before torch is imported."""
+    os.sched_setaffinity(0, {rank if ranks == 2 else rank // 2})
+    if str(rank) in procs_files:
+        with open(procs_files[str(rank)], "w") as f:
             f.write(str(os.getpid()))
     cgroup = next((ln.strip() for ln in open("/proc/self/cgroup") if ln.split(":")[1] in ("cpu", "cpu,cpuacct")), "")
     return {"affinity": sorted(os.sched_getaffinity(0)), "cgroup": cgroup}
@@ -184,7 +244,7 @@ def _size(job: dict[str, Any]) -> Any:
 
 def worker(job: dict[str, Any]) -> None:
     rank = int(os.environ["RANK"])
-    placed = pin_and_throttle(rank, job["procs_file"])
+    placed = pin_and_throttle(rank, job["procs_files"], job["devices"])
     import torch
     import torch.distributed as dist
 
@@ -201,7 +261,10 @@ def worker(job: dict[str, Any]) -> None:
     for rnd in range(job["rounds"]):
         for name in expand(job["configs"], job["hand_m"]):
             t0 = time.perf_counter()
-            res = run_ddp(tp, job, size) if name == "ddp" else run_pipeline(tp, job, size, name)
+            if name in ("ddp", "fsdp"):
+                res = (run_ddp if name == "ddp" else run_fsdp)(tp, job, size)
+            else:
+                res = run_pipeline(tp, job, size, name)
             res.update(config=name, round=rnd, rank=rank, wall_s=time.perf_counter() - t0)
             results.append(res)
             dist.barrier()
@@ -239,35 +302,53 @@ def _timer(warmup: int) -> Any:
     return Timer()
 
 
-def cuts(kind: str, units: list[str]) -> list[list[str]]:
-    """Two stages: ``uniform`` (half the blocks each) or ``hand`` (2/3 : 1/3); units before the blocks
-    join the first stage, the head the last."""
+def _block_counts(n: int, weights: list[float], minimum: int = 1) -> list[int]:
+    """``n`` blocks in proportion to ``weights`` (largest remainders), at least ``minimum`` each."""
+    if n < minimum * len(weights):
+        raise SystemExit(f"{n} blocks cannot give {len(weights)} ranks {minimum} each; use --layers {minimum * len(weights)} or more")
+    exact = [n * w / sum(weights) for w in weights]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)[: n - sum(counts)]:
+        counts[i] += 1
+    for i in range(len(counts)):
+        while counts[i] < minimum:
+            counts[max(range(len(counts)), key=lambda j: counts[j])] -= 1
+            counts[i] += 1
+    return counts
+
+
+def _cut_at(units: list[str], sizes: list[int]) -> list[list[str]]:
+    """Stages of ``sizes`` blocks each; units before the blocks join the first stage, the head the last."""
     blocks = [u for u in units if u.startswith("blocks.")]
-    first = len(blocks) // 2 if kind == "uniform" else round(len(blocks) * 2 / 3)
-    cut = units.index(blocks[first])
-    return [units[:cut], units[cut:]]
+    edges = [0, *(units.index(blocks[sum(sizes[:s])]) for s in range(1, len(sizes))), len(units)]
+    return [units[a:b] for a, b in zip(edges, edges[1:])]
 
 
-def family_cuts(schedule: str, units: list[str], fast_share: float) -> list[list[str]]:
-    """Two stages per rank for a multi-stage ``schedule`` (one for ``gpipe``): rank 0 holds ``fast_share`` of the
-    blocks, each rank's blocks split evenly over its stages, placed as the schedule places stages (loop or V)."""
+def cuts(kind: str, units: list[str], weights: list[float] | None = None) -> list[list[str]]:
+    """One stage per rank: ``uniform`` (equal blocks) or ``hand`` (blocks in proportion to ``weights``, the
+    ranks' speeds; 2/3 : 1/3 for the cgroup pair)."""
+    weights = weights or [1.0, 0.5]
+    n = sum(u.startswith("blocks.") for u in units)
+    return _cut_at(units, _block_counts(n, [1.0] * len(weights) if kind == "uniform" else weights))
+
+
+def family_cuts(schedule: str, units: list[str], weights: list[float]) -> list[list[str]]:
+    """Two stages per rank for a multi-stage ``schedule`` (one for ``gpipe``): each rank holds blocks in proportion
+    to its weight (speed), split evenly over its stages, placed as the schedule places stages (loop or V)."""
     from lightning_hpp.pipeline.schedules import SCHEDULES
     from lightning_hpp.planning.replay import rank_of_stages
 
-    blocks = [u for u in units if u.startswith("blocks.")]
     if not SCHEDULES[schedule].multi:
-        return cuts("hand" if fast_share > 0.5 else "uniform", units)
-    rank_of = rank_of_stages(schedule, 2, 4)
-    mine = [round(len(blocks) * fast_share), len(blocks) - round(len(blocks) * fast_share)]
-    sizes = []
-    seen = [0, 0]
-    for s in range(4):
+        return cuts("hand", units, weights)
+    pp = len(weights)
+    rank_of = rank_of_stages(schedule, pp, 2 * pp)
+    mine = _block_counts(sum(u.startswith("blocks.") for u in units), weights, minimum=2)
+    sizes, seen = [], [0] * pp
+    for s in range(2 * pp):
         r = rank_of[s]
         sizes.append(mine[r] // 2 + (mine[r] % 2 if seen[r] == 0 else 0))
         seen[r] += 1
-    bounds = [units.index(blocks[sum(sizes[:s])]) for s in range(1, 4)]
-    edges = [0, *bounds, len(units)]
-    return [units[a:b] for a, b in zip(edges, edges[1:])]
+    return _cut_at(units, sizes)
 
 
 def run_pipeline(tp: Any, job: dict[str, Any], size: Any, name: str) -> dict[str, Any]:
@@ -279,7 +360,7 @@ def run_pipeline(tp: Any, job: dict[str, Any], size: Any, name: str) -> dict[str
 
     base, _, m = name.partition("@")
     model = build(job["model"], size)
-    kinds = EQUAL_KINDS if job["equal"] else KINDS
+    kinds = rank_kinds(job)
     placement = {} if job["kind_source"] == "env" else {"device_map": ",".join(f"{r}:{k}" for r, k in enumerate(kinds))}
     timer = _timer(job["warmup"])
     fixed: dict[str, Any] = {}
@@ -287,12 +368,12 @@ def run_pipeline(tp: Any, job: dict[str, Any], size: Any, name: str) -> dict[str
         plan: Any = "auto"
     elif base.startswith("hand-"):
         schedule = base.removeprefix("hand-")
-        units = family_cuts(schedule, [n for n, _ in find_units(model)], 0.5 if job["equal"] else 2 / 3)
+        units = family_cuts(schedule, [n for n, _ in find_units(model)], speeds(job))
         plan = StagePlan([StageSpec(modules=u) for u in units])
-        fixed = {"schedule": schedule, "n_microbatches": int(m), "pp_degree": 2}
+        fixed = {"schedule": schedule, "n_microbatches": int(m), "pp_degree": job["devices"]}
     else:
-        plan = StagePlan([StageSpec(modules=u) for u in cuts(base, [n for n, _ in find_units(model)])])
-        fixed = {"schedule": "1f1b", "n_microbatches": int(m)}
+        plan = StagePlan([StageSpec(modules=u) for u in cuts(base, [n for n, _ in find_units(model)], speeds(job))])
+        fixed = {"schedule": "1f1b", "n_microbatches": int(m), "pp_degree": job["devices"]}
     strategy = HPPStrategy(plan=plan, telemetry=TelemetryOptions(every_n_steps=10**9), placement=PlacementOptions(**placement),
                            timeout=300, **fixed, **tp._hpp_options())
     trainer = tp._trainer(job, strategy, [timer])
@@ -316,14 +397,24 @@ def run_ddp(tp: Any, job: dict[str, Any], size: Any) -> dict[str, Any]:
     return tp._timing(timer.times, job["warmup"], False)
 
 
+def run_fsdp(tp: Any, job: dict[str, Any], size: Any) -> dict[str, Any]:
+    """benchmarks/throughput's FSDP2 on CPU: ``fully_shard`` per block over gloo in a plain loop (Lightning's
+    FSDPStrategy refuses CPU), each rank on its half of the global batch."""
+    import torch
+
+    res = tp.run_fsdp(job, {}, size, torch.device("cpu"))
+    res.pop("peak_mb", None)
+    return res
+
+
 # ============================================================================================ launch
-def launch(job: dict[str, Any], procs_file: str | None) -> list[dict[str, Any]]:
+def launch(job: dict[str, Any], procs_files: dict[str, str]) -> list[dict[str, Any]]:
     tp = _throughput_helpers()
     os.environ.pop("HPP_DEVICE_KIND", None)  # the kinds come from device_map or, per rank, from here
-    job = {**job, "procs_file": procs_file}
-    kinds = EQUAL_KINDS if job["equal"] else KINDS
+    job = {**job, "procs_files": procs_files}
+    kinds = rank_kinds(job)
     rank_env = (lambda r: {"HPP_DEVICE_KIND": kinds[r]}) if job["kind_source"] == "env" else None
-    return tp.launch_ranks(__file__, job, 2, rank_env=rank_env)
+    return tp.launch_ranks(__file__, job, job["devices"], rank_env=rank_env)
 
 
 # ============================================================================================ report
@@ -439,7 +530,7 @@ def report(rows: dict[str, dict[str, Any]], kinds: tuple[str, str]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["mlp", "lm"], default="mlp")
-    p.add_argument("--layers", type=int, default=None, help="blocks (default: 12 for mlp, 6 for lm)")
+    p.add_argument("--layers", type=int, default=None, help="blocks (default: 12 for mlp, 6 for lm; 8 for lm at --ranks 4)")
     p.add_argument("--width", type=int, default=1024, help="mlp width")
     p.add_argument("--batch", type=int, default=None, help="global batch (DDP: half per rank; default 192 mlp, 48 lm)")
     p.add_argument("--m", type=int, default=12, help="micro-batches of the reference uniform cut (the × uniform ratio)")
@@ -449,6 +540,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all configurations (medians pool them)")
     p.add_argument("--quota", type=float, default=0.5, help="share of core 1 the slow rank gets")
     p.add_argument("--equal", action="store_true", help="two equal cores: no throttling, one device kind")
+    p.add_argument("--ranks", type=int, choices=[2, 4], default=2, help="4: two ranks per core, a quota group each")
     p.add_argument("--kind-source", choices=["device_map", "env"], default="device_map")
     p.add_argument("--configs", nargs="+", default=list(BASES), choices=BASES)
     p.add_argument("--out", default=None, help="default runs/cgroup_bench[_equal]_<model>")
@@ -459,27 +551,36 @@ def main(argv: list[str] | None = None) -> None:
         return
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("This benchmark pins its two ranks to cores 0 and 1; it needs a machine with 2 or more cores.")
-    layers = args.layers or (12 if args.model == "mlp" else 6)
+    # the LM at 4 ranks: 8 blocks, so that the two-stages-per-rank plans have a block per stage
+    layers = args.layers or (12 if args.model == "mlp" else 8 if args.ranks == 4 else 6)
     batch = args.batch or (192 if args.model == "mlp" else 48)
     hand_m = args.hand_m or sorted({4, args.m})
-    if any(batch % m for m in hand_m) or batch % 2:
-        raise SystemExit(f"--batch {batch} must be divisible by every --hand-m {hand_m} and by 2 (DDP's two ranks).")
-    out = Path(args.out or ROOT / "runs" / f"cgroup_bench{'_equal' if args.equal else ''}_{args.model}").resolve()
+    if any(batch % m for m in hand_m) or batch % args.ranks:
+        raise SystemExit(f"--batch {batch} must be divisible by every --hand-m {hand_m} and by {args.ranks} (DDP's ranks).")
+    four = "_4ranks" if args.ranks == 4 else ""
+    out = Path(args.out or ROOT / "runs" / f"cgroup_bench{'_equal' if args.equal else ''}{four}_{args.model}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     job = {"layers": layers, "width": args.width, "batch": batch, "m": args.m, "hand_m": hand_m, "warmup": args.warmup,
            "steps": args.steps, "rounds": args.rounds, "kind_source": args.kind_source, "configs": args.configs,
-           "equal": args.equal, "out": str(out), "model": args.model, "accelerator": "cpu", "devices": 2, "threads": 1}
+           "equal": args.equal, "out": str(out), "model": args.model, "accelerator": "cpu", "devices": args.ranks,
+           "threads": 1, "quota": args.quota}
     tp = _throughput_helpers()
     env = tp.environment(job)
     started = time.time()
-    kinds = EQUAL_KINDS if args.equal else KINDS
-    if args.equal:
+    kinds = rank_kinds(job)
+    if args.ranks == 4:
+        shares = {r: 0.5 * speed for r, speed in enumerate(speeds(job))}
+        with RankQuotas(shares) as quotas:
+            print(f"4 ranks, two per core: {quotas.method}", flush=True)
+            per_rank = launch(job, quotas.procs_files)
+        method, stat = quotas.method, quotas.stat
+    elif args.equal:
         print("two equal cores: no throttling", flush=True)
-        per_rank, method, stat = launch(job, None), "none (--equal)", {}
+        per_rank, method, stat = launch(job, {}), "none (--equal)", {}
     else:
         with SlowCore(core=1, quota=args.quota) as slow:
             print(f"slow rank: {slow.method}", flush=True)
-            per_rank = launch(job, slow.procs_file)
+            per_rank = launch(job, {"1": slow.procs_file} if slow.procs_file else {})
         method, stat = slow.method, slow.stat
     env.update(load_average_end=os.getloadavg(), wall_s=round(time.time() - started, 1), throttle=method, cgroup_cpu_stat=stat,
                placed=[r["placed"] for r in per_rank], calibration_gflops=[round(r["gflops"], 2) for r in per_rank],
@@ -488,7 +589,8 @@ def main(argv: list[str] | None = None) -> None:
     text = report(rows, kinds)
     summary = ratios(rows, args.equal, args.m)
     g = env["calibration_gflops"]
-    print(f"\nranks: {env['placed']}\nmatmul GFLOP/s per rank (1 thread, both at once): {g} -> rank1/rank0 {g[1] / g[0]:.2f}")
+    print(f"\nranks: {env['placed']}\nmatmul GFLOP/s per rank (1 thread, all at once): {g} -> ÷ rank 0 "
+          f"{[round(x / g[0], 2) for x in g]}")
     if stat:
         print(f"quota group cpu.stat: {stat}")
     print(text)

@@ -221,7 +221,8 @@ def _loader(job: dict[str, Any], size: Any, per_rank_batch: int) -> Any:
     from models import dataset
     from torch.utils.data import DataLoader
 
-    return DataLoader(dataset(job["model"], size, job["warmup"] + job["steps"]), batch_size=per_rank_batch, drop_last=True)
+    n = (job["warmup"] + job["steps"]) * job.get("dp", 1)  # every replica draws warmup + steps batches
+    return DataLoader(dataset(job["model"], size, n), batch_size=per_rank_batch, drop_last=True)
 
 
 def run_hpp(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) -> dict[str, Any]:
@@ -230,7 +231,7 @@ def run_hpp(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) ->
     from lightning_hpp import HPPStrategy, StagePlan, StageSpec
     from lightning_hpp.telemetry.callback import PipelineTelemetry
 
-    n_stages = job["devices"] * (2 if cfg["schedule"] in MULTI else 1)
+    n_stages = job["devices"] // job.get("dp", 1) * (2 if cfg["schedule"] in MULTI else 1)
     plan = StagePlan([StageSpec(modules=u) for u in split(job["model"], size, n_stages)])
     memory = PeakMemory(device)
     memory.reset()
@@ -330,34 +331,53 @@ class RawPipeline:
         from lightning_hpp.telemetry.recorder import PipelineRecorder
 
         kind = SCHEDULES[cfg["schedule"]]
-        pp, rank = dist.get_world_size(), dist.get_rank()
+        self.dp = dp = job.get("dp", 1)
+        pp, rank = dist.get_world_size() // dp, dist.get_rank()
+        group, self.dp_group, position, self.replica = None, None, rank, 0
+        if dp > 1:  # pp x dp: a pipeline per replica, the gradients all-reduced over the replicas after the step
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
+            group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+            position, self.replica = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
         n_stages = pp * (2 if kind.multi else 1)
         cuts = split(job["model"], size, n_stages)
-        mine = _stages_of(rank, pp, n_stages, kind.style)
+        mine = _stages_of(position, pp, n_stages, kind.style)
         model = build(job["model"], size)
         stages = [
-            PipelineStage(nn.Sequential(*[model.get_submodule(n) for n in cuts[k]]).to(device), k, n_stages, device)
+            PipelineStage(nn.Sequential(*[model.get_submodule(n) for n in cuts[k]]).to(device), k, n_stages, device,
+                          group=group)
             for k in mine
         ]
         self.sched = kind.cls(stages if kind.multi else stages[0], cfg["m"], loss_fn=loss_fn, scale_grads=True)
         self.recorder = PipelineRecorder(rank, 0, rank, cfg["schedule"]) if record else None
         if self.recorder is not None:
             self.recorder.instrument(self.sched)
-        params = [p for st in stages for p in st.submod.parameters()]
+        self.params = params = [p for st in stages for p in st.submod.parameters()]
         self.opt = torch.optim.SGD(params, lr=model.lr, momentum=0.9)
-        self.data = dataset(job["model"], size, job["warmup"] + job["steps"]).tensors
+        self.data = dataset(job["model"], size, (job["warmup"] + job["steps"]) * dp).tensors
         self.first, self.last = 0 in mine, n_stages - 1 in mine
         self.batch, self.device, self.torch = size.batch, device, torch
         del model  # the units of the other ranks
 
     def step(self, i: int) -> float:
         """Train on global batch ``i``; return the step's wall time in seconds."""
-        x, y = (t[i * self.batch : (i + 1) * self.batch].to(self.device) for t in self.data)
+        lo = (i * self.dp + self.replica) * self.batch
+        x, y = (t[lo : lo + self.batch].to(self.device) for t in self.data)
         cuda = self.device.type == "cuda"
         if cuda:
             self.torch.cuda.synchronize()
         t0 = time.perf_counter()
         self.sched.step(*((x,) if self.first else ()), target=y if self.last else None)
+        if self.dp_group is not None:  # one all-reduce of the flattened gradients, after the schedule (not overlapped)
+            from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+            grads = [p.grad for p in self.params]
+            flat = _flatten_dense_tensors(grads)
+            self.torch.distributed.all_reduce(flat, group=self.dp_group)
+            flat /= self.dp
+            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
         self.opt.step()
         self.opt.zero_grad()
         if cuda:
@@ -393,7 +413,7 @@ def run_paired(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any)
 
     # more steps than the other runs: single steps scatter +-20% here, and the median ratio is the figure read
     job = {**job, "steps": job.get("paired_steps") or job["steps"]}
-    n_stages = job["devices"] * (2 if cfg["schedule"] in MULTI else 1)
+    n_stages = job["devices"] // job.get("dp", 1) * (2 if cfg["schedule"] in MULTI else 1)
     plan = StagePlan([StageSpec(modules=u) for u in split(job["model"], size, n_stages)])
     memory = PeakMemory(device)
     timer = _lightning_timer(job, memory)
@@ -600,7 +620,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="+", default=["mlp", "lm"], choices=["mlp", "lm"])
     p.add_argument("--size", default="cpu", help="size preset of models.SIZES (cpu, gpu)")
     p.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
-    p.add_argument("--devices", type=int, default=2, help="ranks (pipeline ranks for the pipeline runs)")
+    p.add_argument("--devices", type=int, default=2, help="ranks (pipeline ranks x --dp for the pipeline runs)")
+    p.add_argument("--dp", type=int, default=1, help="replicas of the pipeline in the hpp, raw and paired runs (pp x dp)")
     p.add_argument("--m", type=int, default=8, help="micro-batches of the main comparison")
     p.add_argument("--sweep", type=int, nargs="*", default=[4, 8, 16], help="micro-batch counts of the 1f1b sweep")
     p.add_argument("--schedules", nargs="+", default=PIPELINE_SCHEDULES)
@@ -616,6 +637,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(json.loads(args.worker))
         return
+    if args.dp > 1 and (not args.paired_only or args.devices % args.dp):
+        p.error(f"--dp {args.dp}: pp x dp runs are paired only (--paired-only) and --devices {args.devices} must be a "
+                f"multiple of it, e.g. --devices 4 --dp 2 --paired-only")
     from models import SIZES, build, n_params
 
     out = Path(args.out)
@@ -626,7 +650,7 @@ def main(argv: list[str] | None = None) -> None:
     for model in args.models:
         size = SIZES[model][args.size]
         job = {
-            "model": model, "size": args.size, "accelerator": args.accelerator, "devices": args.devices,
+            "model": model, "size": args.size, "accelerator": args.accelerator, "devices": args.devices, "dp": args.dp,
             "warmup": args.warmup, "steps": args.steps, "paired_steps": args.paired_steps, "threads": args.threads,
             "out": str(out),
             "configs": configs(args.m, args.sweep, args.schedules, args.paired_only),
