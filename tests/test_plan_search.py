@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -38,7 +39,7 @@ def _profile(rng: random.Random, n: int, kinds: list[str], b0: int) -> CostProfi
         oh = Overheads(microbatch_ms=rng.uniform(0, 0.5), step_ms=rng.uniform(0, 2), loss_ms=loss,
                        loss_fixed_ms=rng.uniform(0, loss), optimizer_ms_per_mb=rng.choice([0.0, 0.5]),
                        p2p_latency_ms=rng.uniform(0, 0.2), p2p_gbps=rng.choice([0.0, 0.5, 2.0]),
-                       allreduce_gbps=rng.choice([0.0, 0.1, 1.0]))
+                       allreduce_gbps=rng.choice([0.0, 0.1, 1.0]), allreduce_overlap=rng.choice([1.0, 0.0, 0.5]))
         entries.append(ProfileEntry(k, "32-true", units, overheads=oh))
     return CostProfile("m", names, [1] * n, [[b0, 4]], entries)
 
@@ -60,19 +61,21 @@ def _ring(oh, params, dp):
 
 
 def _update(oh, ring, tail, backward, params, dp):
-    """The optimizer, and what of the all-reduce one micro-batch's backward does not hide (at least the last bucket)."""
-    exposed = max(tail, ring - backward) if dp > 1 else 0.0
+    """The optimizer, and what of the all-reduce one micro-batch's backward does not hide (at least the last bucket;
+    all of it where the kind's reduction cannot run beside the backward, ``allreduce_overlap=0``)."""
+    exposed = max(tail, ring - oh.allreduce_overlap * backward) if dp > 1 else 0.0
     return exposed + params / 1e6 * oh.optimizer_ms_per_mb
 
 
-def _data_parallel_step(prof, kinds, n, dp, m, per_replica, mem):
-    """pp = 1: m micro-batches of the whole model in turn, the slowest kind's."""
+def _data_parallel_step(prof, kinds, n, dp, m, per_replica, mem, held=1):
+    """pp = 1: m micro-batches of the whole model in turn, the slowest kind's; ``held`` micro-batches' activations
+    live at once (1 for 1F1B; all ``m`` for GPipe, which runs every forward before the first backward)."""
     scale = per_replica / m / prof.microbatch_size
     times, updates, steps = [], [], []
     for k in kinds:
         e, oh, fwd, bwd, loss = _costs(prof, k, 0, n, n, scale)
         params = sum(u.param_bytes for u in e.units)
-        if params * 4 + sum(u.saved_bytes for u in e.units) * scale > mem.get(k, float("inf")):
+        if params * 4 + held * sum(u.saved_bytes for u in e.units) * scale > mem.get(k, float("inf")):
             return None
         times.append(fwd + bwd + loss + oh.microbatch_ms)
         updates.append(_update(oh, _ring(oh, params, dp), _ring(oh, e.units[0].param_bytes, dp), bwd, params, dp))
@@ -147,7 +150,8 @@ def _brute_force(prof, rank_kinds, batch, groups, mem, pp=None, m_fixed=None, sc
                     except ScheduleError:
                         continue
                     if p == 1:
-                        val = _data_parallel_step(prof, sorted(set(rank_kinds)), n, dp, m, per_replica, mem)
+                        val = _data_parallel_step(prof, sorted(set(rank_kinds)), n, dp, m, per_replica, mem,
+                                                  held=m if sched == "gpipe" else 1)
                         cands = [] if val is None else [val]
                     else:
                         cands = []
@@ -280,6 +284,27 @@ def test_equal_ranks_and_compute_bound_model_choose_plain_data_parallel():
     split = search_plan(_mlp_profile(0.1, None, gbps=10.0, optimizer=0.5), ["fast", "fast"], batch_size=192)
     ddp = search_plan(_mlp_profile(0.1, None, gbps=10.0, optimizer=0.5), ["fast", "fast"], batch_size=192, pp_degree=1)
     assert split.pp_degree == 2 and split.step_ms < ddp.step_ms and split.update_ms < ddp.allreduce_ms / 2 + 1
+
+
+def test_an_all_reduce_that_cannot_hide_behind_the_backward_makes_the_pipeline_win():
+    """On CPU ranks gloo sums the gradients on the cores the backward computes on (``allreduce_overlap=0``): the
+    step waits for the whole ring, and four equal ranks pipeline instead of replicating the model four times."""
+    def profile(overlap):
+        prof = _mlp_profile(0.1, None, gbps=1.0, optimizer=0.1)
+        for e in prof.entries:
+            e.overheads = dataclasses.replace(e.overheads, allreduce_gbps=1.0, allreduce_overlap=overlap)
+        return prof
+
+    hidden = search_plan(profile(1.0), ["fast"] * 4, batch_size=192)
+    assert (hidden.pp_degree, hidden.dp_degree) == (1, 4), hidden.format_table()
+    exposed = search_plan(profile(0.0), ["fast"] * 4, batch_size=192)
+    assert exposed.pp_degree == 4 and exposed.dp_degree == 1, exposed.format_table()
+    ddp = search_plan(profile(0.0), ["fast"] * 4, batch_size=192, pp_degree=1)
+    params = sum(u.param_bytes for u in profile(0.0).entries[0].units)
+    ring = 2 * 3 / 4 * params / 1e6 + 2 * 3 * 0.1  # ms at 1 GB/s, 6 messages of 0.1 ms
+    # all of the ring (not what the last backward leaves of it), then the optimizer's update
+    assert ddp.allreduce_ms == pytest.approx(ring + params / 1e6 * 0.1, rel=1e-6)
+    assert exposed.step_ms < ddp.step_ms
 
 
 def test_half_speed_rank_chooses_a_pipeline_with_few_microbatches():

@@ -151,7 +151,9 @@ def auto_plan(
             big = batch_size // (n_microbatches or 1)
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training draws as without it
                 mine = _measure(units, example_args, rank_kinds[rank], device, big, loss_probe).to_dict()
-            mine["entries"][0]["overheads"].update(p2p_latency_ms=lat, p2p_gbps=gbps, allreduce_gbps=ar_gbps)
+            # on CPUs gloo sums the gradients on the cores the backward computes on: nothing of it hides
+            mine["entries"][0]["overheads"].update(p2p_latency_ms=lat, p2p_gbps=gbps, allreduce_gbps=ar_gbps,
+                                                   allreduce_overlap=0.0 if device.type == "cpu" else 1.0)
         profile = None
         for part in all_gather_object(mine):
             if part is not None:

@@ -97,6 +97,10 @@ class Overheads:
         allreduce_gbps: Measured bus bandwidth of an all-reduce over the job's ranks in GB/s (the
             gradient all-reduce of data parallelism; 0: ``p2p_gbps``). On CPUs an all-reduce also sums on
             the cores that compute, so it runs well below the point-to-point bandwidth.
+        allreduce_overlap: How much of the gradient all-reduce the backward hides: 1 (the default) lets a
+            rank's last backward hide it, as NCCL's kernels beside the backward's do on a GPU; 0 hides nothing,
+            as on CPU ranks, where gloo sums the gradients on the cores the backward computes on (the
+            runtime profile sets 0 on CPUs).
     """
 
     microbatch_ms: float = 0.0
@@ -107,6 +111,7 @@ class Overheads:
     p2p_latency_ms: float = 0.0
     p2p_gbps: float = 0.0
     allreduce_gbps: float = 0.0
+    allreduce_overlap: float = 1.0
 
 
 @dataclass

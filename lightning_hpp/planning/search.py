@@ -40,12 +40,14 @@ holding units ``[i, j)`` on kind ``k`` costs, per micro-batch and action::
 and the step is::
 
     step = replay(schedule's action order, F/B/I/W per stage) + max_rank u_rank + c_step
-    u_rank = max(a(first unit of its first stage), sum over its stages of a_s - backward_s) + optimizer_ms_per_byte * params
+    u_rank = max(a(first unit of its first stage), sum over its stages of a_s - o * backward_s) + optimizer_ms_per_byte * params
     a_s  = 2 (dp - 1) / dp * params_s / allreduce_bandwidth + 2 (dp - 1) * latency
 
 (the gradient all-reduce starts bucket by bucket during each stage's last backward,
 :mod:`~lightning_hpp.pipeline.grads`: the step waits for what the backward of one micro-batch does
-not hide, and at least for the bucket of the rank's first unit, whose gradients come last)
+not hide, and at least for the bucket of the rank's first unit, whose gradients come last; ``o`` is the
+kind's ``Overheads.allreduce_overlap``: 1 where the reduction runs beside the backward, as NCCL's on a GPU,
+0 on CPU ranks, where gloo sums on the cores the backward computes on and hides nothing)
 
 ``replay`` is the makespan of torch's own per-rank order of the schedule
 (:mod:`~lightning_hpp.planning.replay`, the order :func:`lightning_hpp.telemetry.model.simulate`
@@ -281,7 +283,8 @@ class _PlanProblem(_Problem):
         micro-batch's backward, the first unit's (final last) after it; and a sharded stage's all-gathers."""
         ring = self.ring(k, dp)
         gather = float(self.gather(k, m)[i, j])
-        return max(float(ring[i, i + 1]), float(ring[i, j] - self._actions[k][1][i, j])) + gather if dp > 1 else 0.0
+        window = self._oh(k).allreduce_overlap * self._actions[k][1][i, j]
+        return max(float(ring[i, i + 1]), float(ring[i, j] - window)) + gather if dp > 1 else 0.0
 
     def update_free(self, dp: int) -> bool:
         return dp == 1 and all(self._oh(k).optimizer_ms_per_mb == 0 for k in range(len(self.costs)))
@@ -378,7 +381,7 @@ class _Pipeline:
             r = prog.rank_of[s]
             ring[:, r] += self.rings[k][i, j]
             gather[:, r] += self.gathers[k][i, j]
-            window[:, r] += bwd[i, j]
+            window[:, r] += bwd[i, j] * pr._oh(k).allreduce_overlap
             update[:, r] += self.optimizers[k][i, j]
             if s == self.first_of[r]:  # its first unit's gradients are the rank's last ones
                 tail[:, r] = self.rings[k][i, i + 1]
