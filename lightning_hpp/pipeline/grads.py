@@ -35,12 +35,15 @@ from torch import Tensor, nn
 from lightning_hpp._dist import group_device
 from lightning_hpp.pipeline.fsdp import local
 
-_IN_PLACE_NUMEL = 1 << 16
-"""Gradients at least this large are all-reduced where they are; smaller ones travel flattened together."""
+_IN_PLACE_NUMEL = 1 << 20
+"""Gradients at least this large (4 MiB in float32) are all-reduced where they are; smaller ones travel flattened
+together (a copy is cheaper than a collective's fixed cost: with 256 KiB here, a 0.9 M-parameter transformer's
+step made about 20 all-reduces)."""
 
-_BUCKET_NUMEL = 1 << 18
-"""Elements of small gradients per flattened bucket (1 MiB in float32): small enough that a model of small
-tensors still gets several buckets to overlap, large enough to keep the number of collectives low."""
+_BUCKET_NUMEL = 1 << 20
+"""Elements of small gradients per flattened bucket (4 MiB in float32, DDP's first bucket is 1 MiB and the others
+25 MiB): small enough that a model of small tensors still gets several buckets to overlap, large enough to keep
+the number of collectives low."""
 
 
 class GradHandover:
