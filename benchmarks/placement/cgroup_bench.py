@@ -223,10 +223,23 @@ def calibrate(seconds: float = 1.5) -> float:
 
 
 # ============================================================================================ worker
-def expand(bases: list[str], hand_m: list[int]) -> list[str]:
-    """The configurations of one round: ``uniform`` and ``hand`` once per micro-batch count."""
+def expand(bases: list[str], hand_m: list[int], ranks: int = 2) -> list[str]:
+    """The configurations of one round: ``uniform`` and ``hand`` once per micro-batch count, without the hand
+    plans their schedule cannot run (DualPipeV needs as many micro-batches as stages: 8 at 4 ranks)."""
+    from lightning_hpp.errors import ScheduleError
+    from lightning_hpp.pipeline.schedules import SCHEDULES, check_schedule
+
+    def runs(base: str, m: int) -> bool:
+        schedule = base.removeprefix("hand-") if base.startswith("hand-") else "1f1b"
+        try:
+            check_schedule(schedule, ranks * (2 if SCHEDULES[schedule].multi else 1), ranks, m)
+        except ScheduleError:
+            return False
+        return True
+
     fixed = [b for b in bases if b.startswith(("uniform", "hand"))]
-    return [f"{b}@{m}" if b in fixed else b for b in bases for m in (hand_m if b in fixed else [0])]
+    return [f"{b}@{m}" if b in fixed else b for b in bases for m in (hand_m if b in fixed else [0])
+            if b not in fixed or runs(b, m)]
 
 
 def label(name: str) -> str:
@@ -259,7 +272,7 @@ def worker(job: dict[str, Any]) -> None:
     size = _size(job)
     results = []
     for rnd in range(job["rounds"]):
-        for name in expand(job["configs"], job["hand_m"]):
+        for name in expand(job["configs"], job["hand_m"], job["devices"]):
             t0 = time.perf_counter()
             if name in ("ddp", "fsdp"):
                 res = (run_ddp if name == "ddp" else run_fsdp)(tp, job, size)
@@ -585,7 +598,7 @@ def main(argv: list[str] | None = None) -> None:
     env.update(load_average_end=os.getloadavg(), wall_s=round(time.time() - started, 1), throttle=method, cgroup_cpu_stat=stat,
                placed=[r["placed"] for r in per_rank], calibration_gflops=[round(r["gflops"], 2) for r in per_rank],
                command=" ".join(["python", *sys.argv]))
-    rows = summarize(per_rank, batch, expand(args.configs, hand_m))
+    rows = summarize(per_rank, batch, expand(args.configs, hand_m, args.ranks))
     text = report(rows, kinds)
     summary = ratios(rows, args.equal, args.m)
     g = env["calibration_gflops"]
