@@ -60,7 +60,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("options",),  # 9
     ("assembly",),  # 10
     ("strategy",),  # 11
-    ("hydra", INIT),  # 12
+    ("hydra", "torchrun", INIT),  # 12
 )
 """The parts of ``lightning_hpp`` (top-level modules and subpackages), floor by floor, lowest first."""
 
