@@ -47,14 +47,19 @@ def two_rank_runs(tmp_path) -> list[dict]:
 
 
 def four_rank_runs(tmp_path) -> list[dict]:
-    """This module's configuration for the shared 4-rank ``run_hpp`` job: pp_degree=1 on 4 ranks with 1 byte less
+    """This module's configurations for the shared 4-rank ``run_hpp`` job: pp_degree=1 on 4 ranks with 1 byte less
     per device than ddp's whole model needs (4 x its parameter bytes with Adam's state), so only fsdp over the 4
-    replicas fits (3 x the parameters, plus the activations)."""
+    replicas fits (3 x the parameters, plus the activations); and plan="auto" over two kinds of two ranks each."""
     from tests.models import MLP
 
     params = sum(p.numel() * p.element_size() for p in MLP(depth=4).parameters())
+    _synthetic_profile(tmp_path / "profile.json", [f"layers.{i}" for i in range(11)])  # MLP(depth=6)
     return [{"name": "fsdp", "pp": 1, "steps": 4, "batch": 4, "out": str(tmp_path / "fsdp"),
-             "strategy": {"placement": {"memory": {"cpu": 4 * params - 1}}}}]
+             "strategy": {"placement": {"memory": {"cpu": 4 * params - 1}}}},
+            # two fast and two slow ranks, nothing fixed: plan="auto" chooses two replicas of a two-stages-per-rank
+            # pipeline (test_auto_plan_on_four_ranks_...)
+            {"name": "kinds4", "depth": 6, "steps": 4, "batch": 16, "out": str(tmp_path / "kinds4"),
+             "strategy": {"placement": {"device_map": "0:fast,1:fast,2:slow,3:slow", "profile": str(tmp_path / "profile.json")}}}]
 
 
 def test_auto_plan_shards_the_stages_where_only_sharded_stages_fit(hpp_jobs):
@@ -124,6 +129,26 @@ def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(hpp_job
     # and the auto-chosen multi-stage plan trains as one process does
     reference, _ = train_reference(steps=4, batch=16, depth=6)
     got = merged_state(tmp_path / "kinds", [0, 1])
+    for k, v in reference.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_plan_on_four_ranks_chooses_a_multi_stage_pipeline_and_trains_as_one_process(hpp_jobs):
+    out = hpp_jobs.placement / "kinds4"
+    ranks = [load_rank(out, r) for r in range(4)]
+    plan = ranks[0]["plan"]
+    predicted = plan["meta"]["predicted"]
+    # the synthetic profile (no message, all-reduce or fixed costs; 'slow' at half speed) on ranks fast, fast, slow,
+    # slow: two replicas of the ZBV pipeline, two stages per rank in the V, its ends on the fast ranks
+    assert (predicted["pp_degree"], predicted["dp_degree"], predicted["schedule"], predicted["stages_per_rank"]) == \
+        (2, 2, "zbv", 2), predicted
+    assert [s["device"] for s in plan["stages"]] == ["fast", "slow", "slow", "fast"]
+    assert all(r["plan"] == plan for r in ranks)  # every rank chose the same plan
+    assert [r["stage_ids"] for r in ranks] == [[0, 3], [0, 3], [1, 2], [1, 2]]
+    # and trains as one process does on the loader's batch (each replica half of it): every rank's stages, the two
+    # replicas of each compared with each other
+    reference, _ = train_reference(steps=4, batch=16, depth=6)
+    got = merged_state(out, [0, 1, 2, 3])
     for k, v in reference.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
 
