@@ -101,18 +101,22 @@ class SlowCore:
     Args:
         core: The slow rank's core.
         quota: Share of the core the slow rank gets (0.5 = half).
+        name: The group's name under ``/sys/fs/cgroup/cpu`` (default ``hpp_bench_<pid>``).
+        fallback: Share the core with a busy loop where the group cannot be created (else raise ``OSError``).
     """
 
-    def __init__(self, core: int, quota: float) -> None:
+    def __init__(self, core: int, quota: float, name: str | None = None, fallback: bool = True) -> None:
         self.core = core
         self.quota = quota
+        self.name = name or f"hpp_bench_{os.getpid()}"
+        self.fallback = fallback
         self.group: Path | None = None
         self.spinner: subprocess.Popen | None = None
         self.method = ""
         self.stat: dict[str, int] = {}
 
     def __enter__(self) -> SlowCore:
-        group = CGROUP_ROOT / f"hpp_bench_{os.getpid()}"
+        group = CGROUP_ROOT / self.name
         try:
             group.mkdir()
             self.group = group
@@ -121,6 +125,8 @@ class SlowCore:
             self.method = f"cgroup-v1 cpu quota {group} (cfs_quota_us={int(PERIOD_US * self.quota)}, cfs_period_us={PERIOD_US})"
         except OSError as err:
             self._remove_group()
+            if not self.fallback:
+                raise
             # The fair scheduler splits a core between two busy processes: a busy loop on the slow
             # rank's core leaves it about half of the core.
             code = f"import os\nos.sched_setaffinity(0, {{{self.core}}})\nwhile True:\n    pass\n"
@@ -173,12 +179,7 @@ class RankQuotas:
     def __enter__(self) -> RankQuotas:
         try:
             for rank, quota in self.quotas.items():
-                group = SlowCore(core=-1, quota=quota)
-                group.group = CGROUP_ROOT / f"hpp_bench_{os.getpid()}_r{rank}"
-                group.group.mkdir()
-                (group.group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-                (group.group / "cpu.cfs_quota_us").write_text(str(int(PERIOD_US * quota)))
-                self.groups[rank] = group
+                self.groups[rank] = SlowCore(-1, quota, name=f"hpp_bench_{os.getpid()}_r{rank}", fallback=False).__enter__()
         except OSError as err:
             self.__exit__()
             raise SystemExit(f"--ranks 4 needs a writable cgroup-v1 cpu controller at {CGROUP_ROOT} (one quota group "

@@ -38,7 +38,7 @@ from lightning_hpp.pipeline.fsdp import local
 _IN_PLACE_NUMEL = 1 << 20
 """Gradients at least this large (4 MiB in float32) are all-reduced where they are; smaller ones travel flattened
 together (a copy is cheaper than a collective's fixed cost: with 256 KiB here, a 0.9 M-parameter transformer's
-step made about 20 all-reduces)."""
+step made 10 all-reduces, now 1)."""
 
 _BUCKET_NUMEL = 1 << 20
 """Elements of small gradients per flattened bucket (4 MiB in float32, DDP's first bucket is 1 MiB and the others
