@@ -47,6 +47,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -175,11 +176,13 @@ class RankQuotas:
         self.groups: dict[int, SlowCore] = {}
         self.method = ""
         self.stat: dict[str, dict[str, int]] = {}
+        self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> RankQuotas:
         try:
             for rank, quota in self.quotas.items():
-                self.groups[rank] = SlowCore(-1, quota, name=f"hpp_bench_{os.getpid()}_r{rank}", fallback=False).__enter__()
+                name = f"hpp_bench_{os.getpid()}_r{rank}"
+                self.groups[rank] = self._stack.enter_context(SlowCore(-1, quota, name=name, fallback=False))
         except OSError as err:
             self.__exit__()
             raise SystemExit(f"--ranks 4 needs a writable cgroup-v1 cpu controller at {CGROUP_ROOT} (one quota group "
@@ -189,9 +192,8 @@ class RankQuotas:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for rank, group in self.groups.items():
-            group._remove_group()
-            self.stat[str(rank)] = group.stat
+        self._stack.close()  # each group's exit reads its cpu.stat and removes it
+        self.stat = {str(rank): group.stat for rank, group in self.groups.items()}
         self.groups = {}
 
     @property
