@@ -146,7 +146,8 @@ def auto_plan(
         world = len(rank_kinds)
         lat, gbps = calibrate.p2p_costs(rank, world, device)
         # at the size of the gradients (within 4-256 MB): a few MB fit a CPU rank's quota or cache, the model's do not
-        grad_bytes = sum(p.numel() * p.element_size() for _, unit in units for p in unit.parameters())
+        params = {id(p): p for _, unit in units for p in unit.parameters()}  # a tied weight once
+        grad_bytes = sum(p.numel() * p.element_size() for p in params.values())
         ar_gbps = calibrate.allreduce_gbps(world, device, lat, nbytes=min(max(grad_bytes, 1 << 22), 1 << 28) // 4 * 4)
         mine = None
         if rank == rank_kinds.index(rank_kinds[rank]):  # first rank of its kind
