@@ -99,14 +99,28 @@ def main(spec: dict) -> None:
             timeout=60,
         )
 
+    from lightning_hpp.pipeline import steps
+
+    # how each replayed value reached Lightning: the short path (a key Lightning took before) or its whole `log`
+    replays = {"short": 0, "whole": 0}
+    log_again = steps._log_again
+
+    def counted(*args, **kwargs):
+        short = log_again(*args, **kwargs)
+        replays["short" if short else "whole"] += 1
+        return short
+
+    steps._log_again = counted
     L.seed_everything(0)
     metrics = StepMetrics()
     hpp = strategy()
     trainer = L.Trainer(strategy=hpp, callbacks=[metrics], **trainer_kwargs(devices, out))
     with device_placement_check() as counts:
         trainer.fit(LoggedMLP(), *loaders(8))
+    steps._log_again = log_again
     result.update(
-        steps=metrics.steps, final={k: float(v) for k, v in trainer.callback_metrics.items()}, checked=dict(counts)
+        steps=metrics.steps, final={k: float(v) for k, v in trainer.callback_metrics.items()}, checked=dict(counts),
+        replays=replays,
     )
 
     # the check's controls: what it must refuse (raised before the collective runs, so no rank waits)
