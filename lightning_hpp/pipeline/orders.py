@@ -20,11 +20,18 @@ from lightning_hpp.pipeline.schedules import SCHEDULES, check_schedule
 
 
 class Act(NamedTuple):
-    """One compute action: stage, ``"F"``/``"B"``/``"I"``/``"W"``, micro-batch."""
+    """One compute action: stage, ``"F"``/``"B"``/``"I"``/``"W"``, micro-batch.
+
+    ``held``: the action runs inside an overlapped pair (torch's ``OVERLAP_F_B``, DualPipeV's forward of
+    one micro-batch beside the backward of another) before the pair's last action. torch's runtime runs
+    the pair's actions one after the other and posts their sends to other ranks after the whole pair, so
+    what a held action sends leaves when the pair's last action is done (a stage on the same rank gets it
+    at once)."""
 
     stage: int
     kind: str
     mb: int
+    held: bool = False
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.mb}"
@@ -55,7 +62,8 @@ def _flatten(actions: Iterable[Any]) -> list[Act]:
         if a is None:
             continue
         if a.sub_actions:
-            out.extend(_flatten(a.sub_actions))
+            pair = _flatten(a.sub_actions)  # an overlapped pair: all but its last action are held (see Act)
+            out.extend([x._replace(held=True) for x in pair[:-1]] + pair[-1:])
         elif a.computation_type.value in ("F", "B", "I", "W"):
             out.append(Act(a.stage_index, a.computation_type.value, a.microbatch_index))
     return out
@@ -100,6 +108,11 @@ def schedule_actions(schedule: str, pp: int, n_microbatches: int, n_stages: int 
     else:
         sched = kind.cls(fake(0), n_microbatches)
     return _orders_of(sched, n_stages, pp)
+
+
+def output_key(a: Act) -> tuple[str, int, int]:
+    """The key of what ``a`` makes, as :func:`dependencies` names it (a backward's: ``"G"``, the input gradient)."""
+    return ("G" if a.kind in ("B", "I") else a.kind, a.stage, a.mb)
 
 
 def dependencies(a: Act, n_stages: int) -> list[tuple[str, int, int]]:

@@ -15,7 +15,7 @@ from torch.distributed.pipelining import schedules as _S
 
 from lightning_hpp.errors import TelemetryError
 from lightning_hpp.pipeline import orders as _orders
-from lightning_hpp.pipeline.orders import Act, _orders_of, dependencies  # noqa: F401 (Act, _orders_of: used from here)
+from lightning_hpp.pipeline.orders import Act, _orders_of, dependencies, output_key  # noqa: F401 (Act, _orders_of: used from here)
 from lightning_hpp.pipeline.schedules import SCHEDULES
 from lightning_hpp.validation import check_int
 
@@ -36,7 +36,10 @@ def theoretical_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
     a share of the step so that every schedule is on one scale. Zero-bubble schedules
     (``interleaved_zb``, ``zbv``, ``dualpipev``) fill the drain with weight-gradient work; with
     F = I = W only the first forward chain stays idle: ``(p-1) / (3*v*m + p-1)``, close to 0.
-    Every value equals :func:`simulate` of torch's own action order with those equal costs.
+    Every value equals :func:`simulate` of torch's own action order with those equal costs and every
+    output sent as soon as it is made. DualPipeV's runtime sends what the first action of each
+    overlapped pair makes only after the pair (``Act.held``): its replay, and its measured bubble, are
+    higher (0.077 against 0.040 at p=2, m=4).
 
     Args:
         schedule: A schedule name of :data:`lightning_hpp.pipeline.schedules.SCHEDULES`.
@@ -103,7 +106,8 @@ def simulate(
 
     An action starts when its rank is free and its inputs have arrived: a forward needs the previous
     stage's forward of the same micro-batch, a backward (B or I) its own forward and the next stage's
-    input gradient, a W its own I. A dependency from another rank arrives ``latency`` later.
+    input gradient, a W its own I. A dependency from another rank arrives ``latency`` later, and one
+    made by a ``held`` action (the first of an overlapped pair) leaves that rank when the pair is done.
 
     Args:
         orders: ``{rank: [Act, ...]}`` as from :func:`schedule_actions`.
@@ -120,7 +124,11 @@ def simulate(
     lat = latency if callable(latency) else (lambda s, d, a, _v=float(latency): _v)
     ptr = dict.fromkeys(orders, 0)
     free = dict.fromkeys(orders, 0.0)
-    done: dict[tuple[str, int, int], tuple[float, int]] = {}
+    # what each finished action made: where, when its own rank has it, when it leaves for other ranks
+    where: dict[tuple[str, int, int], int] = {}
+    local: dict[tuple[str, int, int], float] = {}
+    remote: dict[tuple[str, int, int], float] = {}
+    held: dict[int, list[tuple[str, int, int]]] = {r: [] for r in orders}
     starts: dict[int, list[tuple[Act, float, float]]] = {r: [] for r in orders}
     left = sum(len(v) for v in orders.values())
     while left:
@@ -130,14 +138,20 @@ def simulate(
                 a = acts[ptr[r]]
                 ready = free[r]
                 for dep in dependencies(a, n_stages):
-                    if dep not in done:
+                    src = where.get(dep)
+                    t = None if src is None else local[dep] if src == r else remote.get(dep)
+                    if t is None:
                         break
-                    t, src = done[dep]
                     ready = max(ready, t + (lat(src, r, a) if src != r else 0.0))
                 else:
                     end = ready + cost(a)
                     starts[r].append((a, ready, end))
-                    done[("G" if a.kind in ("B", "I") else a.kind, a.stage, a.mb)] = (end, r)
+                    key = output_key(a)
+                    where[key], local[key] = r, end
+                    held[r].append(key)
+                    if not a.held:  # the pair (or the action alone) is done: what it made leaves now
+                        remote.update(dict.fromkeys(held[r], end))
+                        held[r].clear()
                     free[r] = end
                     ptr[r] += 1
                     left -= 1
