@@ -150,6 +150,11 @@ def test_analyze_splits_waits_at_the_peer_post():
     assert m.step_ms == pytest.approx(100e-6)  # the replica's step, first start to last end
     assert m.stages[0].idle_ms == pytest.approx((100 - 50 - 1 - 10) * 1e-6)
     assert m.bubble == pytest.approx(((100 - 50 - 11) / 100 + (100 - 30 - 12) / 100) / 2)
+    # replayed with everything measured: per action, rank 0 communicates 11/2 and spends 4/2 in no span, rank 1
+    # 12/2 and 18/2; F0 47.5, F1+L 27, B1 33, B0 17.5 one after another: 125, of it compute and communication
+    # 61 on rank 0 and 42 on rank 1 (the overhead is idle, as measured)
+    assert m.bubble_replayed == pytest.approx(((125 - 61) / 125 + (125 - 42) / 125) / 2)
+    assert m.bubble_expected == pytest.approx(((80 - 50) / 80 + (80 - 30) / 80) / 2)  # the stage costs alone: 80
 
 
 def test_bad_input():
@@ -200,7 +205,7 @@ def test_two_rank_run_logs_traces_and_measures_the_bubble(tmp_path):
     rows = _csv_rows(tmp_path / "even" / "csv" / "version_0" / "metrics.csv")
     logged = [r for r in rows if r.get("pipeline/bubble")]
     assert len(logged) == 6
-    for name in ["bubble", "bubble_theory", "comm_share"] + [f"stage_{k}/{t}_ms" for k in (0, 1) for t in ("fwd", "bwd", "comm", "idle")]:
+    for name in ["bubble", "bubble_theory", "bubble_expected", "bubble_replayed", "comm_share"] + [f"stage_{k}/{t}_ms" for k in (0, 1) for t in ("fwd", "bwd", "comm", "idle")]:
         assert all(math.isfinite(float(r[f"pipeline/{name}"])) for r in logged), name
     assert float(logged[-1]["pipeline/bubble_theory"]) == pytest.approx(0.2)
 
@@ -223,6 +228,8 @@ def test_two_rank_run_logs_traces_and_measures_the_bubble(tmp_path):
     # Replaying GPipe with 5 ms / 20 ms stages gives 140/340 = 0.41; the theory (equal stages) says 0.2.
     assert expected == pytest.approx(140 / 340, abs=0.04)
     assert abs(measured - expected) < 0.06, (measured, expected)
+    replayed = sum(h["pipeline/bubble_replayed"] for h in slow) / len(slow)
+    assert abs(measured - replayed) < 0.06, (measured, replayed)
     assert measured > slow[0]["pipeline/bubble_theory"] + 0.12
     assert all(h["pipeline/stage_0/idle_ms"] > 3 * h["pipeline/stage_1/idle_ms"] for h in slow)  # the fast stage waits
 

@@ -164,6 +164,7 @@ def _history(history: list[Any]) -> dict[str, Any]:
     return {
         "steps": [
             {"bubble": m.bubble, "bubble_theory": m.bubble_theory, "bubble_expected": m.bubble_expected,
+             "bubble_replayed": m.bubble_replayed,
              "comm_share": m.comm_share, "step_ms": m.step_ms, "stages": {k: vars(t) for k, t in m.stages.items()}}
             for m in history
         ]
@@ -525,6 +526,7 @@ def merge(per_rank: list[list[dict[str, Any]]], batch: int) -> list[dict[str, An
             med = lambda key: statistics.median(st[key] for st in steps)  # noqa: E731
             row.update(
                 bubble=med("bubble"), bubble_theory=steps[0]["bubble_theory"], bubble_expected=med("bubble_expected"),
+                bubble_replayed=med("bubble_replayed"),
                 comm_share=med("comm_share"), sched_ms=med("step_ms"), stages=steps[len(steps) // 2]["stages"],
             )
             row["telemetry_overhead"] = statistics.median(p for run in runs for r in run for p in r["pairs"]) - 1
@@ -542,12 +544,13 @@ def merge(per_rank: list[list[dict[str, Any]]], batch: int) -> list[dict[str, An
 def table(model: str, rows: list[dict[str, Any]]) -> str:
     ddp = next((r["samples_s"] for r in rows if r["cfg"]["kind"] == "ddp"), None)
     lines = [
-        f"| {model} | samples/s | × DDP | HPP ÷ raw (paired) | step ms | in schedule ms | peak MB per rank | bubble (theory / expected) | comm share | telemetry overhead |",
+        f"| {model} | samples/s | × DDP | HPP ÷ raw (paired) | step ms | in schedule ms | peak MB per rank | bubble (theory / expected / replayed) | comm share | telemetry overhead |",
         "|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for r in rows:
         vs_raw = f"{r['paired']['hpp_over_raw']:.3f}" if "paired" in r else ""
-        bubble = f"{r['bubble']:.3f} ({r['bubble_theory']:.3f} / {r['bubble_expected']:.3f})" if "bubble" in r else ""
+        bubble = (f"{r['bubble']:.3f} ({r['bubble_theory']:.3f} / {r['bubble_expected']:.3f} / {r['bubble_replayed']:.3f})"
+                  if "bubble" in r else "")
         comm = f"{r['comm_share']:.3f}" if "comm_share" in r else ""
         sched = f"{r['sched_ms']:.0f}" if "sched_ms" in r else ""
         over = f"{100 * r['telemetry_overhead']:+.1f}%" if "telemetry_overhead" in r else ""

@@ -54,7 +54,7 @@ class PipelineTelemetry(Callback):
 
     Logged every ``every_n_steps`` optimizer steps (the mean over the steps since the last log),
     the same values on every rank: ``pipeline/bubble``, ``pipeline/bubble_theory``,
-    ``pipeline/bubble_expected``, ``pipeline/comm_share``, ``pipeline/step_ms`` and
+    ``pipeline/bubble_expected``, ``pipeline/bubble_replayed``, ``pipeline/comm_share``, ``pipeline/step_ms`` and
     ``pipeline/stage_{k}/{fwd,bwd,comm,idle}_ms``. See the module docstring for the accounting.
 
     Args:
@@ -170,7 +170,8 @@ def metrics_table(metrics: StepMetrics) -> str:
     """A short text summary of one step's metrics (for logs and terminals)."""
     lines = [
         f"step {metrics.step}: {metrics.step_ms:.1f} ms, bubble {metrics.bubble:.3f} "
-        f"(theory {metrics.bubble_theory:.3f}, expected {metrics.bubble_expected:.3f}), comm {metrics.comm_share:.3f}",
+        f"(theory {metrics.bubble_theory:.3f}, expected {metrics.bubble_expected:.3f}, replayed {metrics.bubble_replayed:.3f}), "
+        f"comm {metrics.comm_share:.3f}",
         "stage  fwd_ms  bwd_ms  comm_ms  idle_ms",
     ]
     for k, t in sorted(metrics.stages.items()):

@@ -19,7 +19,11 @@ peer's compute (a bubble, counted as idle); after it the data moves (communicati
 split the same way at the peer's receive. ``bubble`` is the mean over ranks of ``idle / step``,
 ``comm_share`` is ``sum(comm) / sum(step)``; ``bubble_theory`` is :func:`theoretical_bubble`;
 ``bubble_expected`` is :func:`simulate` of the schedule's own action order with the measured
-per-stage costs and free communication (what the bubble would be from stage imbalance alone).
+per-stage costs and free communication (what the bubble would be from stage imbalance alone), and
+``bubble_replayed`` the same order replayed with everything measured: each action also takes its rank's
+communication and overhead per action (the time a rank spends in no span), idle counted as measured.
+What still separates ``bubble`` from ``bubble_replayed`` is what a replay of the order with mean costs
+does not explain: costs that vary from one micro-batch to the next, and waits the order does not make.
 
 The offline model of a schedule (:func:`~lightning_hpp.telemetry.model.schedule_actions`,
 :func:`~lightning_hpp.telemetry.model.simulate`) lives in :mod:`lightning_hpp.telemetry.model`.
@@ -309,7 +313,11 @@ class StepMetrics:
             last rank's end (mean over replicas).
         bubble: Mean over ranks of idle / step.
         bubble_theory: :func:`theoretical_bubble` for the schedule, p, m, v.
-        bubble_expected: The schedule replayed with the measured per-stage costs and free links.
+        bubble_expected: The schedule replayed with the measured per-stage costs and free links (what stage
+            imbalance alone would give).
+        bubble_replayed: The schedule replayed with everything measured: the per-stage costs and, per action,
+            its rank's communication (posting and moving the data) and its overhead (the time in no span:
+            the runtime's own work between actions); idle as measured (the overhead counts, communication not).
         comm_share: Communication time / step time, over all ranks.
         stages: Per-stage :class:`StageTimes`.
         spans: Every rank's spans with ``comm`` filled (kept only where a picture is asked for).
@@ -322,6 +330,7 @@ class StepMetrics:
     bubble_expected: float
     comm_share: float
     stages: dict[int, StageTimes]
+    bubble_replayed: float = float("nan")
     spans: list[Span] = field(default_factory=list, repr=False)
 
     def as_log_dict(self, prefix: str = "pipeline") -> dict[str, float]:
@@ -329,6 +338,7 @@ class StepMetrics:
             f"{prefix}/bubble": self.bubble,
             f"{prefix}/bubble_theory": self.bubble_theory,
             f"{prefix}/bubble_expected": self.bubble_expected,
+            f"{prefix}/bubble_replayed": self.bubble_replayed,
             f"{prefix}/comm_share": self.comm_share,
             f"{prefix}/step_ms": self.step_ms,
         }
@@ -376,8 +386,10 @@ def analyze(records: list[RankStep], info: ScheduleInfo) -> StepMetrics:
     stage_sum: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     holder: dict[int, list[int]] = defaultdict(list)
     costs: dict[tuple[int, str], list[float]] = defaultdict(list)
+    extra: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))  # stage -> per-action comm, overhead
     for rec in records:
         totals = {"fwd": 0.0, "bwd": 0.0, "comm": 0.0}
+        covered, actions = 0, 0
         by_stage: dict[int, dict[str, float]] = defaultdict(lambda: {"fwd": 0.0, "bwd": 0.0, "comm": 0.0})
         loss_ns: dict[tuple[int, int], int] = {}
         for kind, stage, mb, t0, t1, post in rec.spans:
@@ -396,8 +408,10 @@ def analyze(records: list[RankStep], info: ScheduleInfo) -> StepMetrics:
                     loss_ns[(stage, mb)] = dur
             else:
                 bucket, ns = "bwd", dur
+            covered += dur
             if kind in ("F", "B", "I", "W"):
                 costs[(stage, kind)].append(dur)
+                actions += 1
             by_stage[stage][bucket] += ns / 1e6
             totals[bucket] += ns / 1e6
             spans.append(Span(rec.rank, kind, stage, mb, t0, t1, post, comm))
@@ -407,6 +421,10 @@ def analyze(records: list[RankStep], info: ScheduleInfo) -> StepMetrics:
         step_ms = (hi - lo) / 1e6
         idle = max(0.0, step_ms - totals["fwd"] - totals["bwd"] - totals["comm"])
         per_rank[rec.rank] = {"step": step_ms, "idle": idle, "comm": totals["comm"]}
+        if actions:
+            for stage in by_stage:
+                extra[stage]["comm"].append(totals["comm"] * 1e6 / actions)
+                extra[stage]["overhead"].append(max(0, rec.end - rec.start - covered) / actions)
         for stage, t in by_stage.items():
             for name, value in t.items():
                 stage_sum[stage][name].append(value)
@@ -428,6 +446,7 @@ def analyze(records: list[RankStep], info: ScheduleInfo) -> StepMetrics:
         bubble_expected=_expected_bubble(info, costs),
         comm_share=comm_share,
         stages=stages,
+        bubble_replayed=_replayed_bubble(info, costs, extra),
         spans=sorted(spans, key=lambda s: (s.rank, s.start)),
     )
 
@@ -444,6 +463,30 @@ def _expected_bubble(info: ScheduleInfo, costs: dict[tuple[int, str], list[float
         return simulate(info.orders, cost).bubble
     except TelemetryError:
         return float("nan")
+
+
+def _replayed_bubble(info: ScheduleInfo, costs: dict[tuple[int, str], list[float]],
+                     extra: dict[int, dict[str, list[float]]]) -> float:
+    """The schedule replayed with its stage costs plus, per action, its rank's communication and overhead.
+
+    An action lasts its compute, its rank's communication per action (the data it posts and waits for,
+    once the peer has posted) and its rank's overhead per action; a rank's idle is the makespan less its
+    compute and communication, as :func:`analyze` counts the measured one."""
+    mean = {k: statistics.fmean(v) for k, v in costs.items()}
+    comm = {k: statistics.fmean(v["comm"]) for k, v in extra.items()}
+    overhead = {k: statistics.fmean(v["overhead"]) for k, v in extra.items()}
+
+    def compute(a: Act) -> float:
+        return mean.get((a.stage, a.kind), 0.0) + (mean.get((a.stage, "L"), 0.0) if a.kind == "F" else 0.0)
+
+    try:
+        sim = simulate(info.orders, lambda a: compute(a) + comm.get(a.stage, 0.0) + overhead.get(a.stage, 0.0))
+    except TelemetryError:
+        return float("nan")
+    if sim.makespan <= 0:
+        return 0.0
+    busy = {r: sum(compute(a) + comm.get(a.stage, 0.0) for a, _, _ in acts) for r, acts in sim.starts.items()}
+    return statistics.fmean(max(0.0, 1 - b / sim.makespan) for b in busy.values())
 
 
 def mean_metrics(metrics: list[StepMetrics]) -> dict[str, float]:
