@@ -2,9 +2,12 @@
 
 Rank 0 is pinned to core 0 and runs at full speed (kind ``fast``). Rank 1 is pinned to core 1 and
 held to half of it by a cgroup-v1 CPU quota (kind ``slow``): a child group of
-``/sys/fs/cgroup/cpu`` with ``cpu.cfs_period_us=100000`` and ``cpu.cfs_quota_us=50000``. Each rank
-pins itself and (rank 1) writes its own pid into the group's ``cgroup.procs`` at the top of its
-worker, before torch is imported, so every thread it starts (torch, gloo) inherits both. Where the
+``/sys/fs/cgroup/cpu`` with ``cpu.cfs_period_us=10000`` and ``cpu.cfs_quota_us=5000``: it runs 5 ms of
+every 10, a steady half-speed device at the scale of a stage's actions (tens of ms). With Linux's default
+100 ms period it ran 50 ms and stopped for 50, stalls as long as a stage that the pipeline's replay cannot
+see (``--period-ms 100`` measures that). Each rank pins itself and (rank 1) writes its own pid into the
+group's ``cgroup.procs`` at the top of its worker, before torch is imported, so every thread it starts
+(torch, gloo) inherits both. Where the
 cgroup cannot be created (not root, cgroup v2 only, read-only mount), rank 1 shares core 1 with a
 busy-loop process instead, which the kernel's fair scheduler also halves it with; the output says
 which one ran. The group (or the busy loop) is removed afterwards, also when something fails.
@@ -61,7 +64,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
-PERIOD_US = 100_000
+PERIOD_US = 10_000
 KINDS = ("fast", "slow")
 EQUAL_KINDS = ("cpu", "cpu")
 KINDS4 = ("fast", "fast", "slow", "slow")
@@ -105,11 +108,14 @@ class SlowCore:
         quota: Share of the core the slow rank gets (0.5 = half).
         name: The group's name under ``/sys/fs/cgroup/cpu`` (default ``hpp_bench_<pid>``).
         fallback: Share the core with a busy loop where the group cannot be created (else raise ``OSError``).
+        period_us: ``cpu.cfs_period_us``: the group runs ``quota`` of each period, then waits for the next.
     """
 
-    def __init__(self, core: int, quota: float, name: str | None = None, fallback: bool = True) -> None:
+    def __init__(self, core: int, quota: float, name: str | None = None, fallback: bool = True,
+                 period_us: int = PERIOD_US) -> None:
         self.core = core
         self.quota = quota
+        self.period_us = period_us
         self.name = name or f"hpp_bench_{os.getpid()}"
         self.fallback = fallback
         self.group: Path | None = None
@@ -122,9 +128,10 @@ class SlowCore:
         try:
             group.mkdir()
             self.group = group
-            (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-            (group / "cpu.cfs_quota_us").write_text(str(int(PERIOD_US * self.quota)))
-            self.method = f"cgroup-v1 cpu quota {group} (cfs_quota_us={int(PERIOD_US * self.quota)}, cfs_period_us={PERIOD_US})"
+            (group / "cpu.cfs_period_us").write_text(str(self.period_us))
+            (group / "cpu.cfs_quota_us").write_text(str(int(self.period_us * self.quota)))
+            self.method = (f"cgroup-v1 cpu quota {group} (cfs_quota_us={int(self.period_us * self.quota)}, "
+                           f"cfs_period_us={self.period_us})")
         except OSError as err:
             self._remove_group()
             if not self.fallback:
@@ -172,8 +179,9 @@ class RankQuotas:
     """A cgroup-v1 CPU quota group per rank (``--ranks 4``): ``{rank: share of a core}``. No fallback: two
     ranks sharing a core without quotas would not be devices of fixed speed."""
 
-    def __init__(self, quotas: dict[int, float]) -> None:
+    def __init__(self, quotas: dict[int, float], period_us: int = PERIOD_US) -> None:
         self.quotas = quotas
+        self.period_us = period_us
         self.groups: dict[int, SlowCore] = {}
         self.method = ""
         self.stat: dict[str, dict[str, int]] = {}
@@ -183,13 +191,14 @@ class RankQuotas:
         try:
             for rank, quota in self.quotas.items():
                 name = f"hpp_bench_{os.getpid()}_r{rank}"
-                self.groups[rank] = self._stack.enter_context(SlowCore(-1, quota, name=name, fallback=False))
+                group = SlowCore(-1, quota, name=name, fallback=False, period_us=self.period_us)
+                self.groups[rank] = self._stack.enter_context(group)
         except OSError as err:
             self.__exit__()
             raise SystemExit(f"--ranks 4 needs a writable cgroup-v1 cpu controller at {CGROUP_ROOT} (one quota group "
                              f"per rank): {err}. Run as root on a host with cgroup v1, or use --ranks 2.") from err
         self.method = "cgroup-v1 cpu quota per rank " + ", ".join(
-            f"{r}: {int(PERIOD_US * q)}/{PERIOD_US}" for r, q in self.quotas.items())
+            f"{r}: {int(self.period_us * q)}/{self.period_us}" for r, q in self.quotas.items())
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -569,6 +578,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=16, help="timed steps per configuration and round (half recorded)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all configurations (medians pool them)")
     p.add_argument("--quota", type=float, default=0.5, help="share of core 1 the slow rank gets")
+    p.add_argument("--period-ms", type=float, default=PERIOD_US / 1000,
+                   help="the quota groups' cpu.cfs_period_us in ms: a throttled rank runs its share of each period, "
+                        "then stops until the next (shorter: a steadier slow device)")
     p.add_argument("--equal", action="store_true", help="two equal cores: no throttling, one device kind")
     p.add_argument("--ranks", type=int, choices=[2, 4], default=2, help="4: two ranks per core, a quota group each")
     p.add_argument("--kind-source", choices=["device_map", "env"], default="device_map")
@@ -594,13 +606,16 @@ def main(argv: list[str] | None = None) -> None:
            "steps": args.steps, "rounds": args.rounds, "kind_source": args.kind_source, "configs": args.configs,
            "equal": args.equal, "out": str(out), "model": args.model, "accelerator": "cpu", "devices": args.ranks,
            "threads": 1, "quota": args.quota}
+    period_us = int(args.period_ms * 1000)
+    if not 1000 <= period_us <= 1_000_000:
+        raise SystemExit(f"--period-ms {args.period_ms}: cgroup v1 takes a period from 1 ms to 1000 ms.")
     tp = _throughput_helpers()
     env = tp.environment(job)
     started = time.time()
     kinds = rank_kinds(job)
     if args.ranks == 4:
         shares = {r: 0.5 * speed for r, speed in enumerate(speeds(job))}
-        with RankQuotas(shares) as quotas:
+        with RankQuotas(shares, period_us=period_us) as quotas:
             print(f"4 ranks, two per core: {quotas.method}", flush=True)
             per_rank = launch(job, quotas.procs_files)
         method, stat = quotas.method, quotas.stat
@@ -608,7 +623,7 @@ def main(argv: list[str] | None = None) -> None:
         print("two equal cores: no throttling", flush=True)
         per_rank, method, stat = launch(job, {}), "none (--equal)", {}
     else:
-        with SlowCore(core=1, quota=args.quota) as slow:
+        with SlowCore(core=1, quota=args.quota, period_us=period_us) as slow:
             print(f"slow rank: {slow.method}", flush=True)
             per_rank = launch(job, {"1": slow.procs_file} if slow.procs_file else {})
         method, stat = slow.method, slow.stat
