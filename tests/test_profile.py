@@ -118,6 +118,47 @@ def test_each_unit_gets_the_previous_output_and_the_first_gets_positional_args()
     assert seen and all(s == ((4, 64), True) for s in seen)
 
 
+class Block(nn.Module):
+    """A residual block; ``window`` changes what it computes, ``layer_idx`` only numbers it."""
+
+    def __init__(self, width=32, layer_idx=0, window=None, p=0.0):
+        super().__init__()
+        self.lin, self.drop = nn.Linear(width, width), nn.Dropout(p)
+        self.layer_idx, self.window = layer_idx, window
+
+    def forward(self, x):
+        return x + self.drop(self.lin(x))
+
+
+def test_identical_units_get_the_mean_of_their_times(monkeypatch):
+    """Repeated blocks (same classes, hyperparameters, shapes and input) are one computation: each gets
+    the mean of their measured times, so a cut search does not read measurement noise as a reason to cut
+    unevenly; a block with another window, dropout rate, width or a hook, or the first unit (an input
+    without grad), keeps its own."""
+    units = [("b0", Block(layer_idx=0)), ("b1", Block(layer_idx=1)), ("b2", Block(layer_idx=2)),
+             ("sliding", Block(layer_idx=3, window=4)), ("b4", Block(layer_idx=4)), ("dropped", Block(p=0.1)),
+             ("b6", Block(layer_idx=6)), ("hooked", Block(layer_idx=7)), ("wide", nn.Linear(32, 64)), ("b8", Block(64))]
+    units[7][1].register_forward_hook(lambda mod, args, out: out * 2)  # a hook is part of the computation
+    times = iter([(1.0, 2.0), (2.0, 3.0), (3.0, 4.0), (9.0, 9.0), (5.0, 6.0), (7.0, 7.0), (4.0, 5.0),
+                  (10.0, 10.0), (8.0, 8.0), (6.0, 6.0)])
+    measure = profile_module._measure_unit
+
+    def scripted(*args, **kwargs):
+        cost, out = measure(*args, **kwargs)
+        cost.fwd_ms, cost.bwd_ms = next(times)
+        return cost, out
+
+    monkeypatch.setattr(profile_module, "_measure_unit", scripted)
+    prof = profile_units(units, torch.randn(4, 32), "cpu", repeats=1, warmup=0)
+    got = {u.name: (u.fwd_ms, u.bwd_ms) for u in prof.entries[0].units}
+    # b0 gets the batch (no grad), b1, b2, b4 and b6 a boundary tensor that requires grad: one group
+    assert prof.meta["identical_units"] == [["b1", "b2", "b4", "b6"]]
+    assert got["b1"] == got["b2"] == got["b4"] == got["b6"] == pytest.approx(((2 + 3 + 5 + 4) / 4, (3 + 4 + 6 + 5) / 4))
+    assert got["b0"] == (1.0, 2.0) and got["sliding"] == (9.0, 9.0) and got["dropped"] == (7.0, 7.0)
+    assert got["hooked"] == (10.0, 10.0) and got["wide"] == (8.0, 8.0) and got["b8"] == (6.0, 6.0)
+    assert CostProfile.from_dict(json.loads(json.dumps(prof.to_dict()))).meta["identical_units"] == [["b1", "b2", "b4", "b6"]]
+
+
 @pytest.mark.parametrize("precision, param_scale, act_scale", [("bf16-true", 0.5, 0.5), ("bf16-mixed", 1.0, 0.5)])
 def test_precision_changes_the_measured_bytes(precision, param_scale, act_scale):
     units = small_units()

@@ -11,6 +11,11 @@ previous unit's output, as it would inside the pipeline) and records, per unit:
 * ``saved_bytes``: bytes the forward keeps alive for the backward (autograd's saved tensors,
   parameters excluded), i.e. the activation memory of one in-flight micro-batch.
 
+Units that are the same computation (:func:`unit_signature`: module classes, hyperparameters, parameter
+and input shapes; a transformer's or an MLP's repeated blocks) get the mean of their measured times:
+each measurement of a short unit carries its own noise (a CPU quota's period, another process), and a
+cut search reads the difference between two blocks that compute the same as a reason to cut unevenly.
+
 A :class:`CostProfile` holds such measurements for one model signature (class name, unit names,
 parameter counts) and input shapes, with one :class:`ProfileEntry` per (device kind, precision).
 It round-trips through JSON, so a profile measured once, or written by hand for hardware one does
@@ -406,6 +411,45 @@ def model_signature_counts(units: Sequence[tuple[str, nn.Module]]) -> list[int]:
     return [sum(p.numel() for p in m.parameters()) for _, m in units]
 
 
+_SCALARS = (bool, int, float, str, type(None))
+_INDEX_ATTRS = frozenset({"idx", "index", "layer_idx", "layer_id", "layer_index", "layer_number", "block_idx"})
+"""Attributes that only number a layer (transformers' ``layer_idx``): two blocks differing in them alone compute the same."""
+
+
+def unit_signature(module: nn.Module, args: tuple) -> tuple:
+    """What makes two units the same computation on the same input: every submodule's class (the class
+    object: a traced ``GraphModule``'s is its own), ``extra_repr()``, public scalar attributes (a sliding
+    window, a dropout rate; not a layer's index), a ``forward`` set on the instance and its hooks, the
+    parameters' and buffers' names, shapes, dtypes and ``requires_grad``, and the input tensors' shapes,
+    dtypes and ``requires_grad``."""
+    parts = []
+    for name, sub in module.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in vars(sub).items() if not k.startswith("_") and k != "training"
+                             and k not in _INDEX_ATTRS and isinstance(v, _SCALARS)))
+        hooks = tuple((*sub._forward_pre_hooks.values(), *sub._forward_hooks.values(), *sub._backward_hooks.values()))
+        parts.append((name, type(sub), sub.extra_repr(), attrs, vars(sub).get("forward"), hooks))
+    tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
+                    for n, t in (*module.named_parameters(), *module.named_buffers()))
+    inputs = tuple((tuple(a.shape), a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else type(a).__qualname__
+                   for a in args)
+    return tuple(parts), tensors, inputs
+
+
+def _pool_identical(costs: list[UnitCost], signatures: list[tuple]) -> list[list[str]]:
+    """Give units of one signature the mean of their forward and backward times; returns the groups."""
+    groups: dict[tuple, list[UnitCost]] = {}
+    for sig, cost in zip(signatures, costs):
+        groups.setdefault(sig, []).append(cost)
+    pooled = []
+    for group in groups.values():
+        if len(group) > 1:
+            fwd, bwd = statistics.fmean(c.fwd_ms for c in group), statistics.fmean(c.bwd_ms for c in group)
+            for c in group:
+                c.fwd_ms, c.bwd_ms = fwd, bwd
+            pooled.append([c.name for c in group])
+    return pooled
+
+
 def _measure_unit(
     module: nn.Module,
     args: tuple,
@@ -514,7 +558,8 @@ def profile_units(
     ``torch.autocast``. ``"fp8"`` needs the two hooks of the fp8 backend, for example
     ``prepare=lambda m: convert_module_to_fp8(m, "te")`` and
     ``context=lambda: fp8_autocast_context("te")`` from :mod:`lightning_hpp.precision.fp8`, on a GPU that
-    supports fp8.
+    supports fp8. Units of one :func:`unit_signature` get the mean of their times (the groups are
+    ``meta["identical_units"]``).
 
     Args:
         units: ``(name, module)`` pairs in pipeline order.
@@ -567,6 +612,7 @@ def profile_units(
         args = tuple(a.to(true_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
     costs: list[UnitCost] = []
+    signatures: list[tuple] = []
     # Dropout draws random numbers: measure on a forked RNG so training sees the same stream.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for name, module in units:
@@ -590,14 +636,16 @@ def profile_units(
                     module.to(unit_home)
             cost.name = name
             costs.append(cost)
+            signatures.append(unit_signature(runner, args))
             args = _boundary(out, true_dtype)
+    identical = _pool_identical(costs, signatures)
     return CostProfile(
         model=model_name or "model",
         unit_names=[n for n, _ in units],
         param_counts=model_signature_counts(units),
         input_shapes=_shapes(as_args(example_input)),
         entries=[ProfileEntry(device_kind, precision, costs, source=source)],
-        meta={"torch": str(torch.__version__), "repeats": repeats, "warmup": warmup},
+        meta={"torch": str(torch.__version__), "repeats": repeats, "warmup": warmup, "identical_units": identical},
     )
 
 
