@@ -299,3 +299,25 @@ def test_measured_profile_drives_the_partitioner():
     assert res.stages[0].compute_ms == pytest.approx(sum(measured[:k]))
     assert res.stages[1].compute_ms == pytest.approx(sum(measured[k:]))
     assert res.plan.resolve(prof.unit_names) == [prof.unit_names[:k], prof.unit_names[k:]]
+
+
+def test_mean_over_ranks_averages_each_kind_measured_by_several_ranks():
+    """plan="auto" profiles on every rank at once: a kind measured by several ranks gets their mean (unit
+    times and overheads), a kind measured once is kept, and profiles of other units are refused."""
+    units = small_units()
+    x = torch.randn(16, 32)
+    parts = [profile_units(units, x, kind, repeats=1, warmup=0) for kind in ("cpu", "cpu", "slow")]
+    for i, part in enumerate(parts):
+        for j, u in enumerate(part.entries[0].units):
+            u.fwd_ms, u.bwd_ms, u.fixed_ms = 1.0 + i + j, 2.0 * (1 + i), 0.1 * i
+        part.entries[0].overheads = profile_module.Overheads(microbatch_ms=1.0 + i, p2p_latency_ms=0.5 * i)
+    mean = profile_module.mean_over_ranks(parts)
+    cpu, slow = mean.get("cpu", "32-true"), mean.get("slow", "32-true")
+    assert [(u.fwd_ms, u.bwd_ms, u.fixed_ms) for u in cpu.units] == [
+        pytest.approx((1.5 + j, 3.0, 0.05)) for j in range(len(units))]
+    assert cpu.overheads.microbatch_ms == 1.5 and cpu.overheads.p2p_latency_ms == 0.25
+    assert "mean of 2 ranks" in cpu.source
+    assert [u.fwd_ms for u in slow.units] == [3.0 + j for j in range(len(units))] and slow.source == "measured"
+    other = profile_units(units[:2], x, "cpu", repeats=1, warmup=0)
+    with pytest.raises(ProfileMismatchError):
+        profile_module.mean_over_ranks([parts[0], other])

@@ -6,8 +6,8 @@ Both run on every rank at setup, before the model is cut:
 * :func:`gather_kinds` — the device kind of every rank (detected, or overridden by ``device_map`` /
   ``HPP_DEVICE_KIND``), gathered over the world;
 * :func:`kind_grid` — the rank grid for a plan whose stages ask for device kinds;
-* :func:`auto_plan` — profile the units and the step's overheads on one rank of each kind, on its
-  device, share the profiles, and search the whole plan (pp x dp, micro-batches, schedule, cuts,
+* :func:`auto_plan` — profile the units and the step's overheads on every rank at once, on its
+  device, share the profiles (a kind's costs: the mean over its ranks), and search the whole plan (pp x dp, micro-batches, schedule, cuts,
   kinds) for these ranks.
 """
 
@@ -34,10 +34,11 @@ from lightning_hpp.planning.profile import (
     CostProfile,
     Overheads,
     as_args,
-    to_device,
     check_profile_matches,
     fit_fixed_costs,
+    mean_over_ranks,
     profile_units,
+    to_device,
     with_rank_speeds,
 )
 from lightning_hpp.planning.search import search_plan
@@ -106,13 +107,15 @@ def auto_plan(
 ) -> tuple[StagePlan, list[list[int]], str, PartitionResult]:
     """Profile, then search the whole plan for the ranks of this job (collective).
 
-    The first rank of each kind measures, on its own ``device``, every unit's forward+backward time
+    Every rank measures at once, on its own ``device``, every unit's forward+backward time
     and memory at two micro-batch sizes (the largest a plan can use, ``example_args`` holding that
     many samples, and a small one), so each unit's time splits into a fixed part per micro-batch
     and a part per sample; plus the overheads of :mod:`~lightning_hpp.planning.calibrate` (the
     schedule's per micro-batch and per step, the optimizer, the loss through ``loss_probe``, a
-    send/recv between ranks 0 and 1). The profiles are merged on every rank, and every rank runs
-    the same deterministic :func:`~lightning_hpp.planning.search.search_plan`, so all ranks agree.
+    send/recv between ranks 0 and 1). A kind's costs are the mean over its ranks
+    (:func:`~lightning_hpp.planning.profile.mean_over_ranks`): measured with every other rank busy, as in
+    training. The profiles are merged on every rank, and every rank runs the same deterministic
+    :func:`~lightning_hpp.planning.search.search_plan`, so all ranks agree.
 
     Args:
         units: The planning units.
@@ -149,20 +152,15 @@ def auto_plan(
         params = {id(p): p for _, unit in units for p in unit.parameters()}  # a tied weight once
         grad_bytes = sum(p.numel() * p.element_size() for p in params.values())
         ar_gbps = calibrate.allreduce_gbps(world, device, lat, nbytes=min(max(grad_bytes, 1 << 22), 1 << 28) // 4 * 4)
-        mine = None
-        if rank == rank_kinds.index(rank_kinds[rank]):  # first rank of its kind
-            big = batch_size // (n_microbatches or 1)
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training draws as without it
-                mine = _measure(units, example_args, rank_kinds[rank], device, big, loss_probe).to_dict()
-            # on CPUs gloo sums the gradients on the cores the backward computes on: nothing of it hides
-            mine["entries"][0]["overheads"].update(p2p_latency_ms=lat, p2p_gbps=gbps, allreduce_gbps=ar_gbps,
-                                                   allreduce_overlap=0.0 if device.type == "cpu" else 1.0)
-        profile = None
-        for part in all_gather_object(mine):
-            if part is not None:
-                p = CostProfile.from_dict(part)
-                profile = p if profile is None else profile.merge(p)
-        assert profile is not None
+        # every rank at once: a rank measured with its neighbours idle finds shared caches, memory bandwidth
+        # and cores to itself that training does not leave it (2 equal CPU cores: 1.2-1.4x faster)
+        big = batch_size // (n_microbatches or 1)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training draws as without it
+            mine = _measure(units, example_args, rank_kinds[rank], device, big, loss_probe).to_dict()
+        # on CPUs gloo sums the gradients on the cores the backward computes on: nothing of it hides
+        mine["entries"][0]["overheads"].update(p2p_latency_ms=lat, p2p_gbps=gbps, allreduce_gbps=ar_gbps,
+                                               allreduce_overlap=0.0 if device.type == "cpu" else 1.0)
+        profile = mean_over_ranks([CostProfile.from_dict(part) for part in all_gather_object(mine)])
     planned, plan_kinds = with_rank_speeds(profile, rank_kinds, speeds)
     memory = {p: memory_bytes[k] for p, k in zip(plan_kinds, rank_kinds) if k in memory_bytes} if memory_bytes else None
     result = search_plan(

@@ -32,7 +32,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -720,6 +720,38 @@ def fit_fixed_costs(big: CostProfile, small: CostProfile) -> CostProfile:
             per_sample = (u.step_ms - v.step_ms) / (b_big - b_small)
             u.fixed_ms = min(u.step_ms, max(0.0, u.step_ms - per_sample * b_big))
     out.meta["fixed_ms_from_microbatch_sizes"] = [b_small, b_big]
+    return out
+
+
+def mean_over_ranks(parts: Sequence[CostProfile]) -> CostProfile:
+    """Several ranks' profiles of the same units as one: a (kind, precision) entry that more than one rank
+    measured gets the mean of their unit times (forward, backward, fixed part) and overheads; the bytes are
+    the same on every rank, the other entries are taken as they are.
+
+    Raises:
+        ProfileMismatchError: no profiles, or profiles of different signatures.
+    """
+    if not parts:
+        raise ProfileMismatchError("`mean_over_ranks` got no profiles.")
+    out = copy.deepcopy(parts[0])
+    groups: dict[tuple[str, str], list[ProfileEntry]] = {}
+    for part in parts:
+        out = out.merge(part) if part is not parts[0] else out
+        for entry in part.entries:
+            groups.setdefault((entry.device_kind, entry.precision), []).append(entry)
+    for entries in groups.values():
+        if len(entries) < 2:
+            continue
+        mean = copy.deepcopy(entries[0])
+        for i, u in enumerate(mean.units):
+            u.fwd_ms = statistics.fmean(e.units[i].fwd_ms for e in entries)
+            u.bwd_ms = statistics.fmean(e.units[i].bwd_ms for e in entries)
+            u.fixed_ms = statistics.fmean(e.units[i].fixed_ms for e in entries)
+        if all(e.overheads is not None for e in entries):
+            for f in fields(Overheads):
+                setattr(mean.overheads, f.name, statistics.fmean(getattr(e.overheads, f.name) for e in entries))
+        mean.source = f"{mean.source}, mean of {len(entries)} ranks"
+        out.add(mean)
     return out
 
 
