@@ -7,10 +7,9 @@ every 10, a steady half-speed device at the scale of a stage's actions (tens of 
 100 ms period it ran 50 ms and stopped for 50, stalls as long as a stage that the pipeline's replay cannot
 see (``--period-ms 100`` measures that). Each rank pins itself and (rank 1) writes its own pid into the
 group's ``cgroup.procs`` at the top of its worker, before torch is imported, so every thread it starts
-(torch, gloo) inherits both. Where the
-cgroup cannot be created (not root, cgroup v2 only, read-only mount), rank 1 shares core 1 with a
-busy-loop process instead, which the kernel's fair scheduler also halves it with; the output says
-which one ran. The group (or the busy loop) is removed afterwards, also when something fails.
+(torch, gloo) inherits both. Where the cgroup cannot be created (not root, cgroup v2 only, read-only
+mount), rank 1 shares core 1 with a busy-loop process instead, which the kernel's fair scheduler also
+halves it with; the output says which one ran. The group (or the busy loop) is removed afterwards, also when something fails.
 With ``--equal`` nothing is throttled: two equal cores, one kind (``cpu``).
 
 ``--ranks 4`` runs four ranks, two per core (ranks 0 and 1 on core 0, 2 and 3 on core 1), each held by

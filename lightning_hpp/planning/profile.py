@@ -734,9 +734,10 @@ def mean_over_ranks(parts: Sequence[CostProfile]) -> CostProfile:
     if not parts:
         raise ProfileMismatchError("`mean_over_ranks` got no profiles.")
     out = copy.deepcopy(parts[0])
+    for part in parts[1:]:
+        out = out.merge(part)
     groups: dict[tuple[str, str], list[ProfileEntry]] = {}
     for part in parts:
-        out = out.merge(part) if part is not parts[0] else out
         for entry in part.entries:
             groups.setdefault((entry.device_kind, entry.precision), []).append(entry)
     for entries in groups.values():

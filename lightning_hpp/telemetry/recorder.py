@@ -451,16 +451,20 @@ def analyze(records: list[RankStep], info: ScheduleInfo) -> StepMetrics:
     )
 
 
-def _expected_bubble(info: ScheduleInfo, costs: dict[tuple[int, str], list[float]]) -> float:
+def _compute_costs(costs: dict[tuple[int, str], list[float]]) -> Callable[[Act], float]:
+    """Each action's mean measured compute: its stage's mean of that kind (the loss, right after the last
+    stage's forward and holding back its backward, counted with the forward)."""
     mean = {k: statistics.fmean(v) for k, v in costs.items()}
 
-    def cost(a: Act) -> float:
-        # The loss runs right after the last stage's forward and holds back its backward.
-        extra = mean.get((a.stage, "L"), 0.0) if a.kind == "F" else 0.0
-        return mean.get((a.stage, a.kind), 0.0) + extra
+    def compute(a: Act) -> float:
+        return mean.get((a.stage, a.kind), 0.0) + (mean.get((a.stage, "L"), 0.0) if a.kind == "F" else 0.0)
 
+    return compute
+
+
+def _expected_bubble(info: ScheduleInfo, costs: dict[tuple[int, str], list[float]]) -> float:
     try:
-        return simulate(info.orders, cost).bubble
+        return simulate(info.orders, _compute_costs(costs)).bubble
     except TelemetryError:
         return float("nan")
 
@@ -472,13 +476,9 @@ def _replayed_bubble(info: ScheduleInfo, costs: dict[tuple[int, str], list[float
     An action lasts its compute, its rank's communication per action (the data it posts and waits for,
     once the peer has posted) and its rank's overhead per action; a rank's idle is the makespan less its
     compute and communication, as :func:`analyze` counts the measured one."""
-    mean = {k: statistics.fmean(v) for k, v in costs.items()}
+    compute = _compute_costs(costs)
     comm = {k: statistics.fmean(v["comm"]) for k, v in extra.items()}
     overhead = {k: statistics.fmean(v["overhead"]) for k, v in extra.items()}
-
-    def compute(a: Act) -> float:
-        return mean.get((a.stage, a.kind), 0.0) + (mean.get((a.stage, "L"), 0.0) if a.kind == "F" else 0.0)
-
     try:
         sim = simulate(info.orders, lambda a: compute(a) + comm.get(a.stage, 0.0) + overhead.get(a.stage, 0.0))
     except TelemetryError:
