@@ -221,7 +221,9 @@ class PipelineRunner:
         self._target = torch.arange(size, device=self.device) if self.holds_last else None
         try:
             with self._metric_batches if self.holds_last else contextlib.nullcontext():
-                sched.step(*args, target=self._target)
+                # the loss is taken per micro-batch (_loss_fn): torch's merge of the last stage's outputs
+                # (a concatenation of every micro-batch's output, logits for an LM) is not needed
+                sched.step(*args, target=self._target, return_outputs=False)
         finally:
             self._step_fn, self._mb, self._target = None, [], None
             if self.sharded is not None:  # the schedule's gradient reduction freed them; a failed step may not have
