@@ -89,6 +89,7 @@ def test_two_ranks_every_schedule(jobs):
         for rank in (0, 1):
             out = load_rank(r["out"], rank)
             assert out["global_step"] == 5
+            assert out["held_outputs"] == 0  # no micro-batch's output outlives its loss on the last stage
             # the last stage's logged loss reached every rank, rank 0 included
             assert out["metrics"]["train_loss"] == pytest.approx(float(trainer.callback_metrics["train_loss"]), rel=1e-5)
     # interleaved placement: rank 0 holds stages 0 and 2; V placement: stages 0 and 3

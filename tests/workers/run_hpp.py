@@ -70,6 +70,9 @@ def run(cfg: dict, devices: int) -> None:
         "state": state,
         "sharded": sharded,
         "sharded_stages": strategy._pipeline.runner.sharded is not None,
+        # what the training schedules' stages still hold of the last step's outputs (the loss is taken per micro-batch)
+        "held_outputs": sum(len(stage.output_chunks) for sched in strategy._pipeline.runner._schedules.values()
+                            if sched._has_backward for stage in getattr(sched, "_stages", [getattr(sched, "_stage", None)])),
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "global_step": trainer.global_step,
         "stage_ids": strategy.stage_ids,
