@@ -44,9 +44,12 @@ SIZES = {
         "tiny": Size(width=64, blocks=4, batch=16, seq=16, vocab=64),
         "cpu": Size(width=128, blocks=4, batch=32, seq=64, vocab=256),
         "gpu": Size(width=512, blocks=8, batch=64, seq=256, vocab=256),
+        # logits (batch x seq x vocab: 268 MB a step in fp32) far above everything else a stage holds
+        "vocab": Size(width=64, blocks=4, batch=16, seq=128, vocab=32768),
     },
 }
-"""Size presets: ``tiny`` (a smoke run), ``cpu`` (the default, minutes on 2 cores), ``gpu``."""
+"""Size presets: ``tiny`` (a smoke run), ``cpu`` (the default, minutes on 2 cores), ``gpu``; the LM's
+``vocab``, whose peak memory is its last stage's logits."""
 
 
 class _Base(L.LightningModule):
