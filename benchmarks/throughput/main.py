@@ -621,7 +621,7 @@ def environment(job: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["mlp", "lm"], choices=["mlp", "lm"])
-    p.add_argument("--size", default="cpu", help="size preset of models.SIZES (cpu, gpu)")
+    p.add_argument("--size", default="cpu", help="size preset of models.SIZES (tiny, cpu, gpu; the LM also vocab)")
     p.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--devices", type=int, default=2, help="ranks (pipeline ranks x --dp for the pipeline runs)")
     p.add_argument("--dp", type=int, default=1, help="replicas of the pipeline in the hpp, raw and paired runs (pp x dp)")
@@ -645,6 +645,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"multiple of it, e.g. --devices 4 --dp 2 --paired-only")
     from models import SIZES, build, n_params
 
+    for model in args.models:
+        if args.size not in SIZES[model]:
+            p.error(f"--size {args.size}: the {model} model has the presets {sorted(SIZES[model])} "
+                    f"(the LM's 'vocab' preset runs with --models lm)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     all_rows: dict[str, list[dict[str, Any]]] = {}
