@@ -72,7 +72,8 @@ def run(cfg: dict, devices: int) -> None:
         "sharded_stages": strategy._pipeline.runner.sharded is not None,
         # what the training schedules' stages still hold of the last step's outputs (the loss is taken per micro-batch)
         "held_outputs": sum(len(stage.output_chunks) for sched in strategy._pipeline.runner._schedules.values()
-                            if sched._has_backward for stage in getattr(sched, "_stages", [getattr(sched, "_stage", None)])),
+                            if sched._has_backward
+                            for stage in (sched._stages if hasattr(sched, "_stages") else [sched._stage])),
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "global_step": trainer.global_step,
         "stage_ids": strategy.stage_ids,
