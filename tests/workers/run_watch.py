@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
 from lightning_hpp.options import CheckpointOptions, PlacementOptions
+from lightning_hpp.pipeline.mesh import stages_of_position
 from lightning_hpp.pipeline.view import pipeline_view
 from lightning_hpp.telemetry.watch import StragglerWatch
 from tests.models import MLP, loaders
@@ -121,6 +122,10 @@ def main(cfg: dict) -> None:
             "losses": losses.losses, "ended": ended, "error": error, "global_step": trainer.global_step,
             "stages": [list(s.modules) for s in p.plan.stages] if p is not None else None,
             "grid": p.mesh.grid if p is not None else None,
+            # the units each rank holds (a multi-stage schedule puts several stages, not always neighbours, on a rank)
+            "units_per_rank": {str(r): sum(len(p.plan.stages[k].modules)
+                                           for k in stages_of_position(pos, p.mesh.pp, p.plan.num_stages, p.runner.kind.style))
+                               for pos, row in enumerate(p.mesh.grid) for r in row} if p is not None else None,
             "n_microbatches": p.n_microbatches if p is not None else None,
             "rank_speeds": p.plan.meta.get("rank_speeds") if p is not None else None,
             "resumed_from": strategy.resumed_from,
