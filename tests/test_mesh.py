@@ -1,7 +1,8 @@
 """The pp × dp layout on torch's ``DeviceMesh``: four real gloo processes build every layout below, and
 each rank's place, its groups (what an all-reduce over each reaches) and the ``("pp", "dp_replicate",
 "dp_shard", "tp")`` mesh are checked against the grid; a grid whose pipeline does not ascend is refused
-on every rank.
+on every rank. Over each layout the step's exchange runs four steps, checked against what the grid says
+each rank must receive.
 """
 
 from __future__ import annotations
@@ -81,3 +82,31 @@ def test_a_descending_pipeline_is_refused_on_every_rank(results):
     for got in results[i]:
         assert got["error"] == "PlanError"
         assert "out of order" in got["message"] and "must ascend" in got["message"]
+
+
+@pytest.mark.parametrize("i", [i for i, c in enumerate(CASES) if c["name"] != "pipeline descends"],
+                         ids=[c["name"] for c in CASES if c["name"] != "pipeline descends"])
+def test_the_step_exchange_brings_each_pipeline_its_loss_and_every_rank_the_flags(results, i):
+    grid = _grid(CASES[i])
+    pp, dp = len(grid), len(grid[0])
+    for rank, got in enumerate(results[i]):
+        column = grid[next(r for r, row in enumerate(grid) if rank in row)].index(rank)
+        steps = got["exchange"]
+        for step in (0, 1):  # a new schema, then the same one: each pipeline's own loss and plain value
+            s = steps[step]
+            assert s["loss"] == 100.0 * column + step
+            mine = [10.0 * column + step + k for k in range(4)]  # what this pipeline's last stage logged
+            every = [[10.0 * c + step + k for k in range(4)] for c in range(dp)]
+            assert s["values"] == pytest.approx([mine[0], sum(v[1] for v in every) / dp, max(v[2] for v in every),
+                                                 sum(v[3] for v in every)])
+            # every value is replayed as reduced with one replica; with several, the synced ones only
+            reduced = [kw.get("sync_dist_group") == "REDUCED" for _, kw in s["schema"]]
+            assert reduced == [dp == 1, True, True, True]
+            # the flags of rank 3, at its position, on every rank; nothing elsewhere
+            where = next(r for r, row in enumerate(grid) if 3 in row)
+            assert s["flags"] == [[4.0, float(step)] if p == where else [0.0, 0.0] for p in range(pp)]
+        assert steps[2] == {"error": "pipeline 0 cannot reduce its logs"}  # raised on every rank alike
+        if dp > 1:  # pipeline 0 logs a synced value the other replicas do not: refused on every rank, naming them
+            assert f"was logged by replica 0 and not by replica(s) {list(range(1, dp))}" in steps[3]["error"]
+        else:
+            assert steps[3]["values"] == pytest.approx([3.0, 4.0, 5.0, 6.0])

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow
 
 def test_one_ranks_nan_stops_every_rank_at_that_step_or_warns_where_it_is(tmp_path):
     run_script("tests.workers.run_nonfinite", {"out": str(tmp_path), "poison_step": 2, "steps": 4}, timeout=300)
-    ranks = {p: [json.loads((tmp_path / p / f"rank{r}.json").read_text()) for r in range(4)] for p in ("warn", "raise")}
+    ranks = {p: [json.loads((tmp_path / p / f"rank{r}.json").read_text()) for r in range(4)]
+             for p in ("warn", "raise", "gradient")}
 
     warn = ranks["warn"]
     assert all(r["error"] is None and r["global_step"] == 4 for r in warn)  # everyone trained on
@@ -36,3 +37,11 @@ def test_one_ranks_nan_stops_every_rank_at_that_step_or_warns_where_it_is(tmp_pa
     for r in (raised[1], raised[3]):  # the clean replica's ranks name the positions where it happened
         assert "pipeline position(s) [0, 1] (in this or another replica) in step 2" in r["error"]["message"], r
         assert r["finite_params"]  # and took no step with the poisoned gradients
+
+    # NaN gradients only (stage 1 of replica 0 sends them back): stage 0 finds them before its backward, and every
+    # rank stops at that step, before its optimizer step
+    for r in ranks["gradient"]:
+        assert r["error"] is not None and r["error"]["type"] == "NonFiniteError" and r["global_step"] == 2, r
+        assert r["finite_params"], r
+    assert "gradient arriving at stage 0 from stage 1 (micro-batch 0, step 2)" in ranks["gradient"][0]["error"]["message"]
+    assert "pipeline position(s) [0]" in ranks["gradient"][1]["error"]["message"]

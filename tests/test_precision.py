@@ -177,14 +177,24 @@ def test_nan_guard_checks_gradients_at_boundaries_only():
     plan, sms, view = _stage_modules(model, ["32-true", "32-true"])
     HPPPrecision(nonfinite="raise").configure_stages(plan, view, "32-true", torch.device("cpu"), "cpu")
     (guard,) = view.step_checks
-    out = sms[1](sms[0](torch.randn(4, 8)))
-    out.backward(torch.full_like(out, float("nan")))  # the loss's gradient is NaN: it reaches stage 0's boundary
+    hidden = sms[0](torch.randn(4, 8))
+    out = sms[1](hidden.detach().requires_grad_())
+    # what the pipeline stage hands its gradient hooks before each backward (stage, micro-batch, arriving gradients):
+    # the last stage's gradient comes from the user's loss, not from another stage; stage 0's from stage 1
+    for k, grads in ((1, (torch.full_like(out, float("nan")),)), (0, (torch.full_like(hidden, float("nan")), None))):
+        for hook in sms[k].grad_hooks:
+            hook(k, 5, grads)
     kinds = [(where[0], where[1]) for where, _, _ in guard._events]
-    # both outputs are checked; the gradient only where it crosses a boundary (into stage 0, from stage 1): the last
-    # stage's gradient comes from the user's loss, not from another stage
     assert kinds == [("forward", 0), ("forward", 1), ("gradient", 0)]
-    with pytest.raises(FloatingPointError, match=r"gradient arriving at stage 0 from stage 1 \(micro-batch 3"):
+    with pytest.raises(FloatingPointError, match=r"gradient arriving at stage 0 from stage 1 \(micro-batch 5"):
         guard.resolve([float(guard.flag())])
+    sanitized = HPPPrecision(nonfinite="sanitize")
+    plan, sms, view = _stage_modules(MLP(), ["32-true", "32-true"])
+    sanitized.configure_stages(plan, view, "32-true", torch.device("cpu"), "cpu")
+    grad = torch.tensor([1.0, float("nan"), float("inf")])
+    for hook in sms[0].grad_hooks:
+        hook(0, 0, (grad,))
+    assert torch.isfinite(grad).all() and grad[0] == 1.0  # replaced in place, before the backward reads it
 
 
 def test_bad_precision_options_are_refused():

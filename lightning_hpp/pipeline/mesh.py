@@ -189,6 +189,13 @@ class Mesh:
         return self._group("tp")
 
     @property
+    def step_group(self) -> Any:
+        """A group of every rank, a communicator of its own: the step's one exchange of loss, logs and check
+        flags (:mod:`lightning_hpp.pipeline.exchange`) runs on it beside the pipeline's own traffic; ``None``
+        before :meth:`init_groups`."""
+        return self._groups.get("step")
+
+    @property
     def shard_mesh(self) -> DeviceMesh | None:
         """The ``DeviceMesh`` FSDP2 shards this rank's stages over: ``["dp_shard"]``, or the 2-D
         ``["dp_replicate", "dp_shard"]`` where each shard is also replicated (HSDP)."""
@@ -237,7 +244,7 @@ class Mesh:
         mesh = DeviceMesh(device_type or default_device_type(), torch.tensor(self.grid, dtype=torch.int).reshape(shape),
                           mesh_dim_names=DIM_NAMES)
         self.dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(DP_DIM)
-        self.device_mesh, self._groups = mesh, {"dp": self.dp_mesh.get_group()}
+        self.device_mesh, self._groups = mesh, {"dp": self.dp_mesh.get_group(), "step": dist.new_group()}
 
     def groups_over_positions(self, position_sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], Any]:
         """For each set of pipeline positions, the group of this pipeline's ranks at them (collective:

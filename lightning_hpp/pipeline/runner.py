@@ -5,8 +5,9 @@ first stage it captures the pipeline input by calling the user's step with ``for
 redirected; on the last stage it calls the user's step once per micro-batch with ``forward``
 returning that micro-batch's pipeline output, so the user's own loss, metrics and ``self.log``
 calls run there. The loss and what the last stage logged (reduced on the device over the
-micro-batches) reach the other stages of the pipeline with every position's check flags in one
-tensor all-reduce per step; the names of the logged values travel only when they change.
+micro-batches) reach every rank with every rank's check flags in one collective per step
+(:mod:`lightning_hpp.pipeline.exchange`), started before the rank's last backward of the step so that
+it runs beside that backward; the names of the logged values travel only when they change.
 """
 
 from __future__ import annotations
@@ -22,20 +23,19 @@ from torch.distributed.pipelining import schedules as S
 
 from lightning_hpp._dist import group_device
 from lightning_hpp.errors import PlanError
+from lightning_hpp.pipeline.exchange import StepExchange
 from lightning_hpp.pipeline.fsdp import ShardedStages
 from lightning_hpp.pipeline.mesh import Mesh
 from lightning_hpp.pipeline.microbatch import batch_size_of, largest_divisor_at_most, split_batch
 from lightning_hpp.pipeline.schedules import ForwardOnlyV, schedule_kind
 from lightning_hpp.pipeline.stage import StageModule, _Stage
 from lightning_hpp.pipeline.steps import (
-    REDUCED,
     MetricBatches,
     StepLogs,
     _LogRecorder,
     capture_input,
     extract_loss,
     redirected,
-    reduce_fx_name,
     reduce_logs,
     replay_forward,
 )
@@ -51,7 +51,7 @@ class StepCheck(Protocol):
         """This rank's 0-dim float32 flag on its device (0: nothing to report)."""
 
     def resolve(self, flags: list[float]) -> None:
-        """Act on every pipeline position's flag (max over replicas), the same on every rank."""
+        """Act on every pipeline position's flag (the maximum over the ranks there), the same on every rank."""
 
 
 class PipelineRunner:
@@ -110,7 +110,10 @@ class PipelineRunner:
         self._recorders: list[_LogRecorder | None] = []
         self._losses: list[torch.Tensor | None] = []
         self._target: torch.Tensor | None = None
-        self._schema: list[tuple[str, dict]] = []
+        # the step's one collective, for training and for evaluation steps (their logged names differ)
+        self._exchanges = {mode: StepExchange(mesh, mesh.step_group, device) for mode in ("train", "eval")}
+        self._backwards = 0  # backward passes of micro-batches this rank ran in the current training step
+        self._step_metrics: dict[str, Any] = {}  # the torchmetrics objects the last stage logged in this step
         self.step_checks: list[StepCheck] = []
         self._metric_batches = MetricBatches(module)
         _sync_metrics_over(module, mesh.dp_group)
@@ -155,6 +158,7 @@ class PipelineRunner:
             if train:
                 for stage in stages:
                     stage.on_last_backward = self.last_backward_window
+                    stage.on_backward = self._on_backward
             loss_fn = self._loss_fn if train else None
             if self.kind.multi:
                 cls = self.kind.cls
@@ -214,34 +218,56 @@ class PipelineRunner:
         sched, _ = self._schedule(True, size)
         self._step_fn, self._step_args, self._loss_scale = step_fn, step_args, loss_scale
         self._recorders, self._losses = [None] * n, [None] * n
+        self._backwards = 0
         for check in self.step_checks:
             check.reset()
         args = self._flatten(*capture_input(self.module, step_fn, batch, *step_args)) if self.holds_first else ()
         self._reset_counters()
         self._target = torch.arange(size, device=self.device) if self.holds_last else None
+        exchange = self._exchanges["train"]
         try:
             with self._metric_batches if self.holds_last else contextlib.nullcontext():
                 # the loss is taken per micro-batch (_loss_fn): torch's merge of the last stage's outputs
                 # (a concatenation of every micro-batch's output, logits for an LM) is not needed
                 sched.step(*args, target=self._target, return_outputs=False)
+                if not exchange.started:  # a rank without the first stage: once its schedule is done
+                    self._start_exchange()
+        except BaseException:
+            exchange.abandon()
+            raise
         finally:
             self._step_fn, self._mb, self._target = None, [], None
+            self._recorders, self._losses = [], []
             if self.sharded is not None:  # the schedule's gradient reduction freed them; a failed step may not have
                 self.sharded.reshard()
+        loss, logs, flags = exchange.finish()
+        self._resolve_checks(flags)
+        logs.metrics = self._step_metrics
+        return loss, logs
+
+    def _on_backward(self, stage: int) -> None:
+        """Before each backward of a micro-batch on this rank. The first stage's last backward ends every training
+        schedule (it waits for every other stage's); before it, the first stage's rank has its part of the step's
+        exchange final (every forward and loss ran, every arriving gradient was checked) and posts it, so the
+        collective runs beside that backward. The other ranks post theirs when their schedule is done: posting
+        before their own last backward would delay the gradients the first stage waits for."""
+        self._backwards += 1
+        if self.holds_first and self._backwards == self.n_microbatches * len(self.stage_modules):
+            self._start_exchange()
+
+    def _start_exchange(self) -> None:
         loss, logs, error = None, None, None
+        self._step_metrics = {}
         if self.holds_last:
             if any(x is None for x in self._losses):
                 raise RuntimeError(f"internal: the schedule computed the loss of micro-batches {self._losses} only")
             loss = torch.stack([x.float() for x in self._losses]).mean()
             try:
                 logs = reduce_logs(self._recorders, self.device, self._metric_batches)
+                self._step_metrics = logs.metrics
             except PlanError as e:
                 error = str(e)
-        self._recorders, self._losses = [], []
-        metrics = logs.metrics if logs is not None else {}
-        loss, logs = self._exchange(loss, logs, error)
-        logs.metrics = metrics
-        return loss, logs
+        self._exchanges["train"].start(loss, logs, error, self._check_flags(), last=self.holds_last)
 
     def eval_step(self, step_fn: Callable[..., Any], batch: Any, *step_args: Any) -> tuple[Any, StepLogs]:
         """A forward-only pass; the user's step runs once on the last stage with the whole output.
@@ -277,113 +303,22 @@ class PipelineRunner:
         if payload[0] == "error":
             raise PlanError(payload[1])
         _, output, schema, values = payload
-        logs = StepLogs(schema, torch.tensor(values, dtype=torch.float32, device=self.device))
-        _, logs, flags = self._over_replicas(logs, self._flags_over_pp(self._check_flags()))
+        logs = StepLogs(schema, torch.tensor(values, dtype=torch.float32, device=self.device)) if self.holds_last else None
+        exchange = self._exchanges["eval"]
+        exchange.start(None, logs, None, self._check_flags(), last=self.holds_last)
+        _, logs, flags = exchange.finish()
         self._resolve_checks(flags)
         logs.metrics = metrics if self.holds_last else {}
         return output, logs
 
-    # ----------------------------------------------------------------- the step's one collective
+    # ----------------------------------------------------------------- the step's checks
     def _check_flags(self) -> list[torch.Tensor]:
         return [check.flag() for check in self.step_checks]
 
-    def _exchange(self, loss: torch.Tensor | None, logs: StepLogs | None, error: str | None) -> tuple[torch.Tensor, StepLogs]:
-        """Bring the last stage's loss and logs, and every position's check flags, to every rank of the pipeline.
-
-        One all-reduce (sum) over the pipeline group of ``[status, loss, values..., flags...]``: the last
-        stage fills the status, loss and values, each position its own slots of the check flags, everyone
-        else zeros. The names and options of the values (the schema) travel only when they change, by one
-        object broadcast; so does an error found in the logs, raised then on every rank.
-        """
-        flags = self._check_flags()
-        pp, pos, k = self.mesh.pp, self.mesh.position, len(self._schema)
-        if pp == 1:
-            if error is not None:
-                raise PlanError(error)
-            self._schema = logs.schema
-            loss, logs, flag_values = self._over_replicas(logs, flags, loss)
-            self._resolve_checks(flag_values)
-            return loss, logs
-        device = group_device(self.mesh.pp_group)
-        buf = torch.zeros(2 + k + pp * len(flags), dtype=torch.float32, device=device)
-        status = 0.0
-        if self.holds_last:
-            status = 2.0 if error is not None else (0.0 if logs.schema == self._schema else 1.0)
-            buf[0] = status
-            buf[1] = loss.to(device)
-            if status == 0.0 and k:
-                buf[2 : 2 + k] = logs.values.to(device)
-        if flags:
-            buf[2 + k + pos * len(flags) : 2 + k + (pos + 1) * len(flags)] = torch.stack(flags).to(device)
-        dist.all_reduce(buf, group=self.mesh.pp_group)
-        flag_values = list(buf[2 + k :].view(pp, len(flags)).unbind(0)) if flags else []
-        # the one host read of the step: whether the schema changed (and nothing else unless it did)
-        status = float(buf[0]) if not self.holds_last else status
-        if status != 0.0:
-            box = [(error,) if status == 2.0 else (logs.schema, logs.values.tolist()) if self.holds_last else None]
-            dist.broadcast_object_list(box, group_src=self.last_position, group=self.mesh.pp_group, device=device)
-            if status == 2.0:
-                raise PlanError(box[0][0])
-            self._schema = box[0][0]
-            logs = StepLogs(self._schema, torch.tensor(box[0][1], dtype=torch.float32, device=self.device))
-        else:
-            logs = StepLogs(self._schema, buf[2 : 2 + k].to(self.device))
-        loss = buf[1].to(self.device)
-        loss, logs, flag_values = self._over_replicas(logs, flag_values, loss)
-        self._resolve_checks(flag_values)
-        return loss, logs
-
-    def _over_replicas(self, logs: StepLogs, flags: list[torch.Tensor], loss: torch.Tensor | None = None) -> tuple:
-        """Reduce the ``sync_dist=True`` values over the data-parallel replicas with their ``reduce_fx``, and the
-        check flags (max); replayed with ``sync_dist_group=REDUCED`` afterwards: Lightning still sees the user's
-        ``sync_dist=True`` (no warning to add it), and the strategy's ``reduce`` returns such values as they are
-        (Lightning would reduce over the world, where each replica's value sits on every one of its pipeline ranks).
-        With one replica every value is already the job's: all are replayed so (Lightning's advice to add
-        ``sync_dist=True`` would be wrong there, and the value is the same either way)."""
-        schema = [(name, {**kw, "sync_dist": True, "sync_dist_group": REDUCED}) if kw.get("sync_dist") or self.mesh.dp == 1
-                  else (name, kw) for name, kw in logs.schema]
-        if self.mesh.dp > 1:
-            group, device = self.mesh.dp_group, group_device(self.mesh.dp_group)
-            by_op: dict[str, list[int]] = {}
-            for i, (name, kw) in enumerate(logs.schema):
-                if kw.get("sync_dist"):
-                    by_op.setdefault(reduce_fx_name(name, kw.get("reduce_fx", "mean")), []).append(i)
-            values = logs.values
-            if by_op:
-                values = values.clone()
-            for fx, idx in by_op.items():
-                part = values[idx].to(device)
-                dist.all_reduce(part, op=_REDUCE_OPS[fx], group=group)
-                values[idx] = (part / self.mesh.dp if fx == "mean" else part).to(values.device)
-            if flags:
-                stacked = torch.stack(flags).to(device)
-                dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=group)
-                flags = list(stacked.unbind(0))
-            logs = StepLogs(schema, values)
-        else:
-            logs = StepLogs(schema, logs.values)
-        return loss, logs, flags
-
-    def _flags_over_pp(self, flags: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every position's check flags (one row per position) on every rank of the pipeline."""
-        if not flags or self.mesh.pp == 1:
-            return flags
-        device = group_device(self.mesh.pp_group)
-        buf = torch.zeros(self.mesh.pp, len(flags), dtype=torch.float32, device=device)
-        buf[self.mesh.position] = torch.stack(flags).to(device)
-        dist.all_reduce(buf, group=self.mesh.pp_group)
-        return list(buf.unbind(0))
-
-    def _resolve_checks(self, flags: list[torch.Tensor]) -> None:
-        """Hand each check what every position flagged (one host read for all of them)."""
-        if not self.step_checks:
-            return
-        table = torch.stack(flags).reshape(-1, len(self.step_checks)).tolist()
+    def _resolve_checks(self, flags: list[list[float]]) -> None:
+        """Hand each check what every position flagged (``flags[position][check]``)."""
         for i, check in enumerate(self.step_checks):
-            check.resolve([row[i] for row in table])
-
-
-_REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+            check.resolve([row[i] for row in flags])
 
 
 def _positional_only(args: tuple, kwargs: dict) -> tuple:

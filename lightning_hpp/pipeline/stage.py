@@ -66,6 +66,9 @@ class StageModule(nn.Module):
         self.output_dtype = output_dtype
         self.context = context
         self.output_hooks: list[Callable[[int, Any], Any]] = []
+        # called by the pipeline stage before each backward with (stage, micro-batch, the gradients arriving at
+        # the stage's output); a hook may change them in place
+        self.grad_hooks: list[Callable[[int, int, tuple], None]] = []
         self.microbatch = -1  # index of the micro-batch being computed; reset by the runner each step
         self.inferring = False  # set while torch pipelining infers boundary metadata
 
@@ -232,9 +235,12 @@ def _zeros_like(x: Any) -> Any:
 
 class _Stage(PipelineStage):
     """A PipelineStage that tells its StageModule when a pass only infers metadata (forward, and
-    backward: torch then calls the loss function once on the inference outputs), and runs the step's
+    backward: torch then calls the loss function once on the inference outputs), runs the step's
     last full backward of the stage inside ``on_last_backward(stage_index)`` when set (where the
-    gradient hand-over starts the data-parallel all-reduce of finished gradients).
+    gradient hand-over starts the data-parallel all-reduce of finished gradients), and before each
+    backward of a micro-batch hands the gradients that arrived from the next stage to the
+    StageModule's ``grad_hooks`` and then calls ``on_backward(stage_index)`` (the runner counts them:
+    its last one on this rank is where the step's exchange starts).
 
     An FSDP2 stage's last full backward runs as FSDP2 runs outside a pipeline: each unit is resharded
     and its gradients reduce-scattered as soon as its backward is done. torch 2.13 runs every backward of
@@ -246,6 +252,21 @@ class _Stage(PipelineStage):
     gradients accumulated over the earlier micro-batches are still whole when the last backward starts."""
 
     on_last_backward: Callable[[int], contextlib.AbstractContextManager] | None = None
+    on_backward: Callable[[int], None] | None = None
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> Any:
+        # every schedule's backward of a micro-batch comes through here, once (a zero-bubble schedule's input
+        # pass; the weight pass follows in backward_weight_one_chunk), after its gradients were received
+        if self.has_backward:
+            hooks = getattr(self.submod, "grad_hooks", None)
+            if hooks and not self.is_last:
+                grads = tuple(getattr(info, "buffer", None) for info in self.grad_recv_info[bwd_chunk_id])
+                for hook in hooks:
+                    hook(self.stage_index, bwd_chunk_id, grads)
+            if self.on_backward is not None:
+                self.on_backward(self.stage_index)
+        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
         run = super().backward_maybe_with_nosync

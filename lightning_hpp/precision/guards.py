@@ -19,8 +19,9 @@ from lightning_hpp.errors import NonFiniteError
 
 
 class BoundaryGuard:
-    """Installed as an output hook of every stage (``StageModule.output_hooks``) and as a step check of
-    the runner (:class:`~lightning_hpp.pipeline.runner.StepCheck`).
+    """Installed as an output hook of every stage (``StageModule.output_hooks``: the activations leaving it),
+    as a gradient hook (``StageModule.grad_hooks``: the gradients arriving at it, checked by the pipeline stage
+    before its backward) and as a step check of the runner (:class:`~lightning_hpp.pipeline.runner.StepCheck`).
 
     Args:
         policy: ``"raise"``, ``"warn"`` or ``"sanitize"`` (``nan_to_num`` before the next stage).
@@ -45,27 +46,34 @@ class BoundaryGuard:
 
     # ------------------------------------------------------------------ during the schedule
     def __call__(self, stage: int, x: Any) -> Any:
-        if self._now is None:  # the step is the same for every crossing of it: asked once
-            self._now = self._step()
-        step, mb = self._now, self._microbatch(stage)
+        """The activations ``x`` leaving ``stage`` (an output hook)."""
         tensors = x if isinstance(x, (tuple, list)) else (x,)
         checked = [t for t in tensors if isinstance(t, Tensor) and t.is_floating_point()]
         if checked:
-            self._record(("forward", stage, mb, step), checked)
+            self._record(("forward", stage, self._microbatch(stage), self._current_step()), checked)
         if self.policy == "sanitize":
             x = _sanitize(x)
-        if stage == self._last_stage:
-            return x
-        for t in (x if isinstance(x, (tuple, list)) else (x,)):
-            if isinstance(t, Tensor) and t.requires_grad:
-                t.register_hook(lambda g, stage=stage, mb=mb, step=step: self._grad_guard(g, stage, mb, step))
         return x
 
-    def _grad_guard(self, grad: Tensor, stage: int, mb: int, step: int) -> Tensor | None:
-        if self._scaled:
-            return None
-        self._record(("gradient", stage, mb, step), [grad])
-        return torch.nan_to_num(grad) if self.policy == "sanitize" else None
+    def check_gradients(self, stage: int, microbatch: int, grads: tuple[Tensor | None, ...]) -> None:
+        """The gradients arriving at ``stage``'s output from the next stage, before its backward of ``microbatch``
+        (a gradient hook); ``"sanitize"`` replaces non-finite values in place. The last stage's come from the
+        user's loss, not from another stage, and are not checked (a NaN there reaches the previous stage's
+        boundary, where it is); with fp16 loss scaling, overflowing gradients are the scaler's business."""
+        if self._scaled or stage == self._last_stage:
+            return
+        checked = [g for g in grads if isinstance(g, Tensor) and g.is_floating_point()]
+        if not checked:
+            return
+        self._record(("gradient", stage, microbatch, self._current_step()), checked)
+        if self.policy == "sanitize":
+            for g in checked:
+                torch.nan_to_num_(g)
+
+    def _current_step(self) -> int:
+        if self._now is None:  # the step is the same for every crossing of it: asked once
+            self._now = self._step()
+        return self._now
 
     def _record(self, where: tuple, tensors: list[Tensor]) -> None:
         # min and max carry any NaN (both) or Inf (one of them): one reduction per tensor, no full-size mask;

@@ -31,7 +31,9 @@ the smallest increase that counts, and a transfer that fails or times out (the s
 Deciding together. The flag of each rank (its slowdown ratio, 0 when nothing was found) rides on
 the step's one collective (a :class:`~lightning_hpp.pipeline.runner.StepCheck` of the runner: the
 all-reduce that brings the loss to every rank), so every rank learns in the same step that some
-pipeline position is slow, and all act at the same batch.
+pipeline position is slow, and all act at the same batch. That collective is posted before the
+rank's last backward of a step, before the step's own times are complete: a rank's flag says what
+it found up to the step before (a finding is one step later than its data, and names its step).
 
 Acting (``WatchOptions.action``):
 
@@ -295,7 +297,10 @@ class _StepTimer:
         self.compute_ns = 0
         self.wait_ns = 0
         self.wait_peer: int | None = None
-        self.fresh = False
+        self.fresh = False  # the times of a step no one has read yet
+        self.label = 0  # the global step being run (set by the watch)
+        self.fresh_label = 0  # the global step the fresh times are of
+        self.fresh_times: tuple[int, int, int | None] = (0, 0, None)  # its compute ns, longest wait ns and peer
         self.enabled = True
         self._in_step = False
         self._failed: tuple[str, int] | None = None
@@ -322,6 +327,8 @@ class _StepTimer:
                 raise TransferError(self._transfer_message(exc)) from exc
             finally:
                 self.fresh, self._in_step = self._in_step, False
+                if self.fresh:
+                    self.fresh_label, self.fresh_times = self.label, (self.compute_ns, self.wait_ns, self.wait_peer)
 
         schedule.step = timed_step
         schedule._hpp_watch = self
@@ -506,17 +513,20 @@ class StragglerWatch(Callback):
 
     def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
         self._step = int(trainer.global_step)
+        if self._timer is not None:
+            self._timer.label = self._step
 
     # ------------------------------------------------------------------ once per step, inside the step's collective
     def _observe(self) -> None:
         timer = self._timer
-        if timer is None or not timer.fresh or self._observed_step == self._step:
+        if timer is None or not timer.fresh:
             return
         timer.fresh = False
-        self._observed_step = self._step
+        self._observed_step = step = timer.fresh_label
         rank, host, kind, stages = self._ctx
-        for signal, ms, peer in (("compute", timer.compute_ns / 1e6, None), ("transfer", timer.wait_ns / 1e6, timer.wait_peer)):
-            found = self._detectors[signal].observe(self._step, ms)
+        compute_ns, wait_ns, wait_peer = timer.fresh_times
+        for signal, ms, peer in (("compute", compute_ns / 1e6, None), ("transfer", wait_ns / 1e6, wait_peer)):
+            found = self._detectors[signal].observe(step, ms)
             self._found[signal] = None if found is None else Finding(
                 signal, rank, host, kind, stages, found.since_step, found.step, found.measured_ms, found.baseline_ms,
                 self._planned_ms if signal == "compute" else None, peer)

@@ -1,6 +1,7 @@
 """One rank of the mesh test: every layout of ``OUT/cases.json`` built on 4 gloo ranks, and what this rank
 sees of it. Writes ``OUT/rank{r}.json``: per case, the error raised or the rank's place, the ranks an
-all-reduce over each group reached, and what the ``DeviceMesh`` says.
+all-reduce over each group reached, what the ``DeviceMesh`` says, and what the step's exchange
+(:class:`~lightning_hpp.pipeline.exchange.StepExchange`) over the layout gave this rank in a few steps.
 
 Usage (RANK, WORLD_SIZE, MASTER_ADDR/PORT set): python tests/workers/mesh_worker.py OUT
 """
@@ -23,7 +24,38 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from lightning_hpp.errors import PlanError  # noqa: E402
+from lightning_hpp.pipeline.exchange import StepExchange  # noqa: E402
 from lightning_hpp.pipeline.mesh import Mesh  # noqa: E402
+from lightning_hpp.pipeline.steps import StepLogs  # noqa: E402
+
+SCHEMA = [("plain", {}), ("mean", {"sync_dist": True}), ("max", {"sync_dist": True, "reduce_fx": "max"}),
+          ("sum", {"sync_dist": True, "reduce_fx": "sum"})]
+
+
+def exchange_steps(mesh: Mesh) -> list:
+    """Four steps of a training exchange: a new schema (values through the object gather), the same schema (values
+    through the buffer), the last stage of pipeline 0 failing to reduce its logs, a synced value one replica
+    does not log. Each holder of a last stage logs values made from its pipeline (column) and the step; each
+    rank flags ``[rank + 1, step]`` on rank 3 only, and ``[0, 0]`` elsewhere."""
+    ex = StepExchange(mesh, mesh.step_group, torch.device("cpu"))
+    last = mesh.position == mesh.pp - 1
+    c, rank = mesh.column, mesh.rank
+    out = []
+    for step in range(4):
+        schema = SCHEMA if step < 3 or c == 0 else SCHEMA[:1] + SCHEMA[2:]
+        logs = StepLogs(schema, torch.tensor([10.0 * c + step + i for i in range(len(schema))]))
+        error = "pipeline 0 cannot reduce its logs" if step == 2 and c == 0 else None
+        flags = [torch.tensor(float(rank + 1 if rank == 3 else 0)), torch.tensor(float(step if rank == 3 else 0))]
+        ex.start(torch.tensor(100.0 * c + step) if last else None, logs if last else None, error if last else None,
+                 flags, last=last)
+        try:
+            loss, got, rows = ex.finish()
+        except PlanError as e:
+            out.append({"error": str(e)})
+            continue
+        out.append({"loss": float(loss), "schema": [[n, {k: str(v) for k, v in kw.items()}] for n, kw in got.schema],
+                    "values": got.values.tolist(), "flags": rows})
+    return out
 
 
 def reached(group, world: int) -> list[int]:
@@ -59,6 +91,7 @@ def one(case: dict, rank: int, world: int) -> dict:
         "tp_reached": reached(mesh.tp_group, world),
         "shard_mesh_dims": list(mesh.shard_mesh.mesh_dim_names),
     }
+    out["exchange"] = exchange_steps(mesh)
     if case.get("position_sets"):
         sets = [tuple(s) for s in case["position_sets"]]
         groups = mesh.groups_over_positions(sets)
