@@ -150,11 +150,11 @@ def test_nan_guard_names_the_stage_and_microbatch_and_sanitize_replaces():
     model = MLP()
     plan, sms, view = _stage_modules(model, ["32-true", "32-true"])
     HPPPrecision(nonfinite="raise").configure_stages(plan, view, "32-true", torch.device("cpu"), "cpu")
-    sms[0](torch.randn(4, 8))
-    resolve(view)  # finite: nothing to report
-    with torch.no_grad():
+    with torch.no_grad():  # a forward-only pass checks in the forward (training: before the backward, below)
+        sms[0](torch.randn(4, 8))
+        resolve(view)  # finite: nothing to report
         model.layers[2].bias.fill_(float("nan"))
-    sms[0](torch.randn(4, 8))  # flagged on the device, decided once per step
+        sms[0](torch.randn(4, 8))  # flagged on the device, decided once per step
     with pytest.raises(FloatingPointError, match=r"leaving stage 0 \(micro-batch 3, step -1\)"):
         resolve(view)
     for check in view.step_checks:
@@ -179,21 +179,26 @@ def test_nan_guard_checks_gradients_at_boundaries_only():
     (guard,) = view.step_checks
     hidden = sms[0](torch.randn(4, 8))
     out = sms[1](hidden.detach().requires_grad_())
-    # what the pipeline stage hands its gradient hooks before each backward (stage, micro-batch, arriving gradients):
-    # the last stage's gradient comes from the user's loss, not from another stage; stage 0's from stage 1
-    for k, grads in ((1, (torch.full_like(out, float("nan")),)), (0, (torch.full_like(hidden, float("nan")), None))):
+    assert guard._events == []  # a training forward's activations are checked before the stage's backward
+    # what the pipeline stage hands its gradient hooks before each backward (stage, micro-batch, the forward's output,
+    # the arriving gradients): the last stage's gradient comes from the user's loss, not from another stage (None);
+    # stage 0's from stage 1
+    for k, output, grads in ((1, (out,), None), (0, (hidden,), (torch.full_like(hidden, float("nan")), None))):
         for hook in sms[k].grad_hooks:
-            hook(k, 5, grads)
+            hook(k, 5, output, grads)
     kinds = [(where[0], where[1]) for where, _, _ in guard._events]
-    assert kinds == [("forward", 0), ("forward", 1), ("gradient", 0)]
+    assert kinds == [("forward", 1), ("forward", 0), ("gradient", 0)]
     with pytest.raises(FloatingPointError, match=r"gradient arriving at stage 0 from stage 1 \(micro-batch 5"):
         guard.resolve([float(guard.flag())])
+    with torch.no_grad():  # evaluation: checked in the forward
+        sms[0](torch.randn(4, 8))
+    assert [where[0] for where, _, _ in guard._events] == ["forward"]
     sanitized = HPPPrecision(nonfinite="sanitize")
     plan, sms, view = _stage_modules(MLP(), ["32-true", "32-true"])
     sanitized.configure_stages(plan, view, "32-true", torch.device("cpu"), "cpu")
     grad = torch.tensor([1.0, float("nan"), float("inf")])
     for hook in sms[0].grad_hooks:
-        hook(0, 0, (grad,))
+        hook(0, 0, (), (grad,))
     assert torch.isfinite(grad).all() and grad[0] == 1.0  # replaced in place, before the backward reads it
 
 

@@ -159,6 +159,7 @@ class PipelineRunner:
                 for stage in stages:
                     stage.on_last_backward = self.last_backward_window
                     stage.on_backward = self._on_backward
+                    stage.on_backward_weight = self._on_backward_weight
             loss_fn = self._loss_fn if train else None
             if self.kind.multi:
                 cls = self.kind.cls
@@ -230,7 +231,7 @@ class PipelineRunner:
                 # the loss is taken per micro-batch (_loss_fn): torch's merge of the last stage's outputs
                 # (a concatenation of every micro-batch's output, logits for an LM) is not needed
                 sched.step(*args, target=self._target, return_outputs=False)
-                if not exchange.started:  # a rank without the first stage: once its schedule is done
+                if not exchange.started:  # a rank without the first stage, its schedule done
                     self._start_exchange()
         except BaseException:
             exchange.abandon()
@@ -246,13 +247,19 @@ class PipelineRunner:
         return loss, logs
 
     def _on_backward(self, stage: int) -> None:
-        """Before each backward of a micro-batch on this rank. The first stage's last backward ends every training
-        schedule (it waits for every other stage's); before it, the first stage's rank has its part of the step's
-        exchange final (every forward and loss ran, every arriving gradient was checked) and posts it, so the
-        collective runs beside that backward. The other ranks post theirs when their schedule is done: posting
-        before their own last backward would delay the gradients the first stage waits for."""
+        """Before each backward of a micro-batch on this rank. At the rank's last one its part of the step's exchange
+        is final (every forward and loss ran, every arriving gradient was checked). The first stage's last backward
+        ends every training schedule (it waits for every other stage's), and nothing waits for what it computes:
+        the first stage's rank posts its part before it, so the collective runs beside that backward. Another rank
+        would delay the gradients the stages before it wait for: it posts at its next weight pass (zero-bubble
+        schedules, once the gradients are sent), else when its schedule is done."""
         self._backwards += 1
         if self.holds_first and self._backwards == self.n_microbatches * len(self.stage_modules):
+            self._start_exchange()
+
+    def _on_backward_weight(self, stage: int) -> None:
+        if (self._backwards == self.n_microbatches * len(self.stage_modules)
+                and not self._exchanges["train"].started):
             self._start_exchange()
 
     def _start_exchange(self) -> None:

@@ -66,9 +66,10 @@ class StageModule(nn.Module):
         self.output_dtype = output_dtype
         self.context = context
         self.output_hooks: list[Callable[[int, Any], Any]] = []
-        # called by the pipeline stage before each backward with (stage, micro-batch, the gradients arriving at
-        # the stage's output); a hook may change them in place
-        self.grad_hooks: list[Callable[[int, int, tuple], None]] = []
+        # called by the pipeline stage before each backward with (stage, micro-batch, what the stage's forward of
+        # that micro-batch returned, the gradients arriving at it: ``None`` on the last stage); a hook may change
+        # the gradients in place
+        self.grad_hooks: list[Callable[[int, int, Any, tuple | None], None]] = []
         self.microbatch = -1  # index of the micro-batch being computed; reset by the runner each step
         self.inferring = False  # set while torch pipelining infers boundary metadata
 
@@ -239,8 +240,9 @@ class _Stage(PipelineStage):
     last full backward of the stage inside ``on_last_backward(stage_index)`` when set (where the
     gradient hand-over starts the data-parallel all-reduce of finished gradients), and before each
     backward of a micro-batch hands the gradients that arrived from the next stage to the
-    StageModule's ``grad_hooks`` and then calls ``on_backward(stage_index)`` (the runner counts them:
-    its last one on this rank is where the step's exchange starts).
+    StageModule's ``grad_hooks`` and then calls ``on_backward(stage_index)``, and before each separate
+    weight pass (zero-bubble schedules) ``on_backward_weight(stage_index)``: the runner counts them, to
+    post the step's exchange as soon as this rank's part of it is final.
 
     An FSDP2 stage's last full backward runs as FSDP2 runs outside a pipeline: each unit is resharded
     and its gradients reduce-scattered as soon as its backward is done. torch 2.13 runs every backward of
@@ -253,6 +255,7 @@ class _Stage(PipelineStage):
 
     on_last_backward: Callable[[int], contextlib.AbstractContextManager] | None = None
     on_backward: Callable[[int], None] | None = None
+    on_backward_weight: Callable[[int], None] | None = None
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> Any:
@@ -260,13 +263,19 @@ class _Stage(PipelineStage):
         # pass; the weight pass follows in backward_weight_one_chunk), after its gradients were received
         if self.has_backward:
             hooks = getattr(self.submod, "grad_hooks", None)
-            if hooks and not self.is_last:
-                grads = tuple(getattr(info, "buffer", None) for info in self.grad_recv_info[bwd_chunk_id])
+            if hooks:
+                output = self.fwd_cache.get(bwd_chunk_id, ((),))[0]
+                grads = None if self.is_last else tuple(getattr(i, "buffer", None) for i in self.grad_recv_info[bwd_chunk_id])
                 for hook in hooks:
-                    hook(self.stage_index, bwd_chunk_id, grads)
+                    hook(self.stage_index, bwd_chunk_id, output, grads)
             if self.on_backward is not None:
                 self.on_backward(self.stage_index)
         return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> Any:
+        if self.has_backward and self.on_backward_weight is not None:
+            self.on_backward_weight(self.stage_index)
+        return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
         run = super().backward_maybe_with_nosync

@@ -46,20 +46,29 @@ class BoundaryGuard:
 
     # ------------------------------------------------------------------ during the schedule
     def __call__(self, stage: int, x: Any) -> Any:
-        """The activations ``x`` leaving ``stage`` (an output hook)."""
+        """The activations ``x`` leaving ``stage`` (an output hook). In a training forward they are checked before
+        the stage's backward of the micro-batch instead (:meth:`before_backward`, from the output the stage keeps
+        for it), within the same step: one call per micro-batch and stage instead of two. ``"sanitize"`` replaces
+        them here, before they are sent."""
+        if self.policy != "sanitize" and torch.is_grad_enabled():
+            return x
+        self._check_forward(stage, self._microbatch(stage), x)
+        return _sanitize(x) if self.policy == "sanitize" else x
+
+    def _check_forward(self, stage: int, microbatch: int, x: Any) -> None:
         tensors = x if isinstance(x, (tuple, list)) else (x,)
         checked = [t for t in tensors if isinstance(t, Tensor) and t.is_floating_point()]
         if checked:
-            self._record(("forward", stage, self._microbatch(stage), self._current_step()), checked)
-        if self.policy == "sanitize":
-            x = _sanitize(x)
-        return x
+            self._record(("forward", stage, microbatch, self._current_step()), checked)
 
-    def check_gradients(self, stage: int, microbatch: int, grads: tuple[Tensor | None, ...]) -> None:
-        """The gradients arriving at ``stage``'s output from the next stage, before its backward of ``microbatch``
-        (a gradient hook); ``"sanitize"`` replaces non-finite values in place. The last stage's come from the
-        user's loss, not from another stage, and are not checked (a NaN there reaches the previous stage's
-        boundary, where it is); with fp16 loss scaling, overflowing gradients are the scaler's business."""
+    def before_backward(self, stage: int, microbatch: int, output: Any, grads: tuple[Tensor | None, ...] | None) -> None:
+        """Before ``stage``'s backward of ``microbatch`` (a gradient hook): the activations that left the stage in
+        its forward (``output``; checked there already under ``"sanitize"``), and the gradients arriving at them
+        from the next stage (``"sanitize"`` replaces non-finite values in place). The last stage's gradients come
+        from the user's loss, not from another stage, and are not checked (a NaN there reaches the previous
+        stage's boundary, where it is); with fp16 loss scaling, overflowing gradients are the scaler's business."""
+        if self.policy != "sanitize":
+            self._check_forward(stage, microbatch, output)
         if self._scaled or stage == self._last_stage:
             return
         checked = [g for g in grads if isinstance(g, Tensor) and g.is_floating_point()]

@@ -232,7 +232,7 @@ class HPPPrecision(Precision):
             sm.input_dtype = mode.param_dtype
             sm.output_dtype = torch.float32 if k == last else mode.wire_dtype
             sm.output_hooks.append(guard)
-            sm.grad_hooks.append(guard.check_gradients)
+            sm.grad_hooks.append(guard.before_backward)
         self._fp8_emulations = tuple(emulations.values())
         plan.meta["precision"] = labels
         plan.meta["boundary_dtypes"] = [str(MODES[p].wire_dtype).replace("torch.", "") for p in precs[:-1]]
