@@ -177,6 +177,8 @@ class _LogRecorder:
             self.metric_objects[name] = value
             if value._forward_cache is not None:  # this micro-batch's value, before the next one replaces it
                 value = value._forward_cache.detach()
+        elif isinstance(value, torch.Tensor):  # the value, not its graph: freed with the micro-batch's backward
+            value = value.detach()
         self.calls.append((name, value, kw))
 
 
