@@ -171,7 +171,9 @@ def _history(history: list[Any]) -> dict[str, Any]:
     }
 
 
-def _lightning_timer(job: dict[str, Any], memory: PeakMemory, telemetry: Any = None) -> Any:
+def _lightning_timer(job: dict[str, Any], memory: PeakMemory, telemetry: Any = None, sync_start: bool = False) -> Any:
+    """A callback timing each training batch, ``on_train_batch_start`` to ``on_train_batch_end``; with
+    ``sync_start`` every rank leaves a barrier first (not timed)."""
     import torch
     from lightning.pytorch import Callback
 
@@ -187,6 +189,8 @@ def _lightning_timer(job: dict[str, Any], memory: PeakMemory, telemetry: Any = N
                 telemetry.recorder.enabled = batch_idx >= warmup and (batch_idx - warmup) % 2 == 1
             if memory.cuda:
                 torch.cuda.synchronize()
+            if sync_start:
+                torch.distributed.barrier()
             self._t = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -386,6 +390,38 @@ class RawPipeline:
         return time.perf_counter() - t0
 
 
+class PlainDDP:
+    """The same model in torch's ``DistributedDataParallel`` in a plain loop (``--paired-with ddp``, pp = 1): each
+    rank trains on its replica's part of the batch the HPPStrategy run draws, as the raw pipeline does."""
+
+    def __init__(self, job: dict[str, Any], size: Any, device: Any) -> None:
+        import torch
+        import torch.distributed as dist
+        from models import build, dataset, loss_fn
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = build(job["model"], size).to(device)
+        self.ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.opt = torch.optim.SGD(self.ddp.parameters(), lr=model.lr, momentum=0.9)
+        self.dp, self.replica = dist.get_world_size(), dist.get_rank()
+        self.data = dataset(job["model"], size, (job["warmup"] + job["steps"]) * self.dp).tensors
+        self.batch, self.device, self.torch, self.loss_fn = size.batch, device, torch, loss_fn
+
+    def step(self, i: int) -> float:
+        lo = (i * self.dp + self.replica) * self.batch
+        x, y = (t[lo : lo + self.batch].to(self.device) for t in self.data)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            self.torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        self.loss_fn(self.ddp(x), y).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        if cuda:
+            self.torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
 def run_raw(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) -> dict[str, Any]:
     from lightning_hpp.telemetry.recorder import collect
 
@@ -406,6 +442,12 @@ def run_paired(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any)
 
     Neighbouring steps share the machine's load of the moment, so the median of the per-step
     ratios compares the two far more steadily than two separate runs on a shared machine do.
+
+    With ``job["paired_start"] == "barrier"`` (the default) every rank leaves a barrier (not timed) before
+    each HPP step and each raw step, so that both are timed from the same synchronised start to the last
+    rank's end. Without it (``"free"``) each rank starts a step when it finished the previous one: a raw
+    step's ranks end apart (the last stage finishes before the first stage's last backward), and the HPP
+    step that follows, timed on the rank that finished first, is charged that gap.
     """
     from lightning.pytorch import Callback
     from models import build, split
@@ -417,14 +459,17 @@ def run_paired(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any)
     n_stages = job["devices"] // job.get("dp", 1) * (2 if cfg["schedule"] in MULTI else 1)
     plan = StagePlan([StageSpec(modules=u) for u in split(job["model"], size, n_stages)])
     memory = PeakMemory(device)
-    timer = _lightning_timer(job, memory)
-    raw = RawPipeline(job, cfg, size, device, record=False)
+    sync = job.get("paired_start", "barrier") == "barrier"
+    timer = _lightning_timer(job, memory, sync_start=sync)
+    raw = PlainDDP(job, size, device) if job.get("paired_with") == "ddp" else RawPipeline(job, cfg, size, device, record=False)
 
     class RawAfterEach(Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if sync:
+                raw.torch.distributed.barrier()
             self.times.append(raw.step(batch_idx))
 
     paired = RawAfterEach()
@@ -541,10 +586,10 @@ def merge(per_rank: list[list[dict[str, Any]]], batch: int) -> list[dict[str, An
 
 
 # ============================================================================================ report
-def table(model: str, rows: list[dict[str, Any]]) -> str:
+def table(model: str, rows: list[dict[str, Any]], baseline: str = "raw") -> str:
     ddp = next((r["samples_s"] for r in rows if r["cfg"]["kind"] == "ddp"), None)
     lines = [
-        f"| {model} | samples/s | × DDP | HPP ÷ raw (paired) | step ms | in schedule ms | peak MB per rank | bubble (theory / expected / replayed) | comm share | telemetry overhead |",
+        f"| {model} | samples/s | × DDP | HPP ÷ {'DDP' if baseline == 'ddp' else 'raw'} (paired) | step ms | in schedule ms | peak MB per rank | bubble (theory / expected / replayed) | comm share | telemetry overhead |",
         "|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for r in rows:
@@ -633,6 +678,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--paired-steps", type=int, default=60,
                    help="timed steps of the paired HPP/raw runs (the median of per-step ratios; 10 scatter by +-5%%)")
     p.add_argument("--paired-only", action="store_true", help="only the paired HPP/raw runs (HPP ÷ raw per schedule)")
+    p.add_argument("--paired-with", choices=["raw", "ddp"], default="raw",
+                   help="what each paired HPP step is compared with: raw torch pipelining (default), or at pp = 1 "
+                        "(--devices equal to --dp) torch's DistributedDataParallel in a plain loop")
+    p.add_argument("--paired-start", choices=["barrier", "free"], default="barrier",
+                   help="barrier: time each paired HPP and raw step from a barrier every rank leaves (default); free: "
+                        "from the end of the rank's previous step (charges an HPP step the raw step's end skew)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per rank")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -640,6 +691,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(json.loads(args.worker))
         return
+    if args.paired_with == "ddp" and (not args.paired_only or args.devices != args.dp):
+        p.error(f"--paired-with ddp compares a pp = 1 run with DDP: it needs --paired-only and --devices equal to --dp "
+                f"(got --devices {args.devices} --dp {args.dp})")
     if args.dp > 1 and (not args.paired_only or args.devices % args.dp):
         p.error(f"--dp {args.dp}: pp x dp runs are paired only (--paired-only) and --devices {args.devices} must be a "
                 f"multiple of it, e.g. --devices 4 --dp 2 --paired-only")
@@ -658,22 +712,23 @@ def main(argv: list[str] | None = None) -> None:
         size = SIZES[model][args.size]
         job = {
             "model": model, "size": args.size, "accelerator": args.accelerator, "devices": args.devices, "dp": args.dp,
-            "warmup": args.warmup, "steps": args.steps, "paired_steps": args.paired_steps, "threads": args.threads,
-            "out": str(out),
+            "warmup": args.warmup, "steps": args.steps, "paired_steps": args.paired_steps, "paired_start": args.paired_start,
+            "paired_with": args.paired_with,
+            "threads": args.threads, "out": str(out),
             "configs": configs(args.m, args.sweep, args.schedules, args.paired_only),
         }
         env = environment(job)
         rows = merge(launch(job), size.batch)
         all_rows[model] = rows
         print(f"\n{model}: {n_params(build(model, size)) / 1e6:.1f}M parameters, global batch {size.batch}, {vars(size)}")
-        print(table(model, rows), flush=True)
+        print(table(model, rows, args.paired_with), flush=True)
     env["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     env["wall_s"] = time.time() - started
     env["command"] = " ".join([Path(sys.executable).name, *sys.argv])
     (out / "results.json").write_text(json.dumps({"environment": env, "size": args.size, "models": all_rows}, indent=1))
     md = [f"Environment: {json.dumps(env)}", ""]
     for model, rows in all_rows.items():
-        md += [table(model, rows), ""]
+        md += [table(model, rows, args.paired_with), ""]
     (out / "results.md").write_text("\n".join(md))
     if not args.paired_only:
         chart(all_rows, out / "throughput.png")
