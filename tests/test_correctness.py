@@ -90,6 +90,11 @@ def test_two_ranks_every_schedule(jobs):
             out = load_rank(r["out"], rank)
             assert out["global_step"] == 5
             assert out["held_outputs"] == 0  # no micro-batch's output outlives its loss on the last stage
+            # the step's exchange ran beside the first stage's last backward: posted before it on rank 0 (which holds
+            # the first stage), on rank 1 once its gradients were sent (at its first weight pass where there is one)
+            zero_bubble = r["schedule"] in ("interleaved_zb", "zbv", "dualpipev")
+            assert out["exchange_posted"] == ("before the last backward" if rank == 0 else
+                                              "at a weight pass" if zero_bubble else "after the schedule"), r["name"]
             # the last stage's logged loss reached every rank, rank 0 included
             assert out["metrics"]["train_loss"] == pytest.approx(float(trainer.callback_metrics["train_loss"]), rel=1e-5)
     # interleaved placement: rank 0 holds stages 0 and 2; V placement: stages 0 and 3

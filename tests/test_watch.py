@@ -123,6 +123,28 @@ def test_callbacks_add_the_watch_and_refuse_stop_without_a_checkpoint_dir():
         pipeline_callbacks([], None, auto=False, watch=WatchOptions(action="stop"))
 
 
+def test_one_observation_per_optimizer_step_under_gradient_accumulation():
+    from lightning_hpp.telemetry.watch import _StepTimer
+
+    seen = []
+
+    class Detector:  # records what the watch feeds it
+        current_ratio = 0.0
+
+        def observe(self, step, ms):
+            seen.append((step, ms))
+
+    watch = StragglerWatch(WatchOptions())
+    watch._timer = timer = _StepTimer(0, str, None)
+    watch._detectors = {"compute": Detector(), "transfer": Detector()}
+    # two batches per optimizer step; each batch's times are read when the next step's exchange asks for the flags
+    for step, ms in [(0, 1.0), (0, 2.0), (1, 3.0), (1, 4.0), (2, 5.0)]:
+        timer.fresh, timer.fresh_label, timer.fresh_times = True, step, (int(ms * 1e6), 0, None)
+        watch._flag("level")
+    assert seen[0::2] == [(0, 1.0), (1, 3.0), (2, 5.0)]  # compute: the first batch of each step, labelled by its step
+    assert watch._observed_step == 2
+
+
 def _profile(n_units: int = 8) -> CostProfile:
     units = [UnitCost(f"u{i}", 1.0, 2.0, 4000, 4000, fixed_ms=0.1) for i in range(n_units)]
     return CostProfile("toy", [u.name for u in units], [1000] * n_units, [[8, 8]],

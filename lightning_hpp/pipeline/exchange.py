@@ -118,15 +118,19 @@ class StepExchange:
         statuses = [host[at] for at in offsets]
         values: dict[int, torch.Tensor] = {}
         if any(statuses):
+            errors = []
             for got in self._gather(payload):
                 if got is None:
                     continue
                 column, content = got
                 if len(content) == 1:
-                    raise PlanError(content[0])
+                    errors.append(content[0])
+                    continue
                 self._schemas[column] = content[0]
                 values[column] = torch.tensor(content[1], dtype=torch.float32, device=buf.device)
             self._sync_index = None
+            if errors:  # after every schema is taken: the exchange stays usable for a later step
+                raise PlanError(errors[0])
         for c, at in enumerate(offsets):
             values.setdefault(c, buf[at + 2 : at + 2 + len(self._schemas[c])])
         column = self.mesh.column
@@ -159,10 +163,13 @@ class StepExchange:
         marked = [(name, {**kw, "sync_dist": True, "sync_dist_group": REDUCED}) if kw.get("sync_dist") or dp == 1
                   else (name, kw) for name, kw in schema]
         own = values[column]
-        if dp == 1 or not any(kw.get("sync_dist") for _, kw in schema):
+        if dp == 1:
+            return StepLogs(marked, own.to(self.device))
+        entries = self._sync_entries(column)  # checks every pipeline's synced values, on every rank alike
+        if not entries:
             return StepLogs(marked, own.to(self.device))
         out = own.clone()
-        for i, fx, where in self._sync_entries(column):
+        for i, fx, where in entries:
             parts = torch.stack([values[c][j] for c, j in enumerate(where) if j is not None])
             out[i] = parts.sum() / dp if fx == "mean" else getattr(parts, fx)()
         return StepLogs(marked, out.to(self.device))

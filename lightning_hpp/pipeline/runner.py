@@ -114,6 +114,9 @@ class PipelineRunner:
         self._exchanges = {mode: StepExchange(mesh, mesh.step_group, device) for mode in ("train", "eval")}
         self._backwards = 0  # backward passes of micro-batches this rank ran in the current training step
         self._step_metrics: dict[str, Any] = {}  # the torchmetrics objects the last stage logged in this step
+        # where the last training step's exchange was posted: "before the last backward" (the first stage's rank),
+        # "at a weight pass" (zero-bubble schedules) or "after the schedule"
+        self.exchange_posted: str | None = None
         self.step_checks: list[StepCheck] = []
         self._metric_batches = MetricBatches(module)
         _sync_metrics_over(module, mesh.dp_group)
@@ -232,7 +235,7 @@ class PipelineRunner:
                 # (a concatenation of every micro-batch's output, logits for an LM) is not needed
                 sched.step(*args, target=self._target, return_outputs=False)
                 if not exchange.started:  # a rank without the first stage, its schedule done
-                    self._start_exchange()
+                    self._start_exchange("after the schedule")
         except BaseException:
             exchange.abandon()
             raise
@@ -255,14 +258,15 @@ class PipelineRunner:
         schedules, once the gradients are sent), else when its schedule is done."""
         self._backwards += 1
         if self.holds_first and self._backwards == self.n_microbatches * len(self.stage_modules):
-            self._start_exchange()
+            self._start_exchange("before the last backward")
 
     def _on_backward_weight(self, stage: int) -> None:
         if (self._backwards == self.n_microbatches * len(self.stage_modules)
                 and not self._exchanges["train"].started):
-            self._start_exchange()
+            self._start_exchange("at a weight pass")
 
-    def _start_exchange(self) -> None:
+    def _start_exchange(self, where: str) -> None:
+        self.exchange_posted = where
         loss, logs, error = None, None, None
         self._step_metrics = {}
         if self.holds_last:
@@ -307,12 +311,15 @@ class PipelineRunner:
             dist.broadcast_object_list(box, group_src=self.last_position, group=self.mesh.pp_group,
                                        device=group_device(self.mesh.pp_group))
             payload = box[0]
-        if payload[0] == "error":
-            raise PlanError(payload[1])
-        _, output, schema, values = payload
-        logs = StepLogs(schema, torch.tensor(values, dtype=torch.float32, device=self.device)) if self.holds_last else None
+        # an error of the last stage's logs goes through the exchange, so every replica raises it, not only this one
+        error = payload[1] if payload[0] == "error" else None
+        output, logs = None, None
+        if error is None:
+            _, output, schema, values = payload
+            if self.holds_last:
+                logs = StepLogs(schema, torch.tensor(values, dtype=torch.float32, device=self.device))
         exchange = self._exchanges["eval"]
-        exchange.start(None, logs, None, self._check_flags(), last=self.holds_last)
+        exchange.start(None, logs, error if self.holds_last else None, self._check_flags(), last=self.holds_last)
         _, logs, flags = exchange.finish()
         self._resolve_checks(flags)
         logs.metrics = metrics if self.holds_last else {}

@@ -522,7 +522,10 @@ class StragglerWatch(Callback):
         if timer is None or not timer.fresh:
             return
         timer.fresh = False
-        self._observed_step = step = timer.fresh_label
+        step = timer.fresh_label
+        if step == self._observed_step:  # one batch per optimizer step (gradient accumulation runs several)
+            return
+        self._observed_step = step
         rank, host, kind, stages = self._ctx
         compute_ns, wait_ns, wait_peer = timer.fresh_times
         for signal, ms, peer in (("compute", compute_ns / 1e6, None), ("transfer", wait_ns / 1e6, wait_peer)):

@@ -34,15 +34,16 @@ SCHEMA = [("plain", {}), ("mean", {"sync_dist": True}), ("max", {"sync_dist": Tr
 
 def exchange_steps(mesh: Mesh) -> list:
     """Four steps of a training exchange: a new schema (values through the object gather), the same schema (values
-    through the buffer), the last stage of pipeline 0 failing to reduce its logs, a synced value one replica
-    does not log. Each holder of a last stage logs values made from its pipeline (column) and the step; each
-    rank flags ``[rank + 1, step]`` on rank 3 only, and ``[0, 0]`` elsewhere."""
+    through the buffer), the last stage of pipeline 0 failing to reduce its logs, synced values that only
+    pipeline 0 logs (the others log a plain value only). Each holder of a last stage logs values made from its
+    pipeline (column) and the step; each rank flags ``[rank + 1, step]`` on rank 3 only, and ``[0, 0]``
+    elsewhere."""
     ex = StepExchange(mesh, mesh.step_group, torch.device("cpu"))
     last = mesh.position == mesh.pp - 1
     c, rank = mesh.column, mesh.rank
     out = []
     for step in range(4):
-        schema = SCHEMA if step < 3 or c == 0 else SCHEMA[:1] + SCHEMA[2:]
+        schema = SCHEMA if step < 3 or c == 0 else SCHEMA[:1]
         logs = StepLogs(schema, torch.tensor([10.0 * c + step + i for i in range(len(schema))]))
         error = "pipeline 0 cannot reduce its logs" if step == 2 and c == 0 else None
         flags = [torch.tensor(float(rank + 1 if rank == 3 else 0)), torch.tensor(float(step if rank == 3 else 0))]

@@ -74,6 +74,7 @@ def run(cfg: dict, devices: int) -> None:
         "held_outputs": sum(len(stage.output_chunks) for sched in strategy._pipeline.runner._schedules.values()
                             if sched._has_backward
                             for stage in (sched._stages if hasattr(sched, "_stages") else [sched._stage])),
+        "exchange_posted": strategy._pipeline.runner.exchange_posted,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "global_step": trainer.global_step,
         "stage_ids": strategy.stage_ids,
