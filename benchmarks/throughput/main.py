@@ -322,7 +322,30 @@ def _run_fsdp_lightning(job: dict[str, Any], size: Any, device: Any) -> dict[str
     return {**_timing(timer.times, job["warmup"], False), "peak_mb": memory.peak_mb()}
 
 
-class RawPipeline:
+class _PlainLoop:
+    """A training step outside Lightning on this replica's part of the benchmark's global batch ``i``: the
+    subclass's forward and backward (``_backward``), then SGD's step and ``zero_grad``, timed."""
+
+    def step(self, i: int) -> float:
+        """Train on global batch ``i``; return the step's wall time in seconds."""
+        lo = (i * self.dp + self.replica) * self.batch
+        x, y = (t[lo : lo + self.batch].to(self.device) for t in self.data)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            self.torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        self._backward(x, y)
+        self.opt.step()
+        self.opt.zero_grad()
+        if cuda:
+            self.torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def _backward(self, x: Any, y: Any) -> None:
+        raise NotImplementedError
+
+
+class RawPipeline(_PlainLoop):
     """The same model, cut and schedule as the HPPStrategy run, driven by torch pipelining alone."""
 
     def __init__(self, job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any, record: bool) -> None:
@@ -365,14 +388,7 @@ class RawPipeline:
         self.batch, self.device, self.torch = size.batch, device, torch
         del model  # the units of the other ranks
 
-    def step(self, i: int) -> float:
-        """Train on global batch ``i``; return the step's wall time in seconds."""
-        lo = (i * self.dp + self.replica) * self.batch
-        x, y = (t[lo : lo + self.batch].to(self.device) for t in self.data)
-        cuda = self.device.type == "cuda"
-        if cuda:
-            self.torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    def _backward(self, x: Any, y: Any) -> None:
         self.sched.step(*((x,) if self.first else ()), target=y if self.last else None)
         if self.dp_group is not None:  # one all-reduce of the flattened gradients, after the schedule (not overlapped)
             from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -383,14 +399,9 @@ class RawPipeline:
             flat /= self.dp
             for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(reduced)
-        self.opt.step()
-        self.opt.zero_grad()
-        if cuda:
-            self.torch.cuda.synchronize()
-        return time.perf_counter() - t0
 
 
-class PlainDDP:
+class PlainDDP(_PlainLoop):
     """The same model in torch's ``DistributedDataParallel`` in a plain loop (``--paired-with ddp``, pp = 1): each
     rank trains on its replica's part of the batch the HPPStrategy run draws, as the raw pipeline does."""
 
@@ -407,19 +418,8 @@ class PlainDDP:
         self.data = dataset(job["model"], size, (job["warmup"] + job["steps"]) * self.dp).tensors
         self.batch, self.device, self.torch, self.loss_fn = size.batch, device, torch, loss_fn
 
-    def step(self, i: int) -> float:
-        lo = (i * self.dp + self.replica) * self.batch
-        x, y = (t[lo : lo + self.batch].to(self.device) for t in self.data)
-        cuda = self.device.type == "cuda"
-        if cuda:
-            self.torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    def _backward(self, x: Any, y: Any) -> None:
         self.loss_fn(self.ddp(x), y).backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        if cuda:
-            self.torch.cuda.synchronize()
-        return time.perf_counter() - t0
 
 
 def run_raw(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) -> dict[str, Any]:
