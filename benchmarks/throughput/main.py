@@ -461,23 +461,45 @@ def run_paired(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any)
     memory = PeakMemory(device)
     sync = job.get("paired_start", "barrier") == "barrier"
     timer = _lightning_timer(job, memory, sync_start=sync)
+    probes = None
+    if job.get("probe"):  # before the raw loop and the model are built: their loss function is looked up then
+        from probes import Probes
+
+        probes = Probes()
+        probes.install()
     raw = PlainDDP(job, size, device) if job.get("paired_with") == "ddp" else RawPipeline(job, cfg, size, device, record=False)
 
     class RawAfterEach(Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
 
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if probes is not None and batch_idx == job["warmup"]:
+                probes.reset()
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if sync:
                 raw.torch.distributed.barrier()
+            if probes is not None:
+                probes.side = "raw"
             self.times.append(raw.step(batch_idx))
+            if probes is not None:
+                probes.side = "hpp"
 
     paired = RawAfterEach()
     strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["m"], timeout=300, **_hpp_options())
     trainer = _trainer(job, strategy, [timer, paired])
-    trainer.fit(build(job["model"], size), _loader(job, size, size.batch))
+    try:
+        trainer.fit(build(job["model"], size), _loader(job, size, size.batch))
+    finally:
+        if probes is not None:
+            probes.remove()
     w = job["warmup"]
-    return {"plain": timer.times[w:], "raw": paired.times[w:], "ratios": [h / r for h, r in zip(timer.times[w:], paired.times[w:])], "peak_mb": 0.0}
+    hpp, raw_times = timer.times[w:], paired.times[w:]
+    res = {"plain": hpp, "raw": raw_times, "ratios": [h / r for h, r in zip(hpp, raw_times)], "peak_mb": 0.0}
+    if probes is not None:
+        res["probe"] = probes.summary(len(timer.times) - w)
+    return res
 
 
 def _stages_of(rank: int, pp: int, n_stages: int, style: str) -> list[int]:
@@ -548,6 +570,7 @@ def merge(per_rank: list[list[dict[str, Any]]], batch: int) -> list[dict[str, An
                 "hpp_over_raw": statistics.median(r / h for h, r in zip(hpp, raw)),
                 "hpp_ms": statistics.median(hpp) * 1e3,
                 "raw_ms": statistics.median(raw) * 1e3,
+                **({"probe": [r["probe"] for r in results]} if "probe" in results[0] else {}),
             }
             continue
         groups.setdefault(results[0]["label"], []).append(list(results))
@@ -604,6 +627,12 @@ def table(model: str, rows: list[dict[str, Any]], baseline: str = "raw") -> str:
             f"| {r['label']} | {r['samples_s']:.1f} | {vs_ddp} | {vs_raw} | {r['step_ms']:.0f} | {sched} | "
             f"{' / '.join(f'{m:.0f}' for m in r['peak_mb'])} | {bubble} | {comm} | {over} |"
         )
+    for r in rows:
+        if "probe" in r.get("paired", {}):
+            from probes import table as probe_table
+
+            lines += ["", f"Probes of paired {r['cfg']['schedule']} m={r['cfg']['m']} (--probe):", "",
+                      probe_table(r["paired"]["probe"], "DDP" if baseline == "ddp" else "raw")]
     return "\n".join(lines)
 
 
@@ -684,6 +713,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--paired-start", choices=["barrier", "free"], default="barrier",
                    help="barrier: time each paired HPP and raw step from a barrier every rank leaves (default); free: "
                         "from the end of the rank's previous step (charges an HPP step the raw step's end skew)")
+    p.add_argument("--probe", action="store_true",
+                   help="with --paired-only: time each stage action, the loss, the guard and the schedule step on both "
+                        "sides of the paired run, per rank (probes.py)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per rank")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -694,6 +726,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.paired_with == "ddp" and (not args.paired_only or args.devices != args.dp):
         p.error(f"--paired-with ddp compares a pp = 1 run with DDP: it needs --paired-only and --devices equal to --dp "
                 f"(got --devices {args.devices} --dp {args.dp})")
+    if args.probe and not args.paired_only:
+        p.error("--probe times the paired runs: it needs --paired-only")
     if args.dp > 1 and (not args.paired_only or args.devices % args.dp):
         p.error(f"--dp {args.dp}: pp x dp runs are paired only (--paired-only) and --devices {args.devices} must be a "
                 f"multiple of it, e.g. --devices 4 --dp 2 --paired-only")
@@ -713,7 +747,7 @@ def main(argv: list[str] | None = None) -> None:
         job = {
             "model": model, "size": args.size, "accelerator": args.accelerator, "devices": args.devices, "dp": args.dp,
             "warmup": args.warmup, "steps": args.steps, "paired_steps": args.paired_steps, "paired_start": args.paired_start,
-            "paired_with": args.paired_with,
+            "paired_with": args.paired_with, "probe": args.probe,
             "threads": args.threads, "out": str(out),
             "configs": configs(args.m, args.sweep, args.schedules, args.paired_only),
         }
