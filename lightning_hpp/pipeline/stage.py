@@ -256,6 +256,7 @@ class _Stage(PipelineStage):
     on_last_backward: Callable[[int], contextlib.AbstractContextManager] | None = None
     on_backward: Callable[[int], None] | None = None
     on_backward_weight: Callable[[int], None] | None = None
+    loss_grad: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> Any:
@@ -278,6 +279,14 @@ class _Stage(PipelineStage):
         return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        if self.is_last and self.loss_grad is not None and bwd_kwargs.get("output_grads") is None:
+            # the last stage's backward starts from the loss; torch seeds it with ones, ours with the loss's scale
+            # (the dict is the one torch keeps for a zero-bubble schedule's weight pass)
+            out = bwd_kwargs["stage_output"]
+            if isinstance(out, torch.Tensor):
+                bwd_kwargs["output_grads"] = self.loss_grad(out)
+            elif isinstance(out, (tuple, list)) and len(out) == 1 and isinstance(out[0], torch.Tensor):
+                bwd_kwargs["output_grads"] = (self.loss_grad(out[0]),)
         run = super().backward_maybe_with_nosync
         if last_backward and backward_type == "full" and isinstance(self.submod, FSDPModule):
             run = self._fsdp_last_backward
