@@ -242,7 +242,9 @@ class _Stage(PipelineStage):
     backward of a micro-batch hands the gradients that arrived from the next stage to the
     StageModule's ``grad_hooks`` and then calls ``on_backward(stage_index)``, and before each separate
     weight pass (zero-bubble schedules) ``on_backward_weight(stage_index)``: the runner counts them, to
-    post the step's exchange as soon as this rank's part of it is final.
+    post the step's exchange as soon as this rank's part of it is final. The last stage's backward of a
+    micro-batch starts from ``loss_grad(loss)`` (the runner's scale of the loss: the micro-batches' mean and
+    the fp16 loss scale) where torch would start it from ones.
 
     An FSDP2 stage's last full backward runs as FSDP2 runs outside a pipeline: each unit is resharded
     and its gradients reduce-scattered as soon as its backward is done. torch 2.13 runs every backward of
@@ -287,6 +289,9 @@ class _Stage(PipelineStage):
                 bwd_kwargs["output_grads"] = self.loss_grad(out)
             elif isinstance(out, (tuple, list)) and len(out) == 1 and isinstance(out[0], torch.Tensor):
                 bwd_kwargs["output_grads"] = (self.loss_grad(out[0]),)
+            else:  # never trained on an unscaled loss
+                raise RuntimeError(f"internal: stage {self.stage_index}'s backward starts from a "
+                                   f"{type(out).__name__}, not from the loss")
         run = super().backward_maybe_with_nosync
         if last_backward and backward_type == "full" and isinstance(self.submod, FSDPModule):
             run = self._fsdp_last_backward
