@@ -31,6 +31,7 @@ Usage::
 
 from __future__ import annotations
 
+import abc
 import argparse
 import gc
 import json
@@ -322,7 +323,7 @@ def _run_fsdp_lightning(job: dict[str, Any], size: Any, device: Any) -> dict[str
     return {**_timing(timer.times, job["warmup"], False), "peak_mb": memory.peak_mb()}
 
 
-class _PlainLoop:
+class _PlainLoop(abc.ABC):
     """A training step outside Lightning on this replica's part of the benchmark's global batch ``i``: the
     subclass's forward and backward (``_backward``), then SGD's step and ``zero_grad``, timed."""
 
@@ -341,8 +342,9 @@ class _PlainLoop:
             self.torch.cuda.synchronize()
         return time.perf_counter() - t0
 
+    @abc.abstractmethod
     def _backward(self, x: Any, y: Any) -> None:
-        raise NotImplementedError
+        """Forward and backward of one step on inputs ``x`` and targets ``y``."""
 
 
 class RawPipeline(_PlainLoop):

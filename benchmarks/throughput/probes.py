@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-Label = Callable[[Any, tuple, dict], "str | None"]
+Label = Callable[[tuple, dict], "str | None"]
 
 
 class Probes:
@@ -46,48 +46,35 @@ class Probes:
         from lightning_hpp.pipeline.stage import _Stage
         from lightning_hpp.precision.guards import BoundaryGuard
 
-        def backward(stage: Any, args: tuple, kwargs: dict) -> str:
-            full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+        def backward(args: tuple, kwargs: dict) -> str:
+            stage, full = args[0], kwargs.get("full_backward", args[3] if len(args) > 3 else True)
             return f"{'backward' if full else 'input backward'}, stage {stage.stage_index}"
 
-        def raw_backward(stage: Any, args: tuple, kwargs: dict) -> str | None:  # HPP's is timed at _Stage
-            return None if isinstance(stage, _Stage) else backward(stage, args, kwargs)
+        def stage_action(what: str, skip: type | None = None) -> Label:  # HPP's backward is timed at _Stage
+            def label(args: tuple, kwargs: dict) -> str | None:
+                stage = args[0]
+                return None if skip is not None and isinstance(stage, skip) else f"{what}, stage {stage.stage_index}"
+            return label
 
-        def raw_weight(stage: Any, args: tuple, kwargs: dict) -> str | None:
-            return None if isinstance(stage, _Stage) else f"weight, stage {stage.stage_index}"
-
-        self._method(_PipelineStageBase, "forward_one_chunk", lambda s, a, k: f"forward, stage {s.stage_index}")
-        self._method(_PipelineStageBase, "backward_one_chunk", raw_backward)
-        self._method(_PipelineStageBase, "backward_weight_one_chunk", raw_weight)
-        self._method(_Stage, "backward_one_chunk", backward)
-        self._method(_Stage, "backward_weight_one_chunk", lambda s, a, k: f"weight, stage {s.stage_index}")
-        self._method(S.PipelineScheduleSingle, "step", lambda s, a, k: "schedule step")
-        self._method(S.PipelineScheduleMulti, "step", lambda s, a, k: "schedule step")
-        self._method(PipelineRunner, "_loss_fn", lambda s, a, k: "loss")
-        self._method(BoundaryGuard, "before_backward",
-                     lambda g, a, k: f"guard before backward, stage {a[0]} (in its backward)")
+        self._wrap(_PipelineStageBase, "forward_one_chunk", stage_action("forward"))
+        self._wrap(_PipelineStageBase, "backward_one_chunk",
+                   lambda a, k: None if isinstance(a[0], _Stage) else backward(a, k))
+        self._wrap(_PipelineStageBase, "backward_weight_one_chunk", stage_action("weight", skip=_Stage))
+        self._wrap(_Stage, "backward_one_chunk", backward)
+        self._wrap(_Stage, "backward_weight_one_chunk", stage_action("weight"))
+        self._wrap(S.PipelineScheduleSingle, "step", lambda a, k: "schedule step")
+        self._wrap(S.PipelineScheduleMulti, "step", lambda a, k: "schedule step")
+        self._wrap(PipelineRunner, "_loss_fn", lambda a, k: "loss")
+        self._wrap(BoundaryGuard, "before_backward",
+                   lambda a, k: f"guard before backward, stage {a[1]} (in its backward)")
         # the model's loss function: raw's loss, and what the user's training_step calls inside HPP's loss (a module
         # global: the step's own lookup and the schedules built after this see the timer)
-        self._function(models, "loss_fn", lambda side: "loss" if side == "raw" else "loss function (in HPP's loss)")
+        self._wrap(models, "loss_fn", lambda a, k: "loss" if self.side == "raw" else "loss function (in HPP's loss)")
 
-    def _method(self, owner: type, name: str, label: Label) -> None:
-        original = owner.__dict__[name]
-        calls = self.calls
-
-        def timed(obj: Any, *args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter_ns()
-            try:
-                return original(obj, *args, **kwargs)
-            finally:
-                what = label(obj, args, kwargs)
-                if what is not None:
-                    calls[(self.side, what)].append(time.perf_counter_ns() - t0)
-
-        setattr(owner, name, timed)
-        self._undo.append((owner, name, original))
-
-    def _function(self, module: Any, name: str, label: Callable[[str], str]) -> None:
-        original = getattr(module, name)
+    def _wrap(self, owner: Any, name: str, label: Label) -> None:
+        """Time ``owner.name`` (a class's method or a module's function) under ``label(args, kwargs)``, a method's
+        ``args`` starting with its object; a label of ``None`` is not counted."""
+        original = vars(owner)[name]
         calls = self.calls
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -95,10 +82,12 @@ class Probes:
             try:
                 return original(*args, **kwargs)
             finally:
-                calls[(self.side, label(self.side))].append(time.perf_counter_ns() - t0)
+                what = label(args, kwargs)
+                if what is not None:
+                    calls[(self.side, what)].append(time.perf_counter_ns() - t0)
 
-        setattr(module, name, timed)
-        self._undo.append((module, name, original))
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, original))
 
     def remove(self) -> None:
         for owner, name, original in reversed(self._undo):
