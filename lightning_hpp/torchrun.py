@@ -15,7 +15,8 @@ the script, not the imports.
 What a worker shares with its forkserver: the modules it preloaded, imported once with the launcher's
 environment. Per-worker state those modules read at import is set again here: Lightning's
 ``rank_zero_only.rank`` (read from ``RANK`` at import), torch's thread count (``OMP_NUM_THREADS``), the
-global NumPy generator (reseeded from the OS, as a fresh process would be). A preloaded library that caches
+global NumPy generator (reseeded from the OS, as a fresh process would be), and multiprocessing's default start
+method (the platform's, as in a fresh process: the script's DataLoader workers start as they would under torchrun). A preloaded library that caches
 other per-process environment variables at import would see the launcher's values; leave it out of
 ``--preload`` (the script's own imports always run in the worker). Preloaded modules are not reloaded
 between restarts: a change to their files on disk takes effect with the next launch, the script's with the
@@ -44,6 +45,11 @@ def _worker(kind: str, target: str, *script_args: str) -> None:
         if reconfigure is not None:
             reconfigure(line_buffering=True)
     _reset_preloaded_state()
+    # starting this process made the forkserver multiprocessing's default here; a fresh ``python`` has the
+    # platform's (fork on Linux before Python 3.14). Left so, the script's own processes (DataLoader workers)
+    # would start as forkserver children that run the script again as ``__mp_main__``: seconds per worker,
+    # and a script without an ``if __name__ == "__main__"`` guard fails
+    multiprocessing.set_start_method(None, force=True)
     sys.argv = [target, *script_args]
     try:
         if kind == "module":  # as ``python -m``: the working directory first on the path, argv[0] the module's file

@@ -30,11 +30,16 @@ def test_a_script_option_named_like_a_launcher_option_is_the_script_s():
 
 
 SCRIPT = '''
-import atexit, json, os, sys
+import atexit, json, multiprocessing, os, sys
 preloaded = "lightning" in sys.modules
+import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
+from torch.utils.data import DataLoader
+# DataLoader workers at the top level, without a __main__ guard: fine where they fork, as under torchrun
+total = sum(int(b.sum()) for b in DataLoader(torch.arange(64), batch_size=8, num_workers=2))
 seen = {"name": __name__, "argv": sys.argv, "path0": sys.path[0], "preloaded": preloaded,
-        "rank_zero_only": rank_zero_only.rank, "rank": int(os.environ["RANK"])}
+        "rank_zero_only": rank_zero_only.rank, "rank": int(os.environ["RANK"]),
+        "start_method": multiprocessing.get_start_method(), "loaded": total}
 atexit.register(lambda: open(os.path.join(sys.argv[1], f"rank{seen['rank']}.json"), "w").write(json.dumps(seen)))
 '''
 
@@ -49,7 +54,12 @@ def test_workers_run_the_script_as_python_would_with_lightning_imported_and_atex
                            str(script.relative_to(tmp_path)), str(out), "--flag"],
                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # what a fresh interpreter starts processes with (fork on Linux before Python 3.14), not the launcher's forkserver
+    fresh = subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
+                           capture_output=True, text=True, check=True).stdout.strip()
     for rank in (0, 1):
         seen = json.loads((out / f"rank{rank}.json").read_text())  # written by the script's atexit handler
+        # forkserver DataLoader workers ran this unguarded script again, and failed
         assert seen == {"name": "__main__", "argv": [str(script), str(out), "--flag"], "path0": str(script.parent),
-                        "preloaded": True, "rank_zero_only": rank, "rank": rank}
+                        "preloaded": True, "rank_zero_only": rank, "rank": rank, "start_method": fresh,
+                        "loaded": sum(range(64))}
