@@ -5,8 +5,10 @@ test_big_models and test_fp8_state runs in one of four jobs (one per number of r
 every ``tests.workers.run_hpp`` configuration of test_correctness, test_precision and
 test_placement_strategy in one of three instead of five. A job runs its configurations one after
 another, each with its own Trainer and model; jobs that share nothing run side by side
-(:func:`tests.launch.run_scripts`). Each module keeps its own directory and its own assertions; its
-fixtures take what they need from :func:`real_model_jobs` or :func:`hpp_jobs`.
+(:func:`tests.launch.run_scripts`). The 3- and 4-rank ``run_hpp`` jobs' ranks are forked from one process that
+imported Lightning (:func:`tests.launch.forked`: ``lightning_hpp.torchrun``), the others start through
+Lightning's launcher (forking the ``run_real`` jobs saved nothing). Each module keeps its own directory and its own
+assertions; its fixtures take what they need from :func:`real_model_jobs` or :func:`hpp_jobs`.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def hpp_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     from tests import test_correctness as correctness
     from tests import test_placement_strategy as placement
     from tests import test_precision as precision
-    from tests.launch import run_scripts
+    from tests.launch import forked, run_scripts
 
     root = tmp_path_factory.mktemp("hpp_jobs")
     dirs = {name: root / name for name in ("correctness", "precision", "placement")}
@@ -80,9 +82,9 @@ def hpp_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     ranks = {n: dirs["correctness"] / f"ranks{n}" for n in (2, 3, 4)}
     two = correctness.two_rank_runs(ranks[2]) + precision.two_rank_runs(dirs["precision"]) + placement.two_rank_runs(dirs["placement"])
     run_scripts([
-        ("tests.workers.run_hpp", {"devices": 2, "runs": two}),
-        ("tests.workers.run_hpp", {"devices": 3, "runs": correctness.three_rank_runs(ranks[3])}),
-        ("tests.workers.run_hpp", {"devices": 4, "runs": correctness.four_rank_runs(ranks[4])
-                                   + placement.four_rank_runs(dirs["placement"])}),
+        ("tests.workers.run_hpp", {"devices": 2, "runs": two}),  # through Lightning's launcher
+        forked("tests.workers.run_hpp", {"devices": 3, "runs": correctness.three_rank_runs(ranks[3])}, 3),
+        forked("tests.workers.run_hpp", {"devices": 4, "runs": correctness.four_rank_runs(ranks[4])
+                                         + placement.four_rank_runs(dirs["placement"])}, 4),
     ], timeout=600)
     return SimpleNamespace(**dirs)

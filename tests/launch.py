@@ -38,7 +38,8 @@ def run_script(module: str, arg: object, timeout: float = 240, check: bool = Tru
 def run_scripts(jobs: list[tuple], timeout: float = 240, check: bool = True) -> list[subprocess.CompletedProcess]:
     """:func:`run_script` for independent jobs started side by side: ``python -m module '<json arg>'`` for
     every ``(module, arg)`` or ``(module, arg, env)`` at once (each still launches its own ranks through
-    Lightning; ``env``: more environment variables, ``None`` removing one), then wait for all.
+    Lightning, or :func:`forked` ones under ``lightning_hpp.torchrun``; ``env``: more environment variables,
+    ``None`` removing one), then wait for all.
 
     Only for jobs that share nothing (no directory, no port, no process count) and whose timing bounds hold
     with company: a job of 2 ranks spends most of its time with one core idle while one rank imports Lightning
@@ -54,13 +55,13 @@ def run_scripts(jobs: list[tuple], timeout: float = 240, check: bool = True) -> 
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hpp-jobs-") as logs:
         for i, (module, arg, *more) in enumerate(jobs):
-            text = arg if isinstance(arg, str) else json.dumps(arg)
+            argv = arg if isinstance(arg, list) else [arg if isinstance(arg, str) else json.dumps(arg)]
             out, err = Path(logs) / f"{i}.out", Path(logs) / f"{i}.err"
             env = {k: v for k, v in {**full_env, **(more[0] if more else {})}.items() if v is not None}
             with open(out, "w") as out_file, open(err, "w") as err_file:  # the child keeps its own copies
-                proc = subprocess.Popen([sys.executable, "-m", module, text], cwd=ROOT, env=env, stdout=out_file,
+                proc = subprocess.Popen([sys.executable, "-m", module, *argv], cwd=ROOT, env=env, stdout=out_file,
                                         stderr=err_file, text=True, start_new_session=True)
-            started.append((module, text, proc, out, err))
+            started.append((module, argv, proc, out, err))
         deadline = start + timeout
         ended: dict[int, float] = {}
         try:
@@ -76,8 +77,8 @@ def run_scripts(jobs: list[tuple], timeout: float = 240, check: bool = True) -> 
                 if proc.poll() is None:
                     _kill_group(proc)
         done = []
-        for i, (module, text, proc, out, err) in enumerate(started):
-            result = subprocess.CompletedProcess([sys.executable, "-m", module, text], proc.returncode, out.read_text(),
+        for i, (module, argv, proc, out, err) in enumerate(started):
+            result = subprocess.CompletedProcess([sys.executable, "-m", module, *argv], proc.returncode, out.read_text(),
                                                  err.read_text())
             result.seconds = ended.get(i)  # from the start of all the jobs to the end of this one
             if check and result.returncode != 0:
@@ -85,6 +86,16 @@ def run_scripts(jobs: list[tuple], timeout: float = 240, check: bool = True) -> 
                                      f"--- stderr\n{result.stderr[-8000:]}")
             done.append(result)
     return done
+
+
+def forked(module: str, arg: object, ranks: int, env: dict | None = None) -> tuple:
+    """A :func:`run_scripts` job that runs ``python -m module '<json arg>'`` on ``ranks`` ranks at once under
+    ``lightning_hpp.torchrun --standalone``: every rank a fork of one process that imported torch, Lightning and
+    lightning_hpp, instead of Lightning re-running the module per rank, each importing them again (6-7 s of CPU
+    a rank on this kind of machine) once rank 0 has. For jobs whose subject is not Lightning's own launcher."""
+    text = arg if isinstance(arg, str) else json.dumps(arg)
+    argv = ["--standalone", "--nproc-per-node", str(ranks), "-m", module, text]
+    return ("lightning_hpp.torchrun", argv, env) if env is not None else ("lightning_hpp.torchrun", argv)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -99,12 +99,13 @@ REFUSED = {
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    from tests.launch import run_script
+    from tests.launch import forked, run_scripts
 
     out = tmp_path_factory.mktemp("sharded")
     runs = [{**DEFAULTS, **cfg, "name": name, "out": str(out / name)} for name, cfg in RUNS.items()]
     runs += [{**DEFAULTS, **cfg, "name": name, "out": str(out / name), "refused": True} for name, cfg in REFUSED.items()]
-    proc = run_script("tests.workers.run_sharded", {"devices": 4, "runs": runs}, timeout=1800, check=False)
+    # the 4 ranks forked from one process that imported Lightning (lightning_hpp.torchrun), not 4 imports
+    [proc] = run_scripts([forked("tests.workers.run_sharded", {"devices": 4, "runs": runs}, 4)], timeout=1800, check=False)
     return out, proc
 
 
