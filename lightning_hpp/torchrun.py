@@ -15,13 +15,13 @@ the script, not the imports.
 What a worker shares with its forkserver: the modules it preloaded, imported once with the launcher's
 environment. Per-worker state those modules read at import is set again here: Lightning's
 ``rank_zero_only.rank`` (read from ``RANK`` at import), torch's thread count (``OMP_NUM_THREADS``), the
-global NumPy generator (reseeded from the OS, as a fresh process would be), and multiprocessing's default start
-method (the platform's, as in a fresh process: the script's DataLoader workers start as they would under torchrun). A preloaded library that caches
-other per-process environment variables at import would see the launcher's values; leave it out of
-``--preload`` (the script's own imports always run in the worker). Preloaded modules are not reloaded
-between restarts: a change to their files on disk takes effect with the next launch, the script's with the
-next restart. Python's string-hash seed is the forkserver's, shared by the job's workers (with
-``PYTHONHASHSEED`` unset, ``python`` would draw one per process).
+global NumPy generator (reseeded from the OS, as a fresh process would be); multiprocessing's default start
+method is the platform's again, as in a fresh process (the script's DataLoader workers start as they would
+under torchrun). A preloaded library that caches other per-process environment variables at import would
+see the launcher's values; leave it out of ``--preload`` (the script's own imports always run in the worker).
+Preloaded modules are not reloaded between restarts: a change to their files on disk takes effect with the
+next launch, the script's with the next restart. Python's string-hash seed is the forkserver's, shared by the
+job's workers (with ``PYTHONHASHSEED`` unset, ``python`` would draw one per process).
 """
 
 from __future__ import annotations

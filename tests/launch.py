@@ -78,8 +78,8 @@ def run_scripts(jobs: list[tuple], timeout: float = 240, check: bool = True) -> 
                     _kill_group(proc)
         done = []
         for i, (module, argv, proc, out, err) in enumerate(started):
-            result = subprocess.CompletedProcess([sys.executable, "-m", module, *argv], proc.returncode, out.read_text(),
-                                                 err.read_text())
+            result = subprocess.CompletedProcess([sys.executable, "-m", module, *argv], proc.returncode,
+                                                 out.read_text(), err.read_text())
             result.seconds = ended.get(i)  # from the start of all the jobs to the end of this one
             if check and result.returncode != 0:
                 raise AssertionError(f"{module} exited with {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n"

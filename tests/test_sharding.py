@@ -105,7 +105,8 @@ def job(tmp_path_factory):
     runs = [{**DEFAULTS, **cfg, "name": name, "out": str(out / name)} for name, cfg in RUNS.items()]
     runs += [{**DEFAULTS, **cfg, "name": name, "out": str(out / name), "refused": True} for name, cfg in REFUSED.items()]
     # the 4 ranks forked from one process that imported Lightning (lightning_hpp.torchrun), not 4 imports
-    [proc] = run_scripts([forked("tests.workers.run_sharded", {"devices": 4, "runs": runs}, 4)], timeout=1800, check=False)
+    [proc] = run_scripts([forked("tests.workers.run_sharded", {"devices": 4, "runs": runs}, 4)], timeout=1800,
+                         check=False)
     return out, proc
 
 

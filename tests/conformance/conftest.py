@@ -2,7 +2,8 @@
 
 Three jobs side by side (tests.launch.run_scripts): pp=2 on 2 ranks (started by Lightning's launcher), pp=2 × dp=2
 on 4 ranks (under lightning-hpp-torchrun), and one process running every scenario's reference with Lightning's
-default strategy (then the one-process HPPStrategy scenario). Each runs every scenario of its layout one after another; the tests only load and compare.
+default strategy (then the one-process HPPStrategy scenario). Each runs every scenario of its layout one after
+another; the tests only load and compare.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ def conformance(tmp_path_factory: pytest.TempPathFactory) -> Path:
     single = {"OMP_NUM_THREADS": "1"}
     # pp=2 starts its ranks through Lightning's launcher; pp=2 x dp=2's are forks of one process that imported
     # Lightning (lightning_hpp.torchrun): three imports of Lightning fewer on the job's critical path
-    done = run_scripts([forked("tests.conformance.worker", {"layout": job, "out": str(root)}, 4, single) if job == "pp2dp2"
-                        else ("tests.conformance.worker", {"layout": job, "out": str(root)}, single) for job in JOBS],
-                       timeout=600)
+    done = run_scripts([
+        forked("tests.conformance.worker", {"layout": job, "out": str(root)}, 4, single) if job == "pp2dp2"
+        else ("tests.conformance.worker", {"layout": job, "out": str(root)}, single) for job in JOBS
+    ], timeout=600)
     seconds = {job: round(proc.seconds, 1) for job, proc in zip(JOBS, done)}
     (root / "seconds.json").write_text(json.dumps(seconds))
     print(f"conformance jobs ended after (s): {seconds}")
