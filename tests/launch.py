@@ -18,8 +18,7 @@ def run_script(module: str, arg: object, timeout: float = 240, check: bool = Tru
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("LOCAL_RANK", None)
     full_env.pop("WORLD_SIZE", None)
-    text = arg if isinstance(arg, str) else json.dumps(arg)
-    cmd = [sys.executable, "-m", module, text]
+    cmd = [sys.executable, "-m", module, _word(arg)]
     # a session of its own: on timeout every process of the job goes (the ranks Lightning started, their
     # DataLoader workers), not only the first, which would leave the others waiting forever
     job = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -55,7 +54,7 @@ def run_scripts(jobs: list[tuple], timeout: float = 240, check: bool = True) -> 
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hpp-jobs-") as logs:
         for i, (module, arg, *more) in enumerate(jobs):
-            argv = arg if isinstance(arg, list) else [arg if isinstance(arg, str) else json.dumps(arg)]
+            argv = arg if isinstance(arg, list) else [_word(arg)]
             out, err = Path(logs) / f"{i}.out", Path(logs) / f"{i}.err"
             env = {k: v for k, v in {**full_env, **(more[0] if more else {})}.items() if v is not None}
             with open(out, "w") as out_file, open(err, "w") as err_file:  # the child keeps its own copies
@@ -93,9 +92,13 @@ def forked(module: str, arg: object, ranks: int, env: dict | None = None) -> tup
     ``lightning_hpp.torchrun --standalone``: every rank a fork of one process that imported torch, Lightning and
     lightning_hpp, instead of Lightning re-running the module per rank, each importing them again (6-7 s of CPU
     a rank on this kind of machine) once rank 0 has. For jobs whose subject is not Lightning's own launcher."""
-    text = arg if isinstance(arg, str) else json.dumps(arg)
-    argv = ["--standalone", "--nproc-per-node", str(ranks), "-m", module, text]
-    return ("lightning_hpp.torchrun", argv, env) if env is not None else ("lightning_hpp.torchrun", argv)
+    argv = ["--standalone", "--nproc-per-node", str(ranks), "-m", module, _word(arg)]
+    return "lightning_hpp.torchrun", argv, env or {}
+
+
+def _word(arg: object) -> str:
+    """A job's argument as one command-line word: a string as it is, anything else as JSON."""
+    return arg if isinstance(arg, str) else json.dumps(arg)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
