@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
@@ -37,6 +37,8 @@ from typing_extensions import override
 from lightning_hpp import _dist
 from lightning_hpp.assembly import Pipeline, PipelineSpec, SetupInputs, build_pipeline
 from lightning_hpp.assembly.callbacks import pipeline_callbacks, refuse_unkept_setups
+from lightning_hpp.assembly.module_copies import align_module_copies
+from lightning_hpp.assembly.reuse import held_pipeline, pipeline_key
 from lightning_hpp.assembly.view import PipelineProperties
 from lightning_hpp.bias.controls import BiasControls
 from lightning_hpp.bias.monitor import BiasMonitor
@@ -48,8 +50,10 @@ from lightning_hpp.launch import Launcher, check_backend, check_timeout, init_pr
 from lightning_hpp.model.materialize import init_on_meta
 from lightning_hpp.options import BiasOptions, CheckpointOptions, InitOptions, PlacementOptions, ShardingOptions
 from lightning_hpp.options import TelemetryOptions, moved_option_hint, section
+from lightning_hpp.pipeline.collectives import decide_together, gather_over_replicas, reduce_over_replicas
 from lightning_hpp.pipeline.data import can_rebatch, first_loader, peek_batch, rebatch, resume_mid_epoch
 from lightning_hpp.pipeline.data import seed_workers_per_replica, shard_over_replicas
+from lightning_hpp.pipeline.optimizers import stage_local_optimizers
 from lightning_hpp.pipeline.steps import REDUCED, replay_logs
 from lightning_hpp.planning.plan import PLAN_FILENAME, StagePlan
 from lightning_hpp.precision.plugin import HPPPrecision
@@ -69,6 +73,9 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
             ``schedule`` one of ``gpipe``, ``1f1b`` (default), ``interleaved1f1b``, ``looped_bfs``,
             ``interleaved_zb``, ``zbv``, ``dualpipev``; ``n_microbatches`` default 4; ``frontend`` ``"auto"``,
             ``"sequential"`` or ``"traced"``.
+        step_replay: Which steps every rank of a pipeline runs with the last stage's outputs, so that what they
+            record on the module is there for the hooks every rank runs: ``"auto"`` (those that change the
+            module's state), ``"every_rank"`` or ``"last_stage"`` (:class:`~lightning_hpp.assembly.spec.PipelineSpec`).
         checkpoint: :class:`~lightning_hpp.options.CheckpointOptions` (or a dict of its fields): the
             strategy's own ``step-<N>`` checkpoints and where to resume from.
         bias: :class:`~lightning_hpp.options.BiasOptions`: the coded-bias audit, fingerprints, determinism.
@@ -92,6 +99,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         frontend: str = "auto",
         activation_checkpointing: bool = False,
         *,
+        step_replay: str = "auto",
         checkpoint: CheckpointOptions | dict | None = None,
         bias: BiasOptions | dict | None = None,
         telemetry: TelemetryOptions | dict | bool | None = None,
@@ -113,7 +121,8 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
             raise PlanError(f"`HPPStrategy(precision_plugin=...)` must be an `HPPPrecision`, got {type(precision_plugin).__name__}.")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
-        self._spec = PipelineSpec(plan, schedule, n_microbatches, pp_degree, frontend, activation_checkpointing)
+        self._spec = PipelineSpec(plan, schedule, n_microbatches, pp_degree, frontend, activation_checkpointing,
+                                  step_replay)
         self._timeout = check_timeout(timeout)
         self._process_group_backend = check_backend(process_group_backend)
         self._checkpoint = section(CheckpointOptions, checkpoint, "checkpoint")
@@ -127,6 +136,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         self._pipeline: Pipeline | None = None
         self._num_nodes = 1
         self._step_stats: dict[str, Any] = {}
+        self._agreed_epoch: int | None = None  # the epoch whose stages' trainability the pipeline agreed on
 
     # ------------------------------------------------------------------ process topology
     @property
@@ -218,13 +228,17 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if self._pipeline is None or self._pipeline.module is not module:
-            self._pipeline = build_pipeline(module, self._spec, self._setup_inputs(trainer, module, fitting))
+            inputs = self._setup_inputs(trainer, module, fitting)
+            self._pipeline = held_pipeline(module, pipeline_key(self._spec, inputs)) or build_pipeline(module, self._spec, inputs)
+            self.precision_plugin = self._pipeline.precision  # the plugin its stages were set up with
+        align_module_copies(trainer.callbacks, module)  # weight averaging's copies, taken before the cut
         step_saver = self._session.step_callback(trainer.callbacks) if fitting else None
         trainer.callbacks.extend(([step_saver] if step_saver is not None else []) + pipeline_callbacks(
             trainer.callbacks, self._telemetry, auto=self._spec.auto and fitting, watch=self._placement.watch if fitting else None,
             checkpoint_dir=self._checkpoint.dir, notes=self._session.notes, timeout=self._timeout))
         if fitting:
-            self.setup_optimizers(trainer)
+            with stage_local_optimizers():  # a rank whose stages train nothing (frozen) builds an empty optimizer
+                self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -233,6 +247,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
             p.plan.save(f"{str(log_dir).rstrip('/')}/{PLAN_FILENAME}", schedule=p.schedule, n_microbatches=p.n_microbatches,
                         pp_degree=p.mesh.pp, dp_degree=p.mesh.dp)
         if fitting:
+            self._agreed_epoch = None
             self._session.begin_fit(self._load_sharded)
 
     def _setup_inputs(self, trainer: Any, module: Any, fitting: bool) -> SetupInputs:
@@ -267,13 +282,17 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         assert self._pipeline is not None
         trainer = self.lightning_module.trainer
         scale = self.precision_plugin.loss_scale / trainer.accumulate_grad_batches
+        if self._agreed_epoch != trainer.current_epoch:  # which stages train may change between epochs
+            self._pipeline.runner.agree_trainable()
+            self._agreed_epoch = trainer.current_epoch
         # Lightning zeroes the gradients after the first training_step of each accumulation window
         window_start = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
         with self._pipeline.grads.during_step(keep_held=not window_start, local_norms=self._wants_local_norms()):
-            loss, logs = self._pipeline.runner.train_step(self.lightning_module.training_step, *args, loss_scale=scale, **kwargs)
+            loss, logs, extras = self._pipeline.runner.train_step(self.lightning_module.training_step, *args,
+                                                                  loss_scale=scale, **kwargs)
         replay_logs(self.lightning_module, logs)
         self._step_stats = {"loss": loss.detach()}
-        return loss
+        return loss if extras is None else {"loss": loss, **extras}
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -331,9 +350,17 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, Tensor) and group is not REDUCED:  # REDUCED: a replayed value, equal on every replica
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        if not isinstance(tensor, Tensor) or group is REDUCED:  # REDUCED: a replayed value, equal on every replica
+            return tensor
+        return reduce_over_replicas(tensor, self._pipeline.mesh if self._pipeline else None, group, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        return gather_over_replicas(tensor, self._pipeline.mesh if self._pipeline else None, group, sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decide_together(decision, all, self.root_device, self.world_size)
 
     # ------------------------------------------------------------------ checkpoints (sharded)
     @property

@@ -70,7 +70,7 @@ def test_gradients_are_the_mean_over_micro_batches_times_the_loss_scale(mesh, sc
     reference = copy.deepcopy(module)
     x, y = _batch()
     runner = _runner(module, mesh, schedule)
-    loss, _ = runner.train_step(module.training_step, (x, y), 0, loss_scale=loss_scale)
+    loss, _, _ = runner.train_step(module.training_step, (x, y), 0, loss_scale=loss_scale)
     # one process, the same four micro-batches: the mean of their losses, scaled, backpropagated at once
     losses = [F.mse_loss(reference(xm).squeeze(-1), ym) for xm, ym in zip(x.chunk(4), y.chunk(4))]
     (torch.stack(losses).mean() * loss_scale).backward()

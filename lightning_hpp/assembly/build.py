@@ -26,28 +26,29 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
 
-from lightning_hpp._dist import broadcast_tensors
+from lightning_hpp._dist import all_gather_object, broadcast_tensors
 from lightning_hpp.assembly.callbacks import sharding_refusals
 from lightning_hpp.assembly.placement import auto_plan, gather_kinds, kind_grid, loss_probe
+from lightning_hpp.assembly.reuse import hold, pipeline_key
 from lightning_hpp.assembly.spec import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PipelineSpec, ResolvedPlan
 from lightning_hpp.errors import PartitionError, PlacementError, PlanError, ShardingError
 from lightning_hpp.model.frontend import balanced_plan, block_names, cut_model, planning_units
 from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, materialize_stages
 from lightning_hpp.model.units import find_units
 from lightning_hpp.options import InitOptions, PlacementOptions, ShardingOptions
-from lightning_hpp.pipeline.epoch_end import replay_epoch_ends
 from lightning_hpp.pipeline.fsdp import ShardedStages, shard_stages
-from lightning_hpp.pipeline.grads import GradHandover, shared_gradient_groups
+from lightning_hpp.pipeline.grads import GradHandover, held_by_name, shared_gradient_groups, tied_aliases
 from lightning_hpp.pipeline.mesh import Mesh, stages_of_position
 from lightning_hpp.pipeline.microbatch import batch_size_of, split_batch
 from lightning_hpp.pipeline.runner import PipelineRunner
 from lightning_hpp.pipeline.schedules import check_schedule
 from lightning_hpp.pipeline.stage import StageModule
-from lightning_hpp.pipeline.steps import capture_input, count_forward_calls, second_call_error
+from lightning_hpp.pipeline.steps import capture_input, dry_run, second_call_error
 from lightning_hpp.pipeline.tensor_parallel import TPPlan, at_local_width, check_frontend, resolve_tp_plan, split_stages
 from lightning_hpp.planning.plan import StagePlan, StageSpec
 from lightning_hpp.precision.modes import MODES
@@ -107,6 +108,9 @@ class Pipeline:
         rank_kinds: Every rank's device kind.
         runner: Runs batches through this rank's stages.
         grads: Hands the schedule's gradients to Lightning's optimizer step.
+        precision: The precision plugin the stages were set up with.
+        key: What the pipeline was built from (:func:`lightning_hpp.assembly.reuse.pipeline_key`): a later
+            strategy on the same, already cut module continues with it where it asks for the same.
     """
 
     module: nn.Module
@@ -121,6 +125,8 @@ class Pipeline:
     rank_kinds: tuple[str, ...]
     runner: PipelineRunner
     grads: GradHandover
+    precision: HPPPrecision
+    key: tuple = ()
 
     @property
     def device_kind(self) -> str:
@@ -135,6 +141,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         PlanError: a plan, schedule or layout that cannot run on this job (the same on every rank).
     """
     world, device = inputs.world_size, inputs.device
+    key = pipeline_key(spec, inputs)
     free_sharding = inputs.sharding is None  # plan="auto" may shard the stages where only that fits
     inputs = dataclasses.replace(inputs, sharding=inputs.sharding or ShardingOptions())
     if spec.pp_degree is not None and spec.pp_degree > world:
@@ -153,6 +160,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         home = next((p.device for p in module.parameters()), device)
         batch = None if inputs.batch is None else move_data_to_device(inputs.batch, home)
         resolved, example = resolve_plan(module, spec, inputs, batch, rank_kinds, free_sharding=free_sharding)
+        replayed = replayed_steps(module, spec.step_replay, batch, resolved.split * resolved.n_microbatches)
         if resolved.sharding is not None:  # the same on every rank: every rank ran the same search
             inputs = dataclasses.replace(inputs, sharding=resolved.sharding)
         example = _in_stage_dtype(module, resolved.plan, example, inputs)
@@ -177,6 +185,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     module._device_mesh = mesh.device_mesh  # what `LightningModule.device_mesh` reads, as under ModelParallelStrategy
     stage_ids = positions[mesh.position]
     blocks = block_names(module) if inputs.sharding.sharded else []  # FSDP2's units, named before the cut drops any
+    aliases = tied_aliases(module, cut.shared)  # before the cut drops the units some of the names live in
     cut.keep_only(module, stage_ids)
     bodies = [b for mode in ("train", "eval") for k in stage_ids for b in cut.bodies[mode][k]]
     traced = cut.frontend == "traced"
@@ -208,24 +217,26 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     if runner.sharded is not None:
         view.shard_group = mesh.dp_shard_group
     # after sharding: the parameters several stages use are the ones the stages hold now (shards, under FSDP2)
-    shared = shared_gradient_groups(cut.shared, dict(module.named_parameters()), positions, mesh)
+    shared = shared_gradient_groups(cut.shared, held_by_name(module, aliases), positions, mesh)
     # FSDP2 reduces a sharded stage's gradients itself (reduce-scatter, and all-reduce over hsdp's replicas)
     grads = GradHandover(stages["train"], None if runner.sharded else mesh.dp_group, 1 if runner.sharded else mesh.dp,
                          shared=shared)
     runner.last_backward_window = grads.last_backward
-    replay_epoch_ends(module, holds_last=runner.holds_last, pp_group=mesh.pp_group if pp > 1 else None,
-                      last_position=runner.last_position, dp_group=mesh.dp_group)
+    runner.replayed_steps = replayed
     rank_zero_info(
         f"HPPStrategy: {plan.num_stages} stages, frontend={cut.frontend} ({cut.reason}), schedule={resolved.schedule}, "
         f"n_microbatches={resolved.n_microbatches}, pp={pp} × dp={mesh.dp}"
         + (f" ({inputs.sharding.data_parallel}: dp_replicate={mesh.dp_replicate} × dp_shard={mesh.dp_shard})"
            if runner.sharded else "")
         + (f" × tp={tp} ({tp_plan.source})" if tp_plan else "")
-        + (f", shared parameters {sorted(cut.shared)}" if cut.shared else "") + f"\n{plan.table()}"
+        + (f", shared parameters {sorted(cut.shared)}" if cut.shared else "")
+        + (f", replayed on every rank (they change the module's state): {sorted(replayed)}" if replayed and pp > 1 else "")
+        + f"\n{plan.table()}"
     )
-    return Pipeline(module=module, plan=plan, mesh=mesh, stage_ids=tuple(stage_ids), schedule=resolved.schedule,
+    return hold(module, Pipeline(module=module, plan=plan, mesh=mesh, stage_ids=tuple(stage_ids), schedule=resolved.schedule,
                     n_microbatches=resolved.n_microbatches, split=resolved.split, frontend=cut.frontend, reason=cut.reason,
-                    rank_kinds=tuple(rank_kinds), runner=runner, grads=grads)
+                    rank_kinds=tuple(rank_kinds), runner=runner, grads=grads,
+                    precision=inputs.precision, key=key))
 
 
 def _mesh(world: int, pp: int, inputs: SetupInputs, grid: list[list[int]] | None) -> Mesh:
@@ -349,13 +360,36 @@ def example_call(module: nn.Module, step_fn: Callable[..., Any], batch: Any, par
     if at_least_two and size is not None and size >= 2 and size // parts < 2:
         parts = size // 2 if size % 2 == 0 else 1
     with isolate_rng():
-        try:
-            batch = split_batch(batch, parts)[0]
-        except PlanError:
-            pass  # an indivisible batch is reported by the first step, with its size
-        if count_forward_calls(module, step_fn, batch, 0) > 1:
+        batch = _micro_batch(batch, parts)
+        if dry_run(module, step_fn, batch, 0).calls > 1:
             raise second_call_error(step_fn.__name__)
         return capture_input(module, step_fn, batch, 0)
+
+
+def _micro_batch(batch: Any, parts: int) -> Any:
+    try:
+        return split_batch(batch, parts)[0]
+    except PlanError:
+        return batch  # an indivisible batch is reported by the first step, with its size
+
+
+STEPS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def replayed_steps(module: nn.Module, mode: str, batch: Any, parts: int) -> frozenset[str]:
+    """The steps every rank of the pipeline replays with the last stage's outputs (``HPPStrategy(step_replay=...)``;
+    collective): with ``"auto"`` those of the module's steps that change its state when run once on one micro-batch
+    (``1 / parts`` of ``batch``; every step where there is no batch), agreed over the ranks (replicas see other
+    batches); the state is put back after each run."""
+    steps = [name for name in STEPS if is_overridden(name, module)]
+    if mode == "last_stage":
+        return frozenset()
+    if mode == "every_rank" or batch is None:
+        return frozenset(steps)
+    micro = _micro_batch(batch, parts)
+    with isolate_rng():
+        mine = {name for name in steps if dry_run(module, getattr(module, name), micro, 0).changes_state}
+    return frozenset().union(*all_gather_object(sorted(mine)))
 
 
 def _auto_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch: Any, example: tuple | None,

@@ -22,6 +22,7 @@ from lightning_hpp.validation import check_bool, check_choice, check_int
 
 DEFAULT_SCHEDULE = "1f1b"
 DEFAULT_MICROBATCHES = 4
+STEP_REPLAYS = ("auto", "every_rank", "last_stage")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class PipelineSpec:
             cuts at modules of any depth) or ``"auto"`` (sequential where it applies, else traced).
         activation_checkpointing: Recompute each unit's activations in the backward instead of keeping
             them (per stage: ``StageSpec(activation_checkpointing=...)`` overrides this default).
+        step_replay: Which of the user's steps every rank of a pipeline runs with the last stage's outputs, so that
+            what a step records on the module (outputs appended to a list, a counter, a torchmetrics update) is
+            there for the hooks every rank runs: ``"auto"`` (default: the steps that change the module's state when
+            the setup runs each once on one micro-batch), ``"every_rank"`` (all of them) or ``"last_stage"`` (none;
+            the other ranks then hold no state the steps record).
     """
 
     plan: Any = None
@@ -55,6 +61,7 @@ class PipelineSpec:
     pp_degree: int | None = None
     frontend: str = "auto"
     activation_checkpointing: bool = False
+    step_replay: str = "auto"
 
     def __post_init__(self) -> None:
         if self.schedule is not None and (not isinstance(self.schedule, str) or self.schedule not in SCHEDULES):
@@ -63,6 +70,7 @@ class PipelineSpec:
         check_int(self.pp_degree, "HPPStrategy(pp_degree=...)", optional=True)
         check_choice(self.frontend, "HPPStrategy(frontend=...)", FRONTENDS)
         check_bool(self.activation_checkpointing, "HPPStrategy(activation_checkpointing=...)")
+        check_choice(self.step_replay, "HPPStrategy(step_replay=...)", STEP_REPLAYS)
         plan = self.plan
         if isinstance(plan, (str, os.PathLike)) and plan != "auto":
             object.__setattr__(self, "plan", StagePlan.load(os.fspath(plan)))

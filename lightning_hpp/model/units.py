@@ -112,3 +112,21 @@ def keep_tensors(module: nn.Module, keep: set[int], stage_of: dict[int, int]) ->
             visit(f"{name}.{child_name}" if name else child_name, child)
 
     visit("", module)
+
+
+def hold_as(copy: nn.Module, cut: nn.Module) -> None:
+    """Make ``copy`` (a copy of a module taken before it was cut: ``deepcopy(pl_module)``) hold what ``cut`` holds
+    now: the units ``cut`` replaced by a :class:`RemoteUnit` replaced in ``copy`` too, and each parameter or buffer
+    ``cut`` unregistered unregistered in ``copy``. Their parameters then pair up in order, as ``zip(a.parameters(),
+    b.parameters())`` expects (weight averaging)."""
+    for name, sub in list(cut.named_modules()):
+        if isinstance(sub, RemoteUnit):
+            replace_unit(copy, name, RemoteUnit(sub.unit_name, sub.stage))
+    copies = dict(copy.named_modules())
+    for name, sub in cut.named_modules():
+        mine = copies.get(name)
+        if mine is None or isinstance(sub, RemoteUnit):
+            continue
+        for registry, theirs in ((mine._parameters, sub._parameters), (mine._buffers, sub._buffers)):
+            for key in [k for k, t in registry.items() if t is not None and theirs.get(k) is None]:
+                registry[key] = None

@@ -12,9 +12,11 @@ After the sum each rank reads its pipeline's loss and values, reduces the ``sync
 replicas with their ``reduce_fx``, and takes each pipeline position's flags as the maximum over every rank at
 that position: the data-parallel reduction of values and flags rides on the same collective.
 
-The names and options of the values (each pipeline's schema) travel only when they change: the status is
-then 1 (2: the last stage's logs could not be reduced; the error is raised on every rank), and every rank
-joins one object gather that brings every changed schema and its values.
+The names and options of the values (each pipeline's schema) travel only when they change, and what the step
+returned besides its loss (the keys of a returned dict, merged over the micro-batches) only when there is
+any: the pipeline's status then has bit 1 (a new schema), 2 (the last stage's logs or outputs could not be
+reduced; the error is raised on every rank) or 4 (returned outputs), and every rank joins one object gather
+that brings them.
 
 :meth:`StepExchange.start` posts the collective without waiting; the runner starts it as soon as this
 rank's part is final, before the rank's last backward of the step (its flags and, on the last stage, its
@@ -28,13 +30,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightning_hpp._dist import group_device
 from lightning_hpp.errors import PlanError
 from lightning_hpp.pipeline.mesh import Mesh
 from lightning_hpp.pipeline.steps import REDUCED, StepLogs, reduce_fx_name
 
-_STATUS_SAME, _STATUS_NEW_SCHEMA, _STATUS_ERROR = 0.0, 1.0, 2.0
+_NEW_SCHEMA, _ERROR, _OUTPUTS = 1, 2, 4
 
 
 class StepExchange:
@@ -55,6 +58,7 @@ class StepExchange:
         self._schemas: list[list[tuple[str, dict]]] = [[] for _ in range(self.columns)]
         self._sync_index: list[tuple[int, str, list[int | None]]] | None = None
         self._pending: tuple | None = None
+        self.outputs: Any = None  # what the last finished step returned besides its loss, for this rank's pipeline
 
     @property
     def started(self) -> bool:
@@ -68,30 +72,36 @@ class StepExchange:
         return offsets, at
 
     def start(self, loss: torch.Tensor | None, logs: StepLogs | None, error: str | None, flags: list[torch.Tensor],
-              last: bool) -> None:
-        """Post this rank's part: its pipeline's ``loss`` and ``logs`` (or the ``error`` that reducing them raised)
-        when ``last`` (it holds the pipeline's last stage), and its check ``flags`` (0-dim tensors; as many on every
-        rank)."""
+              last: bool, outputs: Any = None) -> None:
+        """Post this rank's part: its pipeline's ``loss``, ``logs`` and returned ``outputs`` (the step's extras,
+        ``None`` for none; or the ``error`` that reducing them raised) when ``last`` (it holds the pipeline's last
+        stage), and its check ``flags`` (0-dim tensors; as many on every rank)."""
         n_flags = len(flags)
         column = self.mesh.column
         offsets, flags_at = self._layout()
         device = group_device(self.group)
         buf = torch.zeros(flags_at + self.world * n_flags, dtype=torch.float32, device=device)
-        status = _STATUS_SAME
+        status, payload = 0, None
         if last:
-            status = _STATUS_ERROR if error is not None else _STATUS_SAME if logs.schema == self._schemas[column] else _STATUS_NEW_SCHEMA
             at = offsets[column]
-            buf[at] = status
+            if error is not None:
+                status, payload = _ERROR, {"error": error}
+            else:
+                payload = {}
+                if logs.schema != self._schemas[column]:
+                    status, payload["logs"] = _NEW_SCHEMA, (logs.schema, logs.values.tolist())
+                elif logs.schema:
+                    buf[at + 2 : at + 2 + len(logs.schema)] = logs.values.to(device)
+                if outputs is not None:
+                    status, payload["outputs"] = status | _OUTPUTS, _to_cpu(outputs)
+            buf[at] = float(status)
             if loss is not None:
                 buf[at + 1] = loss.detach().to(device, torch.float32)
-            if status == _STATUS_SAME and logs.schema:
-                buf[at + 2 : at + 2 + len(logs.schema)] = logs.values.to(device)
         if flags:
             row = flags_at + self.mesh.rank * n_flags
             buf[row : row + n_flags] = torch.stack([f.to(device, torch.float32) for f in flags])
         work = dist.all_reduce(buf, group=self.group, async_op=True) if self.world > 1 else None
-        payload = ((error,) if status == _STATUS_ERROR else (logs.schema, logs.values.tolist())) if last and status else None
-        self._pending = (buf, work, offsets, flags_at, n_flags, payload)
+        self._pending = (buf, work, offsets, flags_at, n_flags, payload if status else None)
 
     def abandon(self) -> None:
         """Forget a started exchange (the step failed on this rank; its peers end with their own errors)."""
@@ -117,18 +127,22 @@ class StepExchange:
         host = buf.tolist()  # the step's one host read: the statuses and the flags
         statuses = [host[at] for at in offsets]
         values: dict[int, torch.Tensor] = {}
+        self.outputs = None
         if any(statuses):
             errors = []
             for got in self._gather(payload):
                 if got is None:
                     continue
                 column, content = got
-                if len(content) == 1:
-                    errors.append(content[0])
+                if "error" in content:
+                    errors.append(content["error"])
                     continue
-                self._schemas[column] = content[0]
-                values[column] = torch.tensor(content[1], dtype=torch.float32, device=buf.device)
-            self._sync_index = None
+                if "logs" in content:
+                    self._schemas[column] = content["logs"][0]
+                    values[column] = torch.tensor(content["logs"][1], dtype=torch.float32, device=buf.device)
+                    self._sync_index = None
+                if column == self.mesh.column and "outputs" in content:
+                    self.outputs = move_data_to_device(content["outputs"], self.device)
             if errors:  # after every schema is taken: the exchange stays usable for a later step
                 raise PlanError(errors[0])
         for c, at in enumerate(offsets):
@@ -200,3 +214,9 @@ class StepExchange:
                 entries.append((i, reduce_fx_name(name, kw.get("reduce_fx", "mean")), where))
         self._sync_index = entries
         return entries
+
+
+def _to_cpu(obj: Any) -> Any:
+    """``obj`` with its tensors on the CPU (an object gather pickles them; a device tensor would land on the
+    sender's device index)."""
+    return move_data_to_device(obj, torch.device("cpu"))

@@ -317,6 +317,27 @@ def _unflatten_into(flat: Tensor, tensors: list[Tensor]) -> None:
         t.copy_(part)
 
 
+def tied_aliases(module: nn.Module, shared: dict[str, list[int]]) -> dict[str, list[str]]:
+    """Every name of each shared parameter in the whole ``module``: a tied weight is one parameter under several
+    names (``embed.weight`` and ``head.weight``), and a rank that holds only some of the units keeps only theirs."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    return {n: names[id(params[n])] if n in params else [n] for n in shared}
+
+
+def held_by_name(module: nn.Module, aliases: dict[str, list[str]]) -> dict[str, nn.Parameter]:
+    """This rank's parameters by name, each shared one also under the name :func:`shared_gradient_groups` knows it
+    by (the first of its ``aliases``), whichever of its names this rank holds it under."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for name, names in aliases.items():
+        held = next((params[a] for a in names if a in params), None)
+        if held is not None:
+            params[name] = held
+    return params
+
+
 def shared_gradient_groups(shared: dict[str, list[int]], params: dict[str, nn.Parameter], positions: list[list[int]],
                            mesh: Any) -> list[tuple[list[nn.Parameter], Any]]:
     """For the parameters several stages use, the groups of ranks their gradients are summed over.
@@ -335,6 +356,10 @@ def shared_gradient_groups(shared: dict[str, list[int]], params: dict[str, nn.Pa
     groups = mesh.groups_over_positions(sorted({ps for ps in where.values() if len(ps) > 1}))
     out: dict[tuple[int, ...], list[nn.Parameter]] = {}
     for n, ps in where.items():
-        if groups.get(ps) is not None and n in params:
-            out.setdefault(ps, []).append(params[n])
+        if groups.get(ps) is None:
+            continue
+        if n not in params:  # a member that would skip the sum leaves the others waiting in it: stop here instead
+            raise RuntimeError(f"internal: this rank's stages use the shared parameter {n!r}, but it holds no tensor "
+                               f"of that name ({sorted(params)[:8]}...)")
+        out.setdefault(ps, []).append(params[n])
     return [(ps_params, groups[ps]) for ps, ps_params in sorted(out.items())]

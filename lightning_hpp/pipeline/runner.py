@@ -7,7 +7,13 @@ returning that micro-batch's pipeline output, so the user's own loss, metrics an
 calls run there. The loss and what the last stage logged (reduced on the device over the
 micro-batches) reach every rank with every rank's check flags in one collective per step
 (:mod:`lightning_hpp.pipeline.exchange`), started before the rank's last backward of the step so that
-it runs beside that backward; the names of the logged values travel only when they change.
+it runs beside that backward; the names of the logged values travel only when they change, and what the step
+returns besides its loss (a dict's other keys, merged over the micro-batches) only when there is any.
+
+A step that changes the module's state (it appends outputs to a list the epoch-end hooks read, updates a
+torchmetrics metric, counts) is also replayed on every other rank of the pipeline with the last stage's outputs
+(:attr:`PipelineRunner.replayed_steps`), so that every rank holds what one process holds and runs the hooks
+on it, as under DDP; the other steps run on the last stage only and cost nothing elsewhere.
 """
 
 from __future__ import annotations
@@ -18,10 +24,11 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 from torch.distributed.pipelining import schedules as S
 
-from lightning_hpp._dist import group_device
+from lightning_hpp._dist import all_gather_object, group_device
 from lightning_hpp.errors import PlanError
 from lightning_hpp.pipeline.exchange import StepExchange
 from lightning_hpp.pipeline.fsdp import ShardedStages
@@ -29,6 +36,7 @@ from lightning_hpp.pipeline.mesh import Mesh
 from lightning_hpp.pipeline.microbatch import batch_size_of, largest_divisor_at_most, split_batch
 from lightning_hpp.pipeline.schedules import ForwardOnlyV, schedule_kind
 from lightning_hpp.pipeline.stage import StageModule, _Stage
+from lightning_hpp.pipeline.step_effects import ModuleState, merge_outputs, step_extras
 from lightning_hpp.pipeline.steps import (
     MetricBatches,
     StepLogs,
@@ -120,6 +128,12 @@ class PipelineRunner:
         self.exchange_posted: str | None = None
         self.step_checks: list[StepCheck] = []
         self._metric_batches = MetricBatches(module)
+        # the steps (by name) every rank of the pipeline replays with the last stage's outputs
+        self.replayed_steps: frozenset[str] = frozenset()
+        self._replay = False  # whether the running training step is replayed
+        self._trainable: tuple[bool, ...] | None = None  # per stage, whether it has parameters to train (agreed)
+        self._extras: list[dict | None] = []  # what each micro-batch's step returned besides its loss
+        self._outputs: list[Any] = []  # each micro-batch's pipeline output, kept for a replayed step
         _sync_metrics_over(module, mesh.dp_group)
 
     # ----------------------------------------------------------------- placement
@@ -152,7 +166,7 @@ class PipelineRunner:
     # ----------------------------------------------------------------- schedules
     def _schedule(self, train: bool, batch_size: int) -> tuple[Any, int]:
         n = self.n_microbatches if train else largest_divisor_at_most(batch_size, self.n_microbatches)
-        key = (train, batch_size, n)
+        key = (train, batch_size, n, self._trainable if train else None)
         if key not in self._schedules:
             modules = self.stage_modules if train else self.eval_stage_modules
             stages = [
@@ -199,6 +213,9 @@ class PipelineRunner:
             )
         self._recorders[mb] = rec
         self._losses[mb] = loss.detach()
+        self._extras[mb] = step_extras(result)
+        if self._replay:
+            self._outputs[mb] = _detached(output)
         # the mean over micro-batches and the fp16 loss scale enter the backward as the loss's gradient
         # (_loss_grad_of), not as a product here: a multiply and its backward node cost ~50 µs a micro-batch on the
         # last stage's path. Not torch's scale_grads either: torch divides each stage's gradients after its last
@@ -222,32 +239,39 @@ class PipelineRunner:
         return int(target[0]) // self._mb_size
 
     # ----------------------------------------------------------------- steps
-    def train_step(self, step_fn: Callable[..., Any], batch: Any, *step_args: Any, loss_scale: float = 1.0) -> tuple[torch.Tensor, StepLogs]:
+    def train_step(self, step_fn: Callable[..., Any], batch: Any, *step_args: Any,
+                   loss_scale: float = 1.0) -> tuple[torch.Tensor, StepLogs, dict[str, Any] | None]:
         """Forward and backward of one batch; gradients accumulate into the stage parameters.
 
         ``loss_scale`` multiplies each micro-batch's loss before its backward (the fp16 loss scale over
         the gradient-accumulation steps); the returned loss is unscaled.
 
         Returns:
-            The batch's mean loss (same value on every rank of the pipeline, a device tensor) and what the
+            The batch's mean loss (same value on every rank of the pipeline, a device tensor), what the
             last stage logged, reduced over micro-batches with each value's ``reduce_fx`` and, for
-            ``sync_dist=True`` values, over the data-parallel replicas.
+            ``sync_dist=True`` values, over the data-parallel replicas, and what the step returned besides the
+            loss (``None``: nothing), merged over the micro-batches (:func:`~lightning_hpp.pipeline.step_effects.
+            merge_outputs`).
         """
         size = batch_size_of(batch)
         n = self.n_microbatches
+        self._check_trainable()
         self._mb = split_batch(batch, n)
         self._mb_size = size // n
         sched, _ = self._schedule(True, size)
         self._step_fn, self._step_args, self._loss_scale = step_fn, step_args, loss_scale
+        self._replay = self._replayed(step_fn)
         self._loss_grad = None
-        self._recorders, self._losses = [None] * n, [None] * n
+        self._recorders, self._losses, self._extras = [None] * n, [None] * n, [None] * n
+        self._outputs = [None] * n if self._replay and self.holds_last else []
         self._backwards = 0
         for check in self.step_checks:
             check.reset()
-        args = self._flatten(*capture_input(self.module, step_fn, batch, *step_args)) if self.holds_first else ()
+        args = self._capture(step_fn, batch, step_args) if self.holds_first else ()
         self._reset_counters()
         self._target = torch.arange(size, device=self.device) if self.holds_last else None
         exchange = self._exchanges["train"]
+        micro_batches = self._mb
         try:
             with self._metric_batches if self.holds_last else contextlib.nullcontext():
                 # the loss is taken per micro-batch (_loss_fn): torch's merge of the last stage's outputs
@@ -259,14 +283,84 @@ class PipelineRunner:
             exchange.abandon()
             raise
         finally:
+            outputs, self._outputs = self._outputs, []
             self._step_fn, self._mb, self._target = None, [], None
-            self._recorders, self._losses = [], []
+            self._recorders, self._losses, self._extras = [], [], []
             if self.sharded is not None:  # the schedule's gradient reduction freed them; a failed step may not have
                 self.sharded.reshard()
         loss, logs, flags = exchange.finish()
         self._resolve_checks(flags)
+        if self._replay and not self.holds_last:
+            outputs = self._receive_outputs(None)
+            with self._metric_batches:
+                recorders = [self._replay_step(step_fn, mb, out, step_args)[1] for mb, out in zip(micro_batches, outputs)]
+            self._step_metrics = {name: m for rec in recorders for name, m in rec.metric_objects.items()}
+        elif self._replay:
+            self._receive_outputs(outputs)
         logs.metrics = self._step_metrics
-        return loss, logs
+        return loss, logs, exchange.outputs
+
+    # ----------------------------------------------------------------- what trains
+    def agree_trainable(self) -> None:
+        """Agree over the pipeline which stages have parameters to train (collective over the pipeline group).
+
+        torch's stages fix at their first step whether the activations crossing a boundary carry gradients: a
+        stage after frozen ones (a frozen backbone, fine-tuning) receives none and sends none back. Freezing or
+        unfreezing a stage (between two fits, or in a hook at an epoch's start, as ``BackboneFinetuning`` does)
+        changes that on every rank of the pipeline, so the training schedules are kept per agreement."""
+        mine = {k: _trains(sm) for k, sm in self.stage_modules.items()}
+        merged: dict[int, bool] = {}
+        for part in all_gather_object(mine, group=self.mesh.pp_group) if self.mesh.pp > 1 else [mine]:
+            merged.update(part)
+        self._trainable = tuple(merged[k] for k in range(self.num_stages))
+
+    def _check_trainable(self) -> None:
+        """A stage frozen or unfrozen since the last agreement (mid-epoch) is refused, naming when it may change."""
+        if self._trainable is None:
+            return
+        changed = [k for k, sm in self.stage_modules.items() if _trains(sm) != self._trainable[k]]
+        if changed:
+            raise PlanError(
+                f"Stage(s) {changed} {'now' if not self._trainable[changed[0]] else 'no longer'} have parameters to train "
+                f"(`requires_grad` changed) since the epoch began. Under HPPStrategy every rank of the pipeline must "
+                f"know which stages train before a step (their boundaries carry gradients or not): freeze or unfreeze "
+                f"parameters between fits or at an epoch's start (`on_train_epoch_start`, as `BackboneFinetuning` does)."
+            )
+
+    def _replayed(self, step_fn: Callable[..., Any]) -> bool:
+        """Whether every rank of the pipeline runs ``step_fn`` with the last stage's outputs."""
+        return self.mesh.pp > 1 and self._stateful(step_fn)
+
+    def _stateful(self, step_fn: Callable[..., Any]) -> bool:
+        return getattr(step_fn, "__name__", None) in self.replayed_steps
+
+    def _capture(self, step_fn: Callable[..., Any], batch: Any, step_args: tuple) -> tuple:
+        """The first stage's inputs: the step run up to its ``self(...)`` call. What a step that changes state did
+        before that call is put back: the step runs whole on the micro-batches, here too."""
+        state = ModuleState(self.module) if self._stateful(step_fn) else None
+        try:
+            return self._flatten(*capture_input(self.module, step_fn, batch, *step_args))
+        finally:
+            if state is not None:
+                state.restore()
+
+    def _receive_outputs(self, outputs: list[Any] | None) -> list[Any]:
+        """The last stage's pipeline outputs of the step (``outputs`` there) on every rank of the pipeline."""
+        box = [None if outputs is None else _to_cpu(outputs)]
+        dist.broadcast_object_list(box, group_src=self.last_position, group=self.mesh.pp_group,
+                                   device=group_device(self.mesh.pp_group))
+        return move_data_to_device(box[0], self.device)
+
+    def _replay_step(self, step_fn: Callable[..., Any], batch: Any, output: Any,
+                     step_args: tuple) -> tuple[Any, _LogRecorder]:
+        """The user's step on ``batch`` with ``output`` as what its ``self(...)`` returns, as the last stage ran it:
+        its effects on the module's state happen here too. Returns what it returned and what it logged (recorded
+        only for its torchmetrics objects: the last stage's values reached every rank through the exchange)."""
+        rec = _LogRecorder()
+        with torch.no_grad(), redirected(self.module, replay_forward(self._unflatten(output),
+                                                                     getattr(step_fn, "__name__", "step")), rec):
+            result = step_fn(batch, *step_args)
+        return result, rec
 
     def _on_backward(self, stage: int) -> None:
         """Before each backward of a micro-batch on this rank. At the rank's last one its part of the step's exchange
@@ -286,7 +380,7 @@ class PipelineRunner:
 
     def _start_exchange(self, where: str) -> None:
         self.exchange_posted = where
-        loss, logs, error = None, None, None
+        loss, logs, error, extras = None, None, None, None
         self._step_metrics = {}
         if self.holds_last:
             if any(x is None for x in self._losses):
@@ -295,9 +389,11 @@ class PipelineRunner:
             try:
                 logs = reduce_logs(self._recorders, self.device, self._metric_batches)
                 self._step_metrics = logs.metrics
+                extras = merge_outputs(self._extras, [self._mb_size] * len(self._extras),
+                                       getattr(self._step_fn, "__name__", "training_step"))
             except PlanError as e:
                 error = str(e)
-        self._exchanges["train"].start(loss, logs, error, self._check_flags(), last=self.holds_last)
+        self._exchanges["train"].start(loss, logs, error, self._check_flags(), last=self.holds_last, outputs=extras)
 
     def eval_step(self, step_fn: Callable[..., Any], batch: Any, *step_args: Any) -> tuple[Any, StepLogs]:
         """A forward-only pass; the user's step runs once on the last stage with the whole output.
@@ -309,12 +405,13 @@ class PipelineRunner:
         sched, _ = self._schedule(False, size)
         for check in self.step_checks:
             check.reset()
-        args = self._flatten(*capture_input(self.module, step_fn, batch, *step_args)) if self.holds_first else ()
+        args = self._capture(step_fn, batch, step_args) if self.holds_first else ()
         self._reset_counters()
         # sharded stages are gathered for the pass (a traced stage's evaluation graph reads the full parameters)
         with torch.no_grad(), self.sharded.gathered() if self.sharded is not None else contextlib.nullcontext():
             out = sched.step(*args)
         payload, metrics = None, {}
+        replay = self._replayed(step_fn)
         if self.holds_last:
             rec = _LogRecorder()
             with redirected(self.module, replay_forward(self._unflatten(out), getattr(step_fn, "__name__", "step")), rec):
@@ -322,7 +419,8 @@ class PipelineRunner:
             try:
                 logs = reduce_logs([rec], self.device)
                 metrics = logs.metrics
-                payload = ("logs", _to_cpu(result), logs.schema, logs.values.tolist())
+                # a replayed step's result is computed again on every rank: its pipeline output travels instead
+                payload = ("logs", _to_cpu(out) if replay else _to_cpu(result), logs.schema, logs.values.tolist())
             except PlanError as e:
                 payload = ("error", str(e))
         if self.mesh.pp > 1:
@@ -330,6 +428,12 @@ class PipelineRunner:
             dist.broadcast_object_list(box, group_src=self.last_position, group=self.mesh.pp_group,
                                        device=group_device(self.mesh.pp_group))
             payload = box[0]
+        if replay and not self.holds_last and payload[0] != "error":
+            result, rec = self._replay_step(step_fn, batch, move_data_to_device(payload[1], self.device), step_args)
+            metrics = dict(rec.metric_objects)
+        if payload[0] != "error":  # the step's own result where it ran here, else the last stage's, on this device
+            payload = (payload[0], result if replay or self.mesh.pp == 1 else move_data_to_device(payload[1], self.device),
+                       *payload[2:])
         # an error of the last stage's logs goes through the exchange, so every replica raises it, not only this one
         error = payload[1] if payload[0] == "error" else None
         output, logs = None, None
@@ -341,7 +445,7 @@ class PipelineRunner:
         exchange.start(None, logs, error if self.holds_last else None, self._check_flags(), last=self.holds_last)
         _, logs, flags = exchange.finish()
         self._resolve_checks(flags)
-        logs.metrics = metrics if self.holds_last else {}
+        logs.metrics = metrics  # the last stage's objects, or a replaying rank's own
         return output, logs
 
     # ----------------------------------------------------------------- the step's checks
@@ -370,6 +474,18 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     if isinstance(x, (tuple, list)):
         return [t for v in x for t in _tensors(v)]
     return []
+
+
+def _trains(stage: nn.Module) -> bool:
+    return any(p.requires_grad for p in stage.parameters())
+
+
+def _detached(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_detached(v) for v in obj)
+    return obj
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -5,7 +5,6 @@ call, replay it on the last stage with the pipeline output, and record what it l
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import inspect
 from collections.abc import Callable, Iterator
@@ -16,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_hpp.errors import PlanError
+from lightning_hpp.pipeline.step_effects import ModuleState
 
 
 class _Captured(Exception):
@@ -81,14 +81,27 @@ def capture_input(module: nn.Module, step_fn: Callable[..., Any], batch: Any, *s
     )
 
 
-def count_forward_calls(module: nn.Module, step_fn: Callable[..., Any], batch: Any, *step_args: Any) -> int:
-    """How many times ``step_fn(batch, ...)`` calls ``module(...)`` (stopping at the second call).
+@dataclass(frozen=True)
+class DryRun:
+    """What running a step once showed (:func:`dry_run`).
 
-    The step runs with the module's real ``forward``, in eval mode and without gradients, logging
-    nothing; what it changes of the modules' state is put back afterwards (torchmetrics states, and the
-    public attributes: a list of outputs it appends to, a counter), so the epoch starts as without this
-    check. A step that fails this way (it may need gradients) counts as one call: the run-time check on
-    the last stage still applies.
+    Attributes:
+        calls: How many times the step called ``self(...)`` (counting stops at the second call).
+        changes_state: Whether the step changed the module's state (see :class:`ModuleState`); ``True`` too where
+            the step could not run this way, as nothing then shows that it does not.
+    """
+
+    calls: int
+    changes_state: bool
+
+
+def dry_run(module: nn.Module, step_fn: Callable[..., Any], batch: Any, *step_args: Any) -> DryRun:
+    """Run ``step_fn(batch, ...)`` once with the module's real ``forward``, in eval mode and without gradients,
+    logging nothing, then put back every state it changed (torchmetrics states, the modules' attributes: a list
+    of outputs it appends to, a counter), so the run starts as without this check.
+
+    A step that fails this way (it may need gradients) counts as one call (the run-time check on the last stage
+    still applies) and as changing state.
     """
     calls = [0]
     real = type(module).forward
@@ -99,48 +112,23 @@ def count_forward_calls(module: nn.Module, step_fn: Callable[..., Any], batch: A
             raise _Captured(args, kwargs)
         return real(module, *args, **kwargs)
 
-    metrics = [(m, _metric_state(m)) for m in module.modules() if hasattr(m, "_defaults") and hasattr(m, "_update_count")]
-    attributes = [(m, _public_state(m)) for m in module.modules()]
-    was_training = module.training
+    state = ModuleState(module)
+    modes = [(m, m.training) for m in module.modules()]
     module.eval()
+    failed = False
     try:
         with torch.no_grad(), redirected(module, forward, no_log):
             step_fn(batch, *step_args)
     except _Captured:
         pass
     except Exception:  # noqa: BLE001 - the user's step may need gradients; the run-time check covers it
-        return min(calls[0], 1)
+        failed = True
     finally:
-        module.train(was_training)
-        for m, state in metrics:
-            for k, v in state.items():
-                setattr(m, k, v)
-        for m, state in attributes:
-            _restore_public_state(m, state)
-    return calls[0]
-
-
-def _public_state(m: nn.Module) -> dict[str, tuple[Any, Any]]:
-    """``name -> (object, copy of its contents)`` of a module's public attributes (contents: lists, dicts, sets)."""
-    return {k: (v, copy.copy(v) if isinstance(v, (list, dict, set)) else None) for k, v in vars(m).items() if not k.startswith("_")}
-
-
-def _restore_public_state(m: nn.Module, state: dict[str, tuple[Any, Any]]) -> None:
-    for k in [k for k in vars(m) if not k.startswith("_") and k not in state]:
-        object.__delattr__(m, k)  # set by the step
-    for k, (obj, contents) in state.items():
-        if vars(m).get(k) is not obj:
-            object.__setattr__(m, k, obj)
-        if isinstance(obj, list):
-            obj[:] = contents
-        elif isinstance(obj, (dict, set)):
-            obj.clear()
-            obj.update(contents)
-
-
-def _metric_state(metric: Any) -> dict[str, Any]:
-    keys = [*metric._defaults, "_update_count", "_computed"]
-    return {k: copy.deepcopy(getattr(metric, k)) for k in keys if hasattr(metric, k)}
+        for m, training in modes:
+            m.training = training
+        changed = failed or state.changed()
+        state.restore()
+    return DryRun(min(calls[0], 1) if failed else calls[0], changed)
 
 
 def second_call_error(fn_name: str) -> PlanError:
