@@ -37,7 +37,7 @@ from typing_extensions import override
 from lightning_hpp import _dist
 from lightning_hpp.assembly import Pipeline, PipelineSpec, SetupInputs, build_pipeline
 from lightning_hpp.assembly.callbacks import pipeline_callbacks, refuse_unkept_setups
-from lightning_hpp.assembly.module_copies import align_module_copies
+from lightning_hpp.assembly.whole_module import align_module_copies, keep_param_groups_aligned
 from lightning_hpp.assembly.reuse import held_pipeline, pipeline_key
 from lightning_hpp.assembly.view import PipelineProperties
 from lightning_hpp.bias.controls import BiasControls
@@ -232,6 +232,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
             self._pipeline = held_pipeline(module, pipeline_key(self._spec, inputs)) or build_pipeline(module, self._spec, inputs)
             self.precision_plugin = self._pipeline.precision  # the plugin its stages were set up with
         align_module_copies(trainer.callbacks, module)  # weight averaging's copies, taken before the cut
+        keep_param_groups_aligned()  # fine-tuning callbacks add the same param groups on every rank
         step_saver = self._session.step_callback(trainer.callbacks) if fitting else None
         trainer.callbacks.extend(([step_saver] if step_saver is not None else []) + pipeline_callbacks(
             trainer.callbacks, self._telemetry, auto=self._spec.auto and fitting, watch=self._placement.watch if fitting else None,
@@ -259,7 +260,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
             self.precision_plugin = HPPPrecision()
         loop_name, step_name = _ENTRY_POINTS[trainer.state.fn]
         loop = getattr(trainer, loop_name)
-        loader = first_loader(loop._data_source.dataloader()) if loop._data_source.is_defined() else None
+        loader = first_loader(_loaders_once(loop._data_source)) if loop._data_source.is_defined() else None
         with isolate_rng():
             batch = peek_batch(loader) if loader is not None else None
         return SetupInputs(
@@ -385,7 +386,8 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        self._session.remove(filepath, is_global_zero=self.is_global_zero)
+        self._session.remove(filepath, is_global_zero=self.is_global_zero,
+                             resuming=self.lightning_module.trainer.ckpt_path is not None)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -421,6 +423,19 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Heterogeneous pipeline parallelism (lightning_hpp)")
+
+
+def _loaders_once(source: Any) -> Any:
+    """The loaders of a loop's data source, asked for once: Lightning's next ``dataloader()`` call (its data set-up,
+    right after ``setup``) gets the same object instead of calling the ``*_dataloader`` hook a second time."""
+    loaders = source.dataloader()
+
+    def once() -> Any:
+        del source.dataloader  # the class's method again
+        return loaders
+
+    source.dataloader = once
+    return loaders
 
 
 if "hpp" not in StrategyRegistry:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_hpp.bias.monitor import BiasMonitor
 from lightning_hpp.errors import PlacementError, PlanError, ShardingError
@@ -58,7 +59,8 @@ def sharding_refusals(callbacks: Sequence[Any]) -> list[str]:
 
 def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fitting: bool, precision_flag: str | None,
                          sharding: ShardingOptions | None = None, callbacks: Sequence[Any] = ()) -> None:
-    """Refuse what a pipeline would silently ignore: a CheckpointIO plugin, manual optimization, two default precisions;
+    """Refuse what a pipeline would silently ignore: a CheckpointIO plugin, manual optimization, a ``backward``
+    override, two default precisions;
     what sharded stages cannot keep yet: a ``BiasMonitor``; and what does not compose with tensor-parallel stages yet:
     gradient clipping (a norm over their shards).
 
@@ -81,6 +83,13 @@ def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fit
             f"`optimizer.step()` inside `training_step` would act on nothing. Keep automatic optimization (return "
             f"the loss from `training_step`) and put custom clipping in `configure_gradient_clipping` (called per "
             f"stage), accumulation in `Trainer(accumulate_grad_batches=...)`, schedules in `configure_optimizers`."
+        )
+    if fitting and is_overridden("backward", module):
+        raise PlanError(
+            f"`{type(module).__name__}.backward` is overridden, but under HPPStrategy the pipeline schedule runs every "
+            f"micro-batch's backward itself (stage by stage, with the gradients arriving from the next stage), so the "
+            f"override would never run. Move what it does to `on_before_backward` / `on_after_backward`, or to "
+            f"`configure_gradient_clipping` for gradient changes."
         )
     clip = getattr(getattr(module, "_trainer", None), "gradient_clip_val", None)
     tp_degree = sharding.tp_degree if sharding is not None else 1

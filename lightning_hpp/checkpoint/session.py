@@ -166,11 +166,12 @@ class CheckpointSession:
                                   async_save=opts.async_save, on_error=opts.on_error,
                                   protect=[self._resumed_from] if self._resumed_from else [], fp8=fp8)
 
-    def remove(self, filepath: Any, *, is_global_zero: bool) -> None:
-        """Lightning's ``remove_checkpoint`` (top-k cleanup): never the checkpoint the run resumed from."""
+    def remove(self, filepath: Any, *, is_global_zero: bool, resuming: bool = True) -> None:
+        """Lightning's ``remove_checkpoint`` (top-k cleanup): never the checkpoint the fit resumed from (``resuming``:
+        the fit was given one). A checkpoint restored otherwise (the tuner's own, around its trial steps) goes."""
         if not is_global_zero:
             return
-        if self._resumed_from is not None and _resume.same_location(str(filepath), self._resumed_from):
+        if resuming and self._resumed_from is not None and _resume.same_location(str(filepath), self._resumed_from):
             rank_zero_info(f"HPPStrategy: keeping {str(filepath)!r}, the checkpoint this run resumed from.")
             return
         wait_for_pending_save()

@@ -288,18 +288,18 @@ class HPPPrecision(Precision):
         num = plan.num_stages
         custom = overrides_clipping(model)
         if not (custom or clip_val or any(s.clip_norm for s in plan.stages) or self.log_grad_norms):
-            self._grad_norms = None  # nothing clips and nobody asked for the norms: no pass over the gradients
-            return
-        per_stage = {k: stage_grads(ps) for k, ps in view.stage_params.items()}
-        norms, repeated = self._stage_norms(per_stage, num, view)
-        self._grad_norms, self._repeated_sq = norms, repeated
-        if custom:
-            for k in sorted(view.stage_params):
-                stage_opt = StageOptimizer(optimizer, k, view.stage_params[k], plan.stages[k].clip_norm)
-                self._call_clipping_hook(model, stage_opt, clip_val, gradient_clip_algorithm)
+            self._grad_norms = norms = None  # nothing clips and nobody asked for the norms: no pass over the gradients
         else:
-            limits = {k: s.clip_norm for k, s in enumerate(plan.stages)}
-            clip_stages(per_stage, norms, limits, algorithm_name(gradient_clip_algorithm), self.clip, clip_val, repeated)
+            per_stage = {k: stage_grads(ps) for k, ps in view.stage_params.items()}
+            norms, self._repeated_sq = self._stage_norms(per_stage, num, view)
+            self._grad_norms = norms
+        # the hook, as Lightning calls it every step (its default clips with the Trainer's value through
+        # clip_gradients below), once per stage this rank holds
+        for k in sorted(view.stage_params):
+            stage_opt = StageOptimizer(optimizer, k, view.stage_params[k], plan.stages[k].clip_norm)
+            self._call_clipping_hook(model, stage_opt, clip_val, gradient_clip_algorithm)
+        if norms is None:
+            return
         for k in range(num):
             model.log(f"grad_norm/stage_{k}", norms[k].float(), on_step=True, on_epoch=False)
         if num > 1:
@@ -355,6 +355,9 @@ class HPPPrecision(Precision):
         if view is None:
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
         stages = [optimizer.stage] if isinstance(optimizer, StageOptimizer) else sorted(view.stage_params)
+        limits = {k: s.clip_norm for k, s in enumerate(plan.stages)}
+        if not clip_val and all(limits[k] is None for k in stages):
+            return  # nothing clips these stages (Lightning's default hook with no gradient_clip_val)
         per_stage = {k: stage_grads(view.stage_params[k]) for k in stages}
         if self.clip == "global":
             if self._grad_norms is None:
@@ -367,7 +370,6 @@ class HPPPrecision(Precision):
         else:
             repeated = None
             norms = {k: stage_norm(g, view.shard_group) for k, g in per_stage.items()}
-        limits = {k: s.clip_norm for k, s in enumerate(plan.stages)}
         clip_stages(per_stage, norms, limits, algorithm_name(gradient_clip_algorithm), self.clip, clip_val, repeated)
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,118 @@
+"""Comparing what a pipeline rank recorded with what one process recorded.
+
+Every function returns a list of problems, each naming the rank (``where``), the value and the reference's
+value (``"pp2 rank 0: callback_metrics['val_loss'] = 1.2 (reference 1.1)"``), so that a report lists every
+difference at once rather than the first.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from lightning_hpp.check.hooks import HookEntry
+
+REL, ABS = 1e-5, 1e-6
+"""Values: fp32 on CPU, the same data and steps; only the order of summation differs (micro-batches, replicas)."""
+
+
+def close(a: float, b: float, rel: float = REL, abs_: float = ABS) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
+
+
+SCHEDULE_OWNED = {("module", "backward")}
+"""Hooks the pipeline schedule does the work of: one process's ``LightningModule.backward`` runs
+``loss.backward()``; a pipeline runs every micro-batch's backward inside the schedule (an override is refused)."""
+
+
+def diff_hooks(where: str, got: list[HookEntry], ref: list[HookEntry], *, local_rank: int = 0, replica: int = 0,
+               replicas: int = 1) -> list[str]:
+    """The hook calls of a rank against one process's: the same hooks in the same order, with the same arguments.
+
+    As under DDP, ``prepare_data`` runs on each node's local rank 0 only; :data:`SCHEDULE_OWNED` hooks and the
+    order of the setup's first loaders (:func:`setup_order`) are a pipeline's own. With several replicas a batch argument is
+    the replica's share of the reference batch (rows ``replica::replicas``), and what the replica computed from it
+    (``outputs``, a loss) is its own: those are compared where there is one replica.
+    """
+    expected = setup_order([e for e in ref if not (e[1] == "prepare_data" and local_rank != 0)
+                            and e[:2] not in SCHEDULE_OWNED])
+    names_got = [f"{owner}.{name}" for owner, name, _ in got]
+    names_ref = [f"{owner}.{name}" for owner, name, _ in expected]
+    if names_got != names_ref:
+        at = next((i for i, (a, b) in enumerate(zip(names_got, names_ref)) if a != b), min(len(names_got), len(names_ref)))
+        return [f"{where}: hook calls differ from call {at} on: {names_got[at:at + 6]} (reference {names_ref[at:at + 6]}); "
+                f"{len(names_got)} calls (reference {len(names_ref)})"]
+    problems: list[str] = []
+    for i, ((owner, name, args), (_, _, ref_args)) in enumerate(zip(got, expected)):
+        for arg in sorted(set(args) | set(ref_args)):
+            if arg not in args or arg not in ref_args:
+                problems.append(f"{where}: call {i} {owner}.{name}: argument {arg!r} only on "
+                                f"{'this rank' if arg in args else 'the reference'}")
+                continue
+            if replicas > 1 and arg in ("outputs", "loss"):
+                continue
+            want = ref_args[arg]
+            if replicas > 1 and arg == "batch":
+                want = _rows(want, replica, replicas)
+            problems += [f"{where}: call {i} {owner}.{name}({arg}{path}): {d}" for path, d in diff_data(args[arg], want)]
+    return problems
+
+
+def setup_order(log: list[HookEntry]) -> list[HookEntry]:
+    """One process's hook calls in the order a pipeline makes them: each entry point's first ``*_dataloader`` call
+    comes right after the module's ``setup`` hook (the strategy cuts the model on one batch of it, before
+    ``configure_model`` and ``configure_optimizers``; Lightning then uses those loaders: the hook still runs once)."""
+    out = list(log)
+    for i in [i for i, e in enumerate(out) if e[:2] == ("module", "setup")]:
+        j = next((j for j in range(i + 1, len(out)) if out[j][1].endswith("_dataloader") or out[j][:2] == ("module", "setup")),
+                 None)
+        if j is not None and out[j][:2] != ("module", "setup"):
+            out.insert(i + 1, out.pop(j))
+    return out
+
+
+def _rows(value: Any, replica: int, replicas: int) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return value[replica::replicas]
+    if isinstance(value, dict):
+        return {k: _rows(v, replica, replicas) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rows(v, replica, replicas) for v in value]
+    return value
+
+
+def diff_data(got: Any, ref: Any, path: str = "") -> list[tuple[str, str]]:
+    """``(path, difference)`` for every place two described values (:func:`~lightning_hpp.check.hooks.describe`)
+    differ: tensors by shape and values (to :data:`REL` / :data:`ABS`), numbers to the same tolerance, the rest by
+    equality."""
+    if isinstance(ref, torch.Tensor) or isinstance(got, torch.Tensor):
+        if not (isinstance(ref, torch.Tensor) and isinstance(got, torch.Tensor)):
+            return [(path, f"{_short(got)} (reference {_short(ref)})")]
+        if got.shape != ref.shape:
+            return [(path, f"shape {tuple(got.shape)} (reference {tuple(ref.shape)})")]
+        if got.is_floating_point() or ref.is_floating_point():
+            if not torch.allclose(got.double(), ref.double(), rtol=REL, atol=ABS, equal_nan=True):
+                err = (got.double() - ref.double()).abs().max().item()
+                return [(path, f"values differ by up to {err:.3g}")]
+            return []
+        return [] if torch.equal(got, ref) else [(path, "values differ")]
+    if isinstance(ref, dict) and isinstance(got, dict):
+        if sorted(got) != sorted(ref):
+            return [(path, f"keys {sorted(got)} (reference {sorted(ref)})")]
+        return [d for k in sorted(ref) for d in diff_data(got[k], ref[k], f"{path}[{k!r}]")]
+    if isinstance(ref, list) and isinstance(got, list):
+        if len(got) != len(ref):
+            return [(path, f"{len(got)} entries (reference {len(ref)})")]
+        return [d for i, (a, b) in enumerate(zip(got, ref)) for d in diff_data(a, b, f"{path}[{i}]")]
+    if isinstance(ref, float) and isinstance(got, (int, float)) and not isinstance(got, bool):
+        return [] if close(float(got), ref) else [(path, f"{got!r} (reference {ref!r})")]
+    return [] if got == ref else [(path, f"{_short(got)} (reference {_short(ref)})")]
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
