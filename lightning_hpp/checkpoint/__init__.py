@@ -10,7 +10,8 @@
   next valid checkpoint and moves the damaged one to ``<root>/corrupt/``.
 * :class:`Retention`: keep the last k and the best k, never the one resumed from or the newest
   valid one; a checkpoint it cannot verify is moved to ``corrupt/``, never deleted.
-* :func:`export_to_lightning_ckpt`: one plain Lightning ``.ckpt`` for inference.
+* :func:`export_to_lightning_ckpt`: one plain Lightning ``.ckpt`` for inference, every name of a tied
+  tensor in it.
 """
 
 from __future__ import annotations
