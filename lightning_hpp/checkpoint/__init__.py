@@ -11,7 +11,8 @@
 * :class:`Retention`: keep the last k and the best k, never the one resumed from or the newest
   valid one; a checkpoint it cannot verify is moved to ``corrupt/``, never deleted.
 * :func:`export_to_lightning_ckpt`: one plain Lightning ``.ckpt`` for inference, every name of a tied
-  tensor in it.
+  tensor in it; :func:`export_to_pretrained`: the transformers model inside, in ``save_pretrained``
+  format, written one tensor at a time.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ __all__ = [
     "checkpoint_keys",
     "checkpoint_url",
     "export_to_lightning_ckpt",
+    "export_to_pretrained",
     "is_transient",
     "latest_valid",
     "list_checkpoints",
@@ -76,4 +78,8 @@ def __getattr__(name: str):
         from lightning_hpp.checkpoint.export import export_to_lightning_ckpt
 
         return export_to_lightning_ckpt
+    if name == "export_to_pretrained":
+        from lightning_hpp.checkpoint.pretrained import export_to_pretrained
+
+        return export_to_pretrained
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Consolidate a sharded checkpoint into one standard Lightning ``.ckpt`` for inference.
+"""Consolidate a sharded checkpoint for inference: one Lightning ``.ckpt``, or a transformers model.
 
 The ``.ckpt`` loads with ``MyModule.load_from_checkpoint(path)`` (strictly) or ``torch.load`` anywhere, with
 no distributed setup and no HPPStrategy. It holds ``state_dict`` (the whole model under the LightningModule's
@@ -6,15 +6,21 @@ own names, a tied tensor under every one of its names: :mod:`~lightning_hpp.chec
 ``hyper_parameters`` and ``hparams_name`` (when the checkpoint has them), ``pytorch-lightning_version``,
 ``epoch`` and ``global_step``.
 
+With ``--hf``, DST is a directory in transformers' ``save_pretrained`` format, written from the
+``PreTrainedModel`` inside the LightningModule one tensor at a time
+(:mod:`~lightning_hpp.checkpoint.pretrained`); ``AutoModelForCausalLM.from_pretrained(DST)`` loads it.
+
 Command line::
 
     python -m lightning_hpp.checkpoint.export SRC DST.ckpt [--module pkg.module:MyModule]
+    python -m lightning_hpp.checkpoint.export SRC DST_DIR --hf --module pkg.module:MyModule
+        [--hf-prefix model] [--max-shard-size 5GB]
 
 ``SRC`` is a checkpoint directory (``.../step-<N>``, a ``ModelCheckpoint`` path such as ``.../last.ckpt``)
 or a root holding several, in which case the newest valid one is exported. Both may be local paths or
 fsspec URLs (``s3://...``). ``--module`` names the LightningModule that was trained: it is built from the
 checkpoint's hyper-parameters on the meta device (no memory), the ``.ckpt`` is checked against it and
-written in its key order.
+written in its key order, and ``--hf`` finds its transformers model in it.
 
 Entries read from the sharded checkpoint: ``model`` (required: parameter name -> tensor), and, when
 present, ``position_pp<r>/tied`` (the names of tied tensors), ``hyper_parameters``, ``hparams_name``,
@@ -123,12 +129,21 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     parser = argparse.ArgumentParser(
         prog="python -m lightning_hpp.checkpoint.export",
-        description="Consolidate a sharded lightning_hpp checkpoint into one Lightning .ckpt.",
+        description="Consolidate a sharded lightning_hpp checkpoint into one Lightning .ckpt, or (--hf) write the "
+                    "transformers model inside the LightningModule in save_pretrained format.",
     )
     parser.add_argument("src", help="checkpoint directory (.../step-N, a ModelCheckpoint path) or a root of several")
-    parser.add_argument("dst", help="output .ckpt path or URL")
+    parser.add_argument("dst", help="output .ckpt path or URL; with --hf, an output directory")
     parser.add_argument("--module", help="the LightningModule that was trained, as 'package.module:Class' (built on "
-                                         "the meta device from the saved hyper-parameters)")
+                                         "the meta device from the saved hyper-parameters; required by --hf)")
+    parser.add_argument("--hf", action="store_true",
+                        help="write DST as transformers' save_pretrained directory (safetensors, config.json), "
+                             "one tensor at a time")
+    parser.add_argument("--hf-prefix", metavar="NAME",
+                        help="with --hf: the attribute holding the PreTrainedModel (default: the only one)")
+    parser.add_argument("--max-shard-size", default="50GB",
+                        help="with --hf: split the weights into files of at most this size, with an index "
+                             "(save_pretrained's max_shard_size; default 50GB)")
     parser.add_argument("--no-checksums", action="store_true", help="skip sha256 verification of the shards")
     args = parser.parse_args(argv)
     with warnings.catch_warnings(record=True) as caught:
@@ -142,16 +157,35 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        if not args.hf and (args.hf_prefix is not None or args.max_shard_size != "50GB"):
+            raise CheckpointError("--hf-prefix and --max-shard-size apply to the --hf export only; add --hf.")
+        if args.hf and not args.module:
+            raise CheckpointError(
+                "--hf needs --module package.module:MyModule, the LightningModule that was trained: the export "
+                "builds it on the meta device to find the transformers model inside and its config."
+            )
         module_cls = _import_class(args.module) if args.module else None
-        summary = export_to_lightning_ckpt(args.src, args.dst, module_cls, checksums=not args.no_checksums)
+        if args.hf:
+            from lightning_hpp.checkpoint.pretrained import export_to_pretrained
+
+            summary = export_to_pretrained(args.src, args.dst, module_cls, prefix=args.hf_prefix,
+                                           max_shard_size=_shard_size(args.max_shard_size),
+                                           checksums=not args.no_checksums)
+        else:
+            summary = export_to_lightning_ckpt(args.src, args.dst, module_cls, checksums=not args.no_checksums)
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    what = f"{summary['class']} at {summary['prefix']!r}, " if args.hf else ""
     print(
-        f"exported {summary['src']} (step {summary['step']}, {summary['tensors']} tensors) "
+        f"exported {summary['src']} (step {summary['step']}, {what}{summary['tensors']} tensors) "
         f"-> {summary['dst']} ({summary['bytes'] / 2**20:.1f} MiB)"
     )
     return 0
+
+
+def _shard_size(text: str) -> int | str:
+    return int(text) if text.isdigit() else text
 
 
 if __name__ == "__main__":
