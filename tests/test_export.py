@@ -1,5 +1,6 @@
 """Out to inference: a sharded checkpoint exported to one Lightning ``.ckpt`` (every name of a tied tensor, so that
-``load_from_checkpoint`` loads strictly) or, with ``--hf``, to transformers' ``save_pretrained`` format.
+``load_from_checkpoint`` loads strictly) or, with ``--hf``, to transformers' ``save_pretrained`` format, and a
+sharded directory handed to a one-file loader.
 
 One 2-rank job (tests/workers/run_export.py) trains a GPT-2 (LM head tied to the embedding, the head in the second
 stage) and an untied Llama in 2 stages with ``ModelCheckpoint(save_last=True)``; every rank saves the weights it
@@ -20,13 +21,14 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lightning_hpp.checkpoint import checkpoint_keys, export_to_pretrained, model_source, save_sharded
 from lightning_hpp.checkpoint.export import main as export_main
 from lightning_hpp.checkpoint.lightning_state import TIED, to_sharded
 from lightning_hpp.checkpoint.pretrained import find_pretrained, save_keys
 from lightning_hpp.checkpoint.store import CheckpointWarning
-from lightning_hpp.errors import CheckpointError
+from lightning_hpp.errors import CheckpointError, ShardedCheckpointError
 from tests.launch import forked, load_rank, run_scripts
 from tests.models import MLP
 from tests.s3_server import S3Env, s3_env  # noqa: F401
@@ -239,3 +241,38 @@ def test_hf_export_refuses_what_it_cannot_write(tmp_path: Path, capsys: pytest.C
         moe = MixtralForCausalLM(config)
     with pytest.raises(CheckpointError, match="transformers converts this model's weights when saving"):
         save_keys(moe)
+
+
+# ============================================================================ a directory handed to one-file loaders
+
+
+def test_a_sharded_directory_handed_to_one_file_loaders_names_the_export_command(tmp_path: Path) -> None:
+    last = tmp_path / "ckpt" / "last.ckpt"
+    state = to_sharded({"state_dict": MLP().state_dict(), "global_step": 1, "epoch": 0}, MLP(), [], global_rank=0,
+                       position=0, replica=0)
+    save_sharded(state, str(last), step=1)
+    save_sharded(state, str(tmp_path / "root" / "step-1"), step=1)
+    loaders = {
+        "torch.load": lambda p: torch.load(p),
+        "torch.load(str, weights_only=True)": lambda p: torch.load(str(p), weights_only=True),
+        "load_from_checkpoint": lambda p: MLP.load_from_checkpoint(str(p)),
+        "TorchCheckpointIO (Trainer ckpt_path)": lambda p: TorchCheckpointIO().load_checkpoint(str(p)),
+    }
+    for path in (last, tmp_path / "root"):  # a ModelCheckpoint path, a root of step-<N> checkpoints
+        command = f"python -m lightning_hpp.checkpoint.export {path} model.ckpt"
+        for what, load in loaders.items():
+            with pytest.raises(ShardedCheckpointError, match=re.escape(command)) as info:
+                load(path)
+            assert isinstance(info.value, IsADirectoryError), what  # code that caught the old error still does
+            assert isinstance(info.value.__cause__, OSError), what
+    # every other call is as before
+    with pytest.raises(IsADirectoryError) as info:
+        torch.load(tmp_path / "ckpt")  # a directory that is no checkpoint
+    assert not isinstance(info.value, ShardedCheckpointError)
+    with pytest.raises(FileNotFoundError):
+        torch.load(tmp_path / "missing.ckpt")
+    torch.save({"a": 1}, tmp_path / "file.pt")
+    assert torch.load(tmp_path / "file.pt") == {"a": 1}
+    # and the command it names makes a file they load
+    assert export_main([str(last), str(tmp_path / "model.ckpt")]) == 0
+    MLP.load_from_checkpoint(str(tmp_path / "model.ckpt"))

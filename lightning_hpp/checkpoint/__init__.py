@@ -13,10 +13,13 @@
 * :func:`export_to_lightning_ckpt`: one plain Lightning ``.ckpt`` for inference, every name of a tied
   tensor in it; :func:`export_to_pretrained`: the transformers model inside, in ``save_pretrained``
   format, written one tensor at a time.
+* :mod:`~lightning_hpp.checkpoint.directory_guard` (installed on import): a checkpoint directory handed to
+  ``torch.load`` or ``load_from_checkpoint`` fails with the export command to run.
 """
 
 from __future__ import annotations
 
+from lightning_hpp.checkpoint import directory_guard
 from lightning_hpp.checkpoint.s3 import redact, s3_storage_options
 from lightning_hpp.checkpoint.sharded import (
     KeyInfo,
@@ -40,7 +43,15 @@ from lightning_hpp.checkpoint.store import (
     list_checkpoints,
     verify,
 )
-from lightning_hpp.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError, S3ConfigError
+from lightning_hpp.errors import (
+    CheckpointError,
+    CheckpointSaveError,
+    CorruptCheckpointError,
+    S3ConfigError,
+    ShardedCheckpointError,
+)
+
+directory_guard.install()
 
 __all__ = [
     "FORMAT_VERSION",
@@ -55,6 +66,7 @@ __all__ = [
     "Retention",
     "RetryPolicy",
     "S3ConfigError",
+    "ShardedCheckpointError",
     "StorageFailure",
     "checkpoint_keys",
     "checkpoint_url",
