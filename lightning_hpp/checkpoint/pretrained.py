@@ -68,8 +68,8 @@ def export_to_pretrained(src_url: str, dst_url: str, module_cls: type, *, prefix
 
     Raises:
         CheckpointError: no ``PreTrainedModel`` in the module (or several, without ``prefix``), a weight the
-            checkpoint lacks or holds in another shape, a model whose saved form needs several weights at
-            once, or transformers < 5.
+            checkpoint lacks or holds in another shape, a model whose saved weights transformers computes from
+            its tensors (a conversion beyond renaming), a bad ``max_shard_size``, or transformers < 5.
     """
     remove_tied, revert_conversion, split = _transformers_steps()
     saved = open_saved_model(src_url, checksums=checksums)
