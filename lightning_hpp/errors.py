@@ -71,6 +71,11 @@ class IncompleteCheckpointError(CorruptCheckpointError):
     """A checkpoint directory without ``metadata.json``: a save that did not finish (or lost it)."""
 
 
+class ShardedCheckpointError(CheckpointError, IsADirectoryError):
+    """A sharded checkpoint directory handed to a loader of one file (``torch.load``, ``load_from_checkpoint``);
+    an ``IsADirectoryError`` too, the error those loaders raised before, so code catching it still does."""
+
+
 class CheckpointSaveError(RuntimeError):
     """A save that failed after its retries; every earlier checkpoint is left as it was."""
 

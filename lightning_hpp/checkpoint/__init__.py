@@ -10,11 +10,16 @@
   next valid checkpoint and moves the damaged one to ``<root>/corrupt/``.
 * :class:`Retention`: keep the last k and the best k, never the one resumed from or the newest
   valid one; a checkpoint it cannot verify is moved to ``corrupt/``, never deleted.
-* :func:`export_to_lightning_ckpt`: one plain Lightning ``.ckpt`` for inference.
+* :func:`export_to_lightning_ckpt`: one plain Lightning ``.ckpt`` for inference, every name of a tied
+  tensor in it; :func:`export_to_pretrained`: the transformers model inside, in ``save_pretrained``
+  format, written one tensor at a time.
+* :mod:`~lightning_hpp.checkpoint.directory_guard` (installed on import): a checkpoint directory handed to
+  ``torch.load`` or ``load_from_checkpoint`` fails with the export command to run.
 """
 
 from __future__ import annotations
 
+from lightning_hpp.checkpoint import directory_guard
 from lightning_hpp.checkpoint.s3 import redact, s3_storage_options
 from lightning_hpp.checkpoint.sharded import (
     KeyInfo,
@@ -38,7 +43,15 @@ from lightning_hpp.checkpoint.store import (
     list_checkpoints,
     verify,
 )
-from lightning_hpp.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError, S3ConfigError
+from lightning_hpp.errors import (
+    CheckpointError,
+    CheckpointSaveError,
+    CorruptCheckpointError,
+    S3ConfigError,
+    ShardedCheckpointError,
+)
+
+directory_guard.install()
 
 __all__ = [
     "FORMAT_VERSION",
@@ -53,10 +66,12 @@ __all__ = [
     "Retention",
     "RetryPolicy",
     "S3ConfigError",
+    "ShardedCheckpointError",
     "StorageFailure",
     "checkpoint_keys",
     "checkpoint_url",
     "export_to_lightning_ckpt",
+    "export_to_pretrained",
     "is_transient",
     "latest_valid",
     "list_checkpoints",
@@ -75,4 +90,8 @@ def __getattr__(name: str):
         from lightning_hpp.checkpoint.export import export_to_lightning_ckpt
 
         return export_to_lightning_ckpt
+    if name == "export_to_pretrained":
+        from lightning_hpp.checkpoint.pretrained import export_to_pretrained
+
+        return export_to_pretrained
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,7 @@ everything by name or owner, so it loads under any other layout::
 
     model              parameter/buffer name -> tensor          (replica 0 of each stage)
     optim/<i>          parameter name -> per-parameter state      (replica 0 of each stage)
-    position_pp<r>     param groups (params as names), LR schedulers (replica 0 of position r)
+    position_pp<r>     param groups (params as names), LR schedulers, tied names (replica 0 of position r)
     rank/<g>           RNG states of global rank g (torch, numpy, python)
     trainer            loops, callbacks, precision state, ...       (global rank 0)
     fp8/dp<r>          fp8 scaling state per layer or weight         (every rank of replica r)
@@ -21,7 +21,10 @@ sharded stage asks for its parameters and their optimizer state as DTensors of t
 A tensor registered under several names (tied weights: GPT-2's ``transformer.wte.weight`` is
 ``lm_head.weight``) is one entry, under its first name in ``named_parameters()`` /
 ``named_buffers()`` (:func:`tensor_aliases`), with its optimizer state once; loading fills it under
-whichever of its names the checkpoint holds and gives it back to Lightning under all of them.
+whichever of its names the checkpoint holds and gives it back to Lightning under all of them. Each
+position records the names it left out, ``position_pp<r>/tied``: ``{other name: saved name}``
+(:data:`TIED`), so that a reader without the module (the export to one ``.ckpt`` or to transformers'
+format) writes the tensor under every name ``load_state_dict`` expects.
 
 Loading rebuilds a Lightning checkpoint dict for the current rank: its own parameters, its
 optimizers' states re-keyed to the current parameter indices, and hyper-parameters of the saved
@@ -77,6 +80,10 @@ from lightning_hpp.checkpoint.store import Retention
 
 _SPLIT = ("state_dict", "optimizer_states", "lr_schedulers")
 _TOP = ("epoch", "global_step", "hyper_parameters", "hparams_name", "pytorch-lightning_version")
+TIED = "tied"
+"""Key, in each ``position_pp<r>`` entry, of the names of tied tensors that position left out of ``model``:
+``{other name: the name it was saved under}`` (empty when it has none; absent in checkpoints written before
+lightning_hpp recorded them)."""
 
 
 def is_sharded(module: torch.nn.Module) -> bool:
@@ -188,10 +195,12 @@ def to_sharded(
             state[STATE_KEY] = {f"dp{replica}": saved}
     if replica == 0 or is_sharded(module):  # a sharded stage: every rank writes its own shards
         model = dict(checkpoint["state_dict"])
+        tied: dict[str, str] = {}
         for names_of in tensor_aliases(module).values():  # a tied tensor once, under its first name
             if names_of[0] in model:
                 for alias in names_of[1:]:
-                    model.pop(alias, None)
+                    if model.pop(alias, None) is not None:
+                        tied[alias] = names_of[0]
         for key in te_extra_state_keys(fp8 or {}):  # TE's pickle: its content is under fp8/ instead
             model.pop(key, None)
         state["model"] = model
@@ -200,7 +209,8 @@ def to_sharded(
             optim[str(i)], groups[str(i)] = optimizer_to_named(opt, names)
         state["optim"] = optim
         # one top-level entry per position: a tensor-free subtree is stored as one JSON value
-        state[f"position_pp{position}"] = {"param_groups": groups, "lr_schedulers": list(checkpoint.get("lr_schedulers", []))}
+        state[f"position_pp{position}"] = {"param_groups": groups,
+                                           "lr_schedulers": list(checkpoint.get("lr_schedulers", [])), TIED: tied}
     if global_rank == 0:
         state["trainer"] = {k: v for k, v in checkpoint.items() if k not in _SPLIT and k not in _TOP}
         for k in _TOP:
