@@ -38,7 +38,9 @@ from lightning_hpp import _dist
 from lightning_hpp.assembly import Pipeline, PipelineSpec, SetupInputs, build_pipeline
 from lightning_hpp.assembly.callbacks import pipeline_callbacks, refuse_unkept_setups
 from lightning_hpp.assembly.whole_module import align_module_copies, keep_param_groups_aligned
+from lightning_hpp.assembly.writers import write_once_per_replica
 from lightning_hpp.assembly.reuse import held_pipeline, pipeline_key
+from lightning_hpp.assembly.summary import summarise_whole_models
 from lightning_hpp.assembly.view import PipelineProperties
 from lightning_hpp.bias.controls import BiasControls
 from lightning_hpp.bias.monitor import BiasMonitor
@@ -224,15 +226,14 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         self._session.check_setup(fitting=fitting, checkpointing=bool(trainer.checkpoint_callbacks))
         refuse_unkept_setups(self.lightning_module, self.precision_plugin, checkpoint_io=self._checkpoint_io, fitting=fitting,
                              precision_flag=trainer._accelerator_connector._precision_flag, sharding=self._sharding,
-                             callbacks=trainer.callbacks)
+                             callbacks=trainer.callbacks, layer_sync=self._layer_sync)
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if self._pipeline is None or self._pipeline.module is not module:
             inputs = self._setup_inputs(trainer, module, fitting)
             self._pipeline = held_pipeline(module, pipeline_key(self._spec, inputs)) or build_pipeline(module, self._spec, inputs)
             self.precision_plugin = self._pipeline.precision  # the plugin its stages were set up with
-        align_module_copies(trainer.callbacks, module)  # weight averaging's copies, taken before the cut
-        keep_param_groups_aligned()  # fine-tuning callbacks add the same param groups on every rank
+        self._adapt_callbacks(trainer.callbacks)
         step_saver = self._session.step_callback(trainer.callbacks) if fitting else None
         trainer.callbacks.extend(([step_saver] if step_saver is not None else []) + pipeline_callbacks(
             trainer.callbacks, self._telemetry, auto=self._spec.auto and fitting, watch=self._placement.watch if fitting else None,
@@ -250,6 +251,15 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         if fitting:
             self._agreed_epoch = None
             self._session.begin_fit(self._load_sharded)
+
+    def _adapt_callbacks(self, callbacks: list[Any]) -> None:
+        """Lightning's callbacks that act on the whole module, made to act on it across the pipeline's ranks."""
+        p = self._pipeline
+        align_module_copies(callbacks, p.module)  # weight averaging's copies, taken before the cut
+        keep_param_groups_aligned()  # fine-tuning callbacks add the same param groups on every rank
+        write_once_per_replica(callbacks, writes=p.mesh.position == 0)
+        if p.mesh.pp > 1:
+            summarise_whole_models(callbacks, p.mesh.pp_group, p.aliases)
 
     def _setup_inputs(self, trainer: Any, module: Any, fitting: bool) -> SetupInputs:
         """What the assembly needs of the running entry point: its step, one loader batch, the precision flag."""

@@ -111,6 +111,7 @@ class Pipeline:
         precision: The precision plugin the stages were set up with.
         key: What the pipeline was built from (:func:`lightning_hpp.assembly.reuse.pipeline_key`): a later
             strategy on the same, already cut module continues with it where it asks for the same.
+        aliases: Every name of each parameter several stages share (a tied weight), by the name the plan knows.
     """
 
     module: nn.Module
@@ -127,6 +128,7 @@ class Pipeline:
     grads: GradHandover
     precision: HPPPrecision
     key: tuple = ()
+    aliases: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def device_kind(self) -> str:
@@ -236,7 +238,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     return hold(module, Pipeline(module=module, plan=plan, mesh=mesh, stage_ids=tuple(stage_ids), schedule=resolved.schedule,
                     n_microbatches=resolved.n_microbatches, split=resolved.split, frontend=cut.frontend, reason=cut.reason,
                     rank_kinds=tuple(rank_kinds), runner=runner, grads=grads,
-                    precision=inputs.precision, key=key))
+                    precision=inputs.precision, key=key, aliases=aliases))
 
 
 def _mesh(world: int, pp: int, inputs: SetupInputs, grid: list[list[int]] | None) -> Mesh:

@@ -58,7 +58,8 @@ def sharding_refusals(callbacks: Sequence[Any]) -> list[str]:
 
 
 def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fitting: bool, precision_flag: str | None,
-                         sharding: ShardingOptions | None = None, callbacks: Sequence[Any] = ()) -> None:
+                         sharding: ShardingOptions | None = None, callbacks: Sequence[Any] = (),
+                         layer_sync: Any = None) -> None:
     """Refuse what a pipeline would silently ignore: a CheckpointIO plugin, manual optimization, a ``backward``
     override, two default precisions;
     what sharded stages cannot keep yet: a ``BiasMonitor``; and what does not compose with tensor-parallel stages yet:
@@ -84,6 +85,20 @@ def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fit
             f"the loss from `training_step`) and put custom clipping in `configure_gradient_clipping` (called per "
             f"stage), accumulation in `Trainer(accumulate_grad_batches=...)`, schedules in `configure_optimizers`."
         )
+    pruning = [type(cb).__name__ for cb in callbacks if _is_pruning(cb)]
+    if fitting and pruning:
+        raise PlanError(
+            f"`{pruning[0]}` prunes weights during training by re-registering each pruned weight as `<name>_orig` with a "
+            f"`<name>_mask` buffer (torch.nn.utils.prune); under HPPStrategy the stages' parameters, their gradient "
+            f"buckets, the tied-weight groups and the checkpoints' keys are fixed when the model is cut, so a pruned "
+            f"stage would train its old parameters. Prune before `fit` (or after, on the exported model), or train "
+            f"without the callback.")
+    if layer_sync is not None:
+        raise PlanError(
+            "`Trainer(sync_batchnorm=True)`: under HPPStrategy a BatchNorm layer normalises each micro-batch (the "
+            "schedule runs one at a time), and SyncBatchNorm over the data-parallel replicas (which torch runs on GPUs "
+            "only) is not composed with the micro-batches in this version. Train with `sync_batchnorm=False`, or use "
+            "GroupNorm/LayerNorm, whose results do not depend on the batch.")
     if fitting and is_overridden("backward", module):
         raise PlanError(
             f"`{type(module).__name__}.backward` is overridden, but under HPPStrategy the pipeline schedule runs every "
@@ -100,3 +115,9 @@ def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fit
     if isinstance(precision, HPPPrecision) and precision.default not in (None, precision_flag) and precision_flag != "32-true":
         raise PlanError(f"`Trainer(precision={precision_flag!r})` and `HPPPrecision(default={precision.default!r})` disagree on "
                         f"the stages' default precision. Set it in one place.")
+
+
+def _is_pruning(callback: Any) -> bool:
+    from lightning.pytorch.callbacks import ModelPruning
+
+    return isinstance(callback, ModelPruning)

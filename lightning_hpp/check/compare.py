@@ -60,15 +60,41 @@ def diff_hooks(where: str, got: list[HookEntry], ref: list[HookEntry], *, local_
     return problems
 
 
+_RESTORE = {("module", "on_load_checkpoint"), ("datamodule", "load_state_dict"), ("callback", "on_load_checkpoint"),
+            ("callback", "load_state_dict")}
+_BUILT = {("module", "setup"), ("module", "configure_model"), ("module", "configure_sharded_model")}
+
+
 def setup_order(log: list[HookEntry]) -> list[HookEntry]:
-    """One process's hook calls in the order a pipeline makes them: each entry point's first ``*_dataloader`` call
-    comes right after the module's ``setup`` hook (the strategy cuts the model on one batch of it, before
-    ``configure_model`` and ``configure_optimizers``; Lightning then uses those loaders: the hook still runs once)."""
+    """One process's hook calls in the order a pipeline makes them, which differs in two places:
+
+    * a fit resumed from a checkpoint restores it after ``on_fit_start`` (the strategy restores after its setup, as
+      Lightning's sharded strategies do: the stages must exist before their part of the checkpoint is read);
+    * each entry point's first ``*_dataloader`` call comes right after the module is built (``setup``,
+      ``configure_model``): the strategy cuts the model on one batch of it; Lightning then uses those loaders, so
+      the hook still runs once.
+    """
     out = list(log)
-    for i in [i for i, e in enumerate(out) if e[:2] == ("module", "setup")]:
-        j = next((j for j in range(i + 1, len(out)) if out[j][1].endswith("_dataloader") or out[j][:2] == ("module", "setup")),
-                 None)
-        if j is not None and out[j][:2] != ("module", "setup"):
+    for i in [i for i, e in enumerate(out) if e[:2] == ("module", "on_fit_start")]:
+        j = i - 1
+        while j >= 0 and out[j][:2] not in _RESTORE and out[j][:2] not in _BUILT:
+            j -= 1
+        end = j + 1
+        while j >= 0 and out[j][:2] in _RESTORE:
+            j -= 1
+        block = out[j + 1:end]
+        if block:
+            del out[j + 1:end]
+            at = next(k for k in range(len(out)) if out[k] is log[i])
+            out[at + 1:at + 1] = block
+    for i in range(len(out)):
+        if out[i][:2] not in _BUILT or (i + 1 < len(out) and out[i + 1][:2] in _BUILT):
+            continue
+        rest = out[i + 1:next((j for j in range(i + 1, len(out)) if out[j][:2] in _BUILT), len(out))]
+        fitting = any(e[:2] == ("module", "configure_optimizers") for e in rest)  # a fit cuts on a training batch
+        j = next((i + 1 + k for k, e in enumerate(rest)
+                  if (e[1] == "train_dataloader" if fitting else e[1].endswith("_dataloader"))), None)
+        if j is not None:
             out.insert(i + 1, out.pop(j))
     return out
 
@@ -102,7 +128,7 @@ def diff_data(got: Any, ref: Any, path: str = "") -> list[tuple[str, str]]:
         if sorted(got) != sorted(ref):
             return [(path, f"keys {sorted(got)} (reference {sorted(ref)})")]
         return [d for k in sorted(ref) for d in diff_data(got[k], ref[k], f"{path}[{k!r}]")]
-    if isinstance(ref, list) and isinstance(got, list):
+    if isinstance(ref, (list, tuple)) and isinstance(got, (list, tuple)):
         if len(got) != len(ref):
             return [(path, f"{len(got)} entries (reference {len(ref)})")]
         return [d for i, (a, b) in enumerate(zip(got, ref)) for d in diff_data(a, b, f"{path}[{i}]")]

@@ -143,7 +143,9 @@ class GradHandover:
     @contextmanager
     def last_backward(self, stage: int) -> Iterator[None]:
         """Around ``stage``'s last backward of the step: start each bucket's all-reduce once its gradients are final."""
-        indices = self._hooked.get(stage, []) if self._reducing and self._in_step else []
+        # a frozen parameter gets no gradient (and takes no hook): its bucket starts in hand_over with the others'
+        indices = [i for i in self._hooked.get(stage, []) if self.params[i].requires_grad] \
+            if self._reducing and self._in_step else []
         hook = self._on_accumulated if self._observing else self._on_final
         handles = [self.params[i].register_post_accumulate_grad_hook(hook(i)) for i in indices]
         try:

@@ -373,6 +373,10 @@ class HPPPrecision(Precision):
         clip_stages(per_stage, norms, limits, algorithm_name(gradient_clip_algorithm), self.clip, clip_val, repeated)
 
     def state_dict(self) -> dict[str, Any]:
+        """The fp16 loss scaler's state where a stage scales its loss; empty otherwise, so that a checkpoint holds
+        what one process's holds (Lightning saves a precision plugin's state under its name only when there is any)."""
+        if not self._scaled and not self.skipped_steps:
+            return {}
         return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

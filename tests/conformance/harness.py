@@ -212,8 +212,8 @@ class Ctx:
         return HPPStrategy(**{**base, **kwargs})
 
     def trainer(self, *, callbacks: tuple | list = (), strategy: Any = None, **kwargs: Any) -> L.Trainer:
-        """A Trainer of this layout with a :class:`Recorder` and a :class:`MemoryLogger`; ``strategy`` only
-        replaces the default HPPStrategy (the reference always runs Lightning's default strategy)."""
+        """A Trainer of this layout with a :class:`Recorder` and a :class:`MemoryLogger` (or the ``logger`` given);
+        ``strategy`` only replaces the default HPPStrategy (the reference always runs Lightning's default strategy)."""
         base: dict[str, Any] = {
             "accelerator": "cpu", "devices": self.layout.devices, "max_epochs": 2, "num_sanity_val_steps": 0,
             "log_every_n_steps": 1, "enable_progress_bar": False, "enable_model_summary": False,
@@ -223,7 +223,8 @@ class Ctx:
         base.update(kwargs)
         if self.hpp:
             base["strategy"] = strategy if strategy is not None else self.strategy()
-        return L.Trainer(callbacks=[Recorder(), *callbacks], logger=MemoryLogger(), **base)
+        logger = base.pop("logger", None) or MemoryLogger()
+        return L.Trainer(callbacks=[Recorder(), *callbacks], logger=logger, **base)
 
     def train_loader(self, n: int = TRAIN_SIZE, drop_last: bool = True, **kwargs: Any) -> DataLoader:
         ds = make_dataset(n)

@@ -17,11 +17,65 @@ from tests.conformance.scenarios import Net
 
 
 class Data(L.LightningDataModule):
-    """The context's loaders as a LightningDataModule (so that its hooks are called too)."""
+    """The context's loaders as a LightningDataModule (so that its hooks are called too), with its own batch
+    transfer hooks (Lightning then calls them instead of the module's) and state."""
 
     def __init__(self, ctx: Ctx) -> None:
         super().__init__()
         self.ctx = ctx
+
+    def prepare_data(self):
+        pass
+
+    def train_dataloader(self):
+        return self.ctx.train_loader()
+
+    def val_dataloader(self):
+        return self.ctx.eval_loader()
+
+    def test_dataloader(self):
+        return self.ctx.eval_loader()
+
+    def predict_dataloader(self):
+        return self.ctx.eval_loader()
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return batch
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return batch
+
+    def state_dict(self):
+        return {"seen": 1}
+
+
+class HookedNet(Net):
+    """Net with a per-epoch scheduler and the hooks Lightning calls only where a module defines them."""
+
+    def __init__(self, ctx: Ctx | None = None) -> None:
+        super().__init__(scheduler="epoch")
+        self.ctx = ctx
+
+    def prepare_data(self):
+        pass
+
+    def configure_model(self):
+        pass
+
+    def on_validation_model_train(self):
+        super().on_validation_model_train()
+
+    def on_test_model_train(self):
+        super().on_test_model_train()
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["hooked"] = True
+
+    def on_load_checkpoint(self, checkpoint):
+        pass
 
     def train_dataloader(self):
         return self.ctx.train_loader()
@@ -36,21 +90,84 @@ class Data(L.LightningDataModule):
         return self.ctx.eval_loader()
 
 
+class LegacyHookedNet(HookedNet):
+    """Defines the deprecated ``configure_sharded_model`` instead (Lightning refuses a module that defines both)."""
+
+    configure_model = L.LightningModule.configure_model
+
+    def configure_sharded_model(self):
+        pass
+
+
+class CallbackWithState(L.Callback):
+    def state_dict(self):
+        return {"kept": 1}
+
+
+def hooked(ctx: Ctx, log: HookLog, datamodule: bool, cls: type = HookedNet) -> tuple:
+    """The recording module, callback and (``datamodule``) data module of one run."""
+    model = record_hooks(seeded(cls, ctx=ctx), "module", module_hooks(), log)
+    data = record_hooks(Data(ctx), "datamodule", datamodule_hooks(), log) if datamodule else None
+    callback = record_hooks(CallbackWithState(), "callback", callback_hooks(), log)
+    return model, data, callback
+
+
 @scenario()
 def every_hook(ctx):
-    """Every module, callback and datamodule hook Lightning calls in ``fit`` (with validation), ``validate``,
-    ``test`` and ``predict`` on one Trainer, with its arguments, in order, on every rank."""
-    log = HookLog()
-    model = record_hooks(seeded(Net), "module", module_hooks(), log)
-    data = record_hooks(Data(ctx), "datamodule", datamodule_hooks(), log)
-    callback = record_hooks(L.Callback(), "callback", callback_hooks(), log)
-    trainer = ctx.trainer(callbacks=[callback], max_epochs=1, limit_train_batches=3, limit_val_batches=2,
-                          limit_test_batches=2, limit_predict_batches=2)
+    """Every module, callback and datamodule hook Lightning calls in ``fit`` (a sanity check, validation, a
+    scheduler, checkpoints), ``validate``, ``test`` and ``predict`` on one Trainer, and in a second ``fit`` resumed
+    from its last checkpoint, with its arguments, in order, on every rank."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    log, resumed = HookLog(), HookLog()
+    model, data, callback = hooked(ctx, log, datamodule=True)
+    limits = {"limit_train_batches": 3, "limit_val_batches": 2, "limit_test_batches": 2, "limit_predict_batches": 2}
+    checkpoint = ModelCheckpoint(dirpath=ctx.path("checkpoints"), save_last=True)
+    trainer = ctx.trainer(callbacks=[callback, checkpoint], max_epochs=1, num_sanity_val_steps=1, **limits)
     trainer.fit(model, datamodule=data)
     trainer.validate(model, datamodule=data, verbose=False)
     trainer.test(model, datamodule=data, verbose=False)
     trainer.predict(model, datamodule=data)
+    model2, data2, callback2 = hooked(ctx, resumed, datamodule=True)
+    checkpoint2 = ModelCheckpoint(dirpath=ctx.path("checkpoints"), save_last=True)
+    again = ctx.trainer(callbacks=[callback2, checkpoint2], max_epochs=2, num_sanity_val_steps=0, **limits)
+    again.fit(model2, datamodule=data2, ckpt_path="last")
+    return snapshot(again, model2, hooks=list(log), resumed_hooks=list(resumed))
+
+
+@scenario()
+def every_hook_with_the_module_s_own_loaders(ctx):
+    """The same without a data module: the module's own ``*_dataloader`` and batch transfer hooks (and the deprecated
+    ``configure_sharded_model``)."""
+    log = HookLog()
+    model, _, callback = hooked(ctx, log, datamodule=False, cls=LegacyHookedNet)
+    trainer = ctx.trainer(callbacks=[callback], max_epochs=1, limit_train_batches=2, limit_val_batches=1,
+                          limit_test_batches=1, limit_predict_batches=1)
+    trainer.fit(model)
+    trainer.test(model, verbose=False)
+    trainer.predict(model)
     return snapshot(trainer, model, hooks=list(log))
+
+
+class RaisesAtBatch(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 1:
+            raise ValueError("raised by the test at batch 1")
+
+
+@scenario()
+def hooks_when_a_hook_raises(ctx):
+    """A callback raises in ``on_train_batch_end`` at batch 1 on every rank: ``on_exception`` of the module, the
+    callbacks and the data module, and what ran before it, as in one process; the error reaches the caller."""
+    log = HookLog()
+    model, data, callback = hooked(ctx, log, datamodule=True)
+    trainer = ctx.trainer(callbacks=[callback, RaisesAtBatch()], max_epochs=1, limit_train_batches=3)
+    try:
+        trainer.fit(model, datamodule=data)
+        raised = None
+    except ValueError as e:
+        raised = str(e)
+    return {**snapshot(trainer, model, hooks=list(log)), "raised": raised}
 
 
 # ---------------------------------------------------------------------------------------------- step outputs, state
@@ -222,10 +339,11 @@ def tied_weights_in_plain_modules(ctx):
 
 
 # ---------------------------------------------------------------------------------------------- Lightning's tools
-@scenario()
+@scenario("pp2")
 def tuner_lr_find_then_fit(ctx):
     """``Tuner(trainer).lr_find`` (it saves and restores a checkpoint around its trial steps), the suggested rate set
-    on the module, then ``fit``; no checkpoint of the finder left behind."""
+    on the module, then ``fit``; no checkpoint of the finder left behind. On pp=2 only: the finder reads each
+    process's own loss, which under dp=2 is a replica's (as under DDP), not one process's."""
     from lightning.pytorch.tuner import Tuner
 
     model = seeded(Net)
@@ -261,3 +379,128 @@ def ema_weight_averaging(ctx):
                           limit_val_batches=2)
     trainer.fit(model, ctx.train_loader(), ctx.eval_loader())
     return snapshot(trainer, model)
+
+
+# ---------------------------------------------------------------------------------------------- loggers, writers, summary
+def logged_files(root) -> dict:
+    """What the offline loggers wrote under ``root``: ``metrics.csv`` rows, TensorBoard scalars, MLflow metrics and
+    params, each by name with its steps and values."""
+    import csv
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict = {}
+    for path in sorted(root.rglob("metrics.csv")):
+        with open(path) as f:
+            out["csv"] = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    for path in sorted(root.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(path.parent))
+        acc.Reload()
+        out["tensorboard"] = {tag: [(e.step, float(e.value)) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    for metrics in sorted(root.rglob("mlruns/*/*/metrics")):
+        out["mlflow"] = {p.name: [(int(line.split()[2]), float(line.split()[1])) for line in p.read_text().splitlines()]
+                         for p in sorted(metrics.iterdir())}
+        out["mlflow_params"] = {p.name: p.read_text() for p in sorted((metrics.parent / "params").iterdir())}
+    return out
+
+
+@scenario()
+def loggers(ctx):
+    """CSVLogger, TensorBoardLogger and MLFlowLogger (a file store) together: the files global rank zero writes hold
+    what one process's hold (every rank reads them)."""
+    from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
+
+    class Hparams(Net):
+        def __init__(self, lr: float = 0.1, width: int = 16) -> None:
+            super().__init__(lr=lr)
+            self.save_hyperparameters()
+
+    import os
+
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # the file store, kept by MLflow on request
+    root = ctx.out / "logs"
+    loggers = [CSVLogger(str(root), name="csv"), TensorBoardLogger(str(root), name="tb"),
+               MLFlowLogger(experiment_name="conformance", tracking_uri=f"file:{root / 'mlruns'}")]
+    model = seeded(Hparams)
+    trainer = ctx.trainer(logger=loggers, max_epochs=2, limit_train_batches=4, limit_val_batches=2)
+    trainer.fit(model, ctx.train_loader(), ctx.eval_loader())
+    trainer.strategy.barrier()  # every rank reads once global rank zero has written
+    return snapshot(trainer, model, files=logged_files(root))
+
+
+@scenario()
+def prediction_writer(ctx):
+    """A ``BasePredictionWriter`` writing per batch and per epoch to files named by the global rank: every prediction
+    is written once, by the ranks of the pipeline's first position, in the files DDP with one process per replica
+    writes."""
+    from lightning.pytorch.callbacks import BasePredictionWriter
+
+    out = ctx.out / "predictions"
+
+    class FileWriter(BasePredictionWriter):
+        def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+            torch.save(prediction, out / f"rank{trainer.global_rank}_batch{batch_idx}.pt")
+
+        def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+            torch.save((predictions, batch_indices), out / f"rank{trainer.global_rank}_epoch.pt")
+
+    out.mkdir(exist_ok=True)
+    model = seeded(Net)
+    trainer = ctx.trainer(callbacks=[FileWriter(write_interval="batch_and_epoch")])
+    trainer.predict(model, ctx.eval_loader(), return_predictions=False)
+    trainer.strategy.barrier()
+    return {"files": {p.name: torch.load(p, weights_only=False) for p in sorted(out.iterdir())}}
+
+
+@scenario()
+def model_summary(ctx):
+    """``ModelSummary(max_depth=2)`` and ``RichModelSummary``: global rank zero prints the table of the whole model
+    (layers, types, parameters, modes, totals) with a frozen stage, as one process prints it."""
+    from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+
+    tables = {}
+    for callback in (ModelSummary(max_depth=2), RichModelSummary()):
+        captured = {}
+
+        def keep(summary_data, total, trainable, size, modes, total_flops=0, _captured=captured, **kwargs):
+            _captured.update(data=[(k, list(v)) for k, v in summary_data], total=total, trainable=trainable,
+                             size=round(size, 6), modes=modes)
+
+        callback.summarize = keep
+        model = seeded(FineTune)
+        trainer = ctx.trainer(strategy=finetune_strategy(ctx), callbacks=[callback], enable_model_summary=True,
+                              max_epochs=1, limit_train_batches=1)
+        trainer.fit(model, ctx.train_loader())
+        tables[type(callback).__name__] = dict(captured)
+    return {"tables": tables}
+
+
+# ---------------------------------------------------------------------------------------------- refused at setup
+def _refusal(ctx, make_trainer, model=None) -> dict:
+    """Fit on a Trainer of ``make_trainer()``: one process trains; under the pipeline every rank raises at setup (the
+    error's text recorded, and whether any step ran)."""
+    model = model if model is not None else seeded(Net)
+    trainer = make_trainer()
+    try:
+        trainer.fit(model, ctx.train_loader())
+        return {"refused": None, "global_step": trainer.global_step}
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        return {"refused": f"{type(e).__name__}: {e}", "global_step": trainer.global_step}
+
+
+@scenario()
+def refused_setups(ctx):
+    """``ModelPruning``, ``Trainer(sync_batchnorm=True)`` and a ``backward`` override: refused at setup on every rank
+    (one process runs them)."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    class OwnBackward(Net):
+        def backward(self, loss, *args, **kwargs):
+            loss.backward()
+
+    limits = {"max_epochs": 1, "limit_train_batches": 2}
+    return {
+        "pruning": _refusal(ctx, lambda: ctx.trainer(callbacks=[ModelPruning("l1_unstructured", amount=0.2)], **limits)),
+        "sync_batchnorm": _refusal(ctx, lambda: ctx.trainer(sync_batchnorm=True, **limits)),
+        "backward": _refusal(ctx, lambda: ctx.trainer(**limits), model=seeded(OwnBackward)),
+    }

@@ -11,7 +11,7 @@ then the one-process HPPStrategy scenarios (layout ``single``).
 import json
 import sys
 
-from tests.conformance import scenarios, scenarios_usage  # noqa: F401 - registers the scenarios
+from tests.conformance import scenarios, scenarios_coverage, scenarios_usage  # noqa: F401 - registers the scenarios
 from tests.conformance.harness import run_layout
 
 
