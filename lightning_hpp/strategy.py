@@ -396,8 +396,10 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
+        # Lightning's tuners restore their own temporary checkpoint (``.lr_find_<id>.ckpt``), then remove it
+        tuner = os.path.basename(str(filepath).rstrip("/")).startswith((".lr_find_", ".scale_batch_size_"))
         self._session.remove(filepath, is_global_zero=self.is_global_zero,
-                             resuming=self.lightning_module.trainer.ckpt_path is not None)
+                             resuming=self.lightning_module.trainer.ckpt_path is not None and not tuner)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

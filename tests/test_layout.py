@@ -61,6 +61,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("assembly",),  # 10
     ("strategy",),  # 11
     ("hydra", "torchrun", INIT),  # 12
+    ("check",),  # 13: runs a user's module under HPPStrategy (the package's top) and Lightning's DDP
 )
 """The parts of ``lightning_hpp`` (top-level modules and subpackages), floor by floor, lowest first."""
 

@@ -30,9 +30,10 @@ def reduce_over_replicas(tensor: torch.Tensor, mesh: Mesh | None, group: Any, re
 
 
 def gather_over_replicas(tensor: torch.Tensor, mesh: Mesh | None, group: Any, sync_grads: bool) -> torch.Tensor:
-    """``tensor`` gathered over ``group``, or, where that is ``None``, over the replicas (one entry per replica;
-    none added with one replica, as in one process)."""
-    if group is None and mesh is not None:
+    """``tensor`` gathered over ``group``, or, where that is ``None`` or the world (what ``LightningModule.all_gather``
+    passes when given none), over the replicas (one entry per replica; none added with one replica, as in one
+    process)."""
+    if (group is None or group is dist.group.WORLD) and mesh is not None:
         if mesh.dp == 1:
             return tensor
         group = mesh.dp_group
