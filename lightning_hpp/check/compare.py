@@ -38,14 +38,14 @@ def diff_hooks(where: str, got: list[HookEntry], ref: list[HookEntry], *, local_
     """
     expected = setup_order([e for e in ref if not (e[1] == "prepare_data" and local_rank != 0)
                             and e[:2] not in SCHEDULE_OWNED])
-    names_got = [f"{owner}.{name}" for owner, name, _ in got]
-    names_ref = [f"{owner}.{name}" for owner, name, _ in expected]
+    names_got = [f"{owner}.{name}" for owner, name, *_ in got]
+    names_ref = [f"{owner}.{name}" for owner, name, *_ in expected]
     if names_got != names_ref:
         at = next((i for i, (a, b) in enumerate(zip(names_got, names_ref)) if a != b), min(len(names_got), len(names_ref)))
         return [f"{where}: hook calls differ from call {at} on: {names_got[at:at + 6]} (reference {names_ref[at:at + 6]}); "
                 f"{len(names_got)} calls (reference {len(names_ref)})"]
     problems: list[str] = []
-    for i, ((owner, name, args), (_, _, ref_args)) in enumerate(zip(got, expected)):
+    for i, ((owner, name, args, *_), (_, _, ref_args, *_)) in enumerate(zip(got, expected)):
         for arg in sorted(set(args) | set(ref_args)):
             if arg not in args or arg not in ref_args:
                 problems.append(f"{where}: call {i} {owner}.{name}: argument {arg!r} only on "
@@ -70,12 +70,13 @@ def setup_order(log: list[HookEntry]) -> list[HookEntry]:
 
     * a fit resumed from a checkpoint restores it after ``on_fit_start`` (the strategy restores after its setup, as
       Lightning's sharded strategies do: the stages must exist before their part of the checkpoint is read);
-    * each entry point's first ``*_dataloader`` call comes right after the module is built (``setup``,
-      ``configure_model``): the strategy cuts the model on one batch of it; Lightning then uses those loaders, so
-      the hook still runs once.
+    * each entry point's first ``*_dataloader`` call (with the calls it makes) comes right after the module is built
+      (``setup``, ``configure_model``): the strategy cuts the model on one batch of it; Lightning then uses those
+      loaders, so the hook still runs once.
     """
     out = list(log)
-    for i in [i for i, e in enumerate(out) if e[:2] == ("module", "on_fit_start")]:
+    for fit_start in [e for e in log if e[:2] == ("module", "on_fit_start")]:
+        i = next(k for k, e in enumerate(out) if e is fit_start)
         j = i - 1
         while j >= 0 and out[j][:2] not in _RESTORE and out[j][:2] not in _BUILT:
             j -= 1
@@ -85,17 +86,23 @@ def setup_order(log: list[HookEntry]) -> list[HookEntry]:
         block = out[j + 1:end]
         if block:
             del out[j + 1:end]
-            at = next(k for k in range(len(out)) if out[k] is log[i])
+            at = next(k for k, e in enumerate(out) if e is fit_start)
             out[at + 1:at + 1] = block
-    for i in range(len(out)):
-        if out[i][:2] not in _BUILT or (i + 1 < len(out) and out[i + 1][:2] in _BUILT):
+    for built in [e for e in out if e[:2] in _BUILT]:
+        i = next(k for k, e in enumerate(out) if e is built)
+        if i + 1 < len(out) and out[i + 1][:2] in _BUILT:
             continue
-        rest = out[i + 1:next((j for j in range(i + 1, len(out)) if out[j][:2] in _BUILT), len(out))]
+        rest = out[i + 1:next((k for k in range(i + 1, len(out)) if out[k][:2] in _BUILT), len(out))]
         fitting = any(e[:2] == ("module", "configure_optimizers") for e in rest)  # a fit cuts on a training batch
         j = next((i + 1 + k for k, e in enumerate(rest)
                   if (e[1] == "train_dataloader" if fitting else e[1].endswith("_dataloader"))), None)
         if j is not None:
-            out.insert(i + 1, out.pop(j))
+            end = j + 1
+            while end < len(out) and len(out[end]) > 3 and out[end][3] > out[j][3]:  # the calls it makes
+                end += 1
+            block = out[j:end]
+            del out[j:end]
+            out[i + 1:i + 1] = block
     return out
 
 
@@ -125,9 +132,8 @@ def diff_data(got: Any, ref: Any, path: str = "") -> list[tuple[str, str]]:
             return []
         return [] if torch.equal(got, ref) else [(path, "values differ")]
     if isinstance(ref, dict) and isinstance(got, dict):
-        if sorted(got) != sorted(ref):
-            return [(path, f"keys {sorted(got)} (reference {sorted(ref)})")]
-        return [d for k in sorted(ref) for d in diff_data(got[k], ref[k], f"{path}[{k!r}]")]
+        keys = [] if sorted(got) == sorted(ref) else [(path, f"keys {sorted(got)} (reference {sorted(ref)})")]
+        return keys + [d for k in sorted(set(ref) & set(got)) for d in diff_data(got[k], ref[k], f"{path}[{k!r}]")]
     if isinstance(ref, (list, tuple)) and isinstance(got, (list, tuple)):
         if len(got) != len(ref):
             return [(path, f"{len(got)} entries (reference {len(ref)})")]

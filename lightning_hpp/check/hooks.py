@@ -4,7 +4,9 @@ As Lightning's ``tests/tests_pytorch/models/test_hooks.py`` does, the hooks of a
 ``Callback`` and a ``LightningDataModule`` are their public methods (those of ``torch.nn.Module`` and a few
 helpers the user calls themselves left out), found by introspection, so a hook added to Lightning is recorded
 without a line here. :func:`record_hooks` wraps an object's hooks on the instance; each call is appended to a
-:class:`HookLog` as ``(owner, hook, arguments)`` with the arguments described as plain data
+:class:`HookLog` when it starts, as ``(owner, hook, arguments, depth)`` (``depth``: how many recorded calls it
+runs inside: a data module's ``setup`` that its own ``train_dataloader`` calls is one deeper), with the arguments
+described as plain data
 (:func:`describe`): tensors as CPU copies, optimizers by class and number of groups, the Trainer and the
 module as names, a checkpoint by its keys. Two runs' logs compare entry by entry (:mod:`.compare`).
 
@@ -54,12 +56,14 @@ def datamodule_hooks() -> list[str]:
     return sorted(_public_functions(LightningDataModule) - NOT_HOOKS)
 
 
-HookEntry = tuple[str, str, Any]
-"""``(owner, hook, described arguments)``: owner ``"module"``, ``"callback"`` or ``"datamodule"``."""
+HookEntry = tuple[str, str, Any, int]
+"""``(owner, hook, described arguments, depth)``: owner ``"module"``, ``"callback"`` or ``"datamodule"``."""
 
 
 class HookLog(list):
-    """The hook calls one process (one rank) received, in order: :data:`HookEntry` items."""
+    """The hook calls one process (one rank) received, in the order they started: :data:`HookEntry` items."""
+
+    depth = 0
 
 
 def record_hooks(obj: Any, owner: str, hooks: list[str], log: HookLog) -> Any:
@@ -75,10 +79,12 @@ def record_hooks(obj: Any, owner: str, hooks: list[str], log: HookLog) -> Any:
 
 
 def _call(log: HookLog, owner: str, name: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    described = describe_arguments(method, name, args, kwargs)
-    out = method(*args, **kwargs)
-    log.append((owner, name, described))
-    return out
+    log.append((owner, name, describe_arguments(method, name, args, kwargs), log.depth))
+    log.depth += 1
+    try:
+        return method(*args, **kwargs)
+    finally:
+        log.depth -= 1
 
 
 _CHECKPOINT_ARGS = ("checkpoint",)

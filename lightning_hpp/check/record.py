@@ -4,7 +4,8 @@
 ``--trainer.callbacks+=lightning_hpp.check.CheckRecorder`` on a LightningCLI command line) it records, on its rank,
 every hook the module, the data module and the callbacks receive (:mod:`.hooks`), per training batch the loss
 ``on_train_batch_end`` is handed and the Trainer's metrics, per validation its metrics, and at the end the
-parameters the rank holds and the files the run wrote; ``teardown`` saves it to ``<out>/rank<global rank>.pt``.
+parameters the rank holds and (global rank zero, where loggers write) the files the run wrote; ``teardown`` saves it
+to ``<out>/rank<global rank>.pt``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class CheckRecorder(Callback):
             if obj is not None and id(obj) not in self._wrapped:
                 record_hooks(obj, owner, names, self.hooks)
                 self._wrapped.add(id(obj))
-        self.hooks.append(("callback", "setup", {"stage": stage}))
+        self.hooks.append(("callback", "setup", {"stage": stage}, 0))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
@@ -62,14 +63,15 @@ class CheckRecorder(Callback):
             self.validations.append({"global_step": trainer.global_step, "callback": floats(trainer.callback_metrics)})
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self.hooks.append(("callback", "teardown", {"stage": stage}))
+        self.hooks.append(("callback", "teardown", {"stage": stage}, 0))
         record = {
             "global_step": trainer.global_step, "epoch": trainer.current_epoch,
             "callback": floats(trainer.callback_metrics), "logged": floats(trainer.logged_metrics),
             "progress": floats(trainer.progress_bar_metrics), "hooks": list(self.hooks), "steps": self.steps,
             "validations": self.validations,
             "state": {k: v.detach().to("cpu", copy=True) for k, v in pl_module.state_dict().items()},
-            "files": written_files(Path(self.root or os.getcwd())),
+            # loggers write on global rank zero, whose teardown reads the files at the point one process does
+            "files": written_files(Path(self.root or os.getcwd())) if trainer.is_global_zero else None,
         }
         Path(self.out).mkdir(parents=True, exist_ok=True)
         torch.save(record, Path(self.out) / f"rank{trainer.global_rank}.pt")

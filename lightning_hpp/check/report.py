@@ -34,7 +34,8 @@ def differences(layout: str, dp: int, ranks: dict[int, dict], reference: dict[in
             found.append((where, "parameters", f"holds {extra}, which the reference does not"))
         add(where, "training batches", diff_data(got["steps"], ref["steps"]))
         add(where, "validations", diff_data(got["validations"], ref["validations"]))
-        add(where, "files", diff_data(got["files"], ref["files"]))
+        if got["files"] is not None:  # global rank zero's
+            add(where, "files", diff_data(got["files"], ref["files"]))
         found.extend((where, "hook calls", problem.split(": ", 1)[1])
                      for problem in diff_hooks(where, got["hooks"], ref["hooks"], local_rank=g))
     for replica in range(dp):

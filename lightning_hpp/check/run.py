@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from lightning_hpp.check.report import differences, render
+from lightning_hpp.check.worker import load
 
 LAYOUTS = {"pp2": (2, 1), "pp2dp2": (2, 2)}
 """The pipeline layouts the checker runs: ``name -> (pp, dp)``."""
@@ -76,6 +77,11 @@ def check(target: Target, *, layouts: tuple[str, ...] = ("pp2", "pp2dp2"), steps
         raise ValueError(f"unknown layout(s) {unknown}; the checker runs {sorted(LAYOUTS)}")
     if target.script is None and target.model is None:
         raise ValueError("give a LightningCLI script (with its --config) or a model factory ('pkg.module:name')")
+    for ref in (target.model, target.data):
+        if ref is not None:
+            load(ref)  # here, before any job starts: a name that names nothing is refused with the fix
+    if target.script is not None and not Path(target.script).is_file():
+        raise ValueError(f"{target.script!r} is not a file; give the path of the LightningCLI script")
     root = Path(out or tempfile.mkdtemp(prefix="lightning-hpp-check-")).resolve()
     found = {}
     for name in layouts:

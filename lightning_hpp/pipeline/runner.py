@@ -271,7 +271,9 @@ class PipelineRunner:
         self._reset_counters()
         self._target = torch.arange(size, device=self.device) if self.holds_last else None
         exchange = self._exchanges["train"]
-        micro_batches = self._mb
+        micro_batches, sizes = self._mb, [self._mb_size] * n
+        # what a step that changes state appends per micro-batch is merged into what one process appends per batch
+        appends = ModuleState(self.module) if self.holds_last and self._stateful(step_fn) else None
         try:
             with self._metric_batches if self.holds_last else contextlib.nullcontext():
                 # the loss is taken per micro-batch (_loss_fn): torch's merge of the last stage's outputs
@@ -288,12 +290,16 @@ class PipelineRunner:
             self._recorders, self._losses, self._extras = [], [], []
             if self.sharded is not None:  # the schedule's gradient reduction freed them; a failed step may not have
                 self.sharded.reshard()
+        if appends is not None:
+            appends.merge_appends(sizes, getattr(step_fn, "__name__", "training_step"))
         loss, logs, flags = exchange.finish()
         self._resolve_checks(flags)
         if self._replay and not self.holds_last:
             outputs = self._receive_outputs(None)
+            appends = ModuleState(self.module)
             with self._metric_batches:
                 recorders = [self._replay_step(step_fn, mb, out, step_args)[1] for mb, out in zip(micro_batches, outputs)]
+            appends.merge_appends(sizes, getattr(step_fn, "__name__", "training_step"))
             self._step_metrics = {name: m for rec in recorders for name, m in rec.metric_objects.items()}
         elif self._replay:
             self._receive_outputs(outputs)

@@ -89,6 +89,29 @@ class ModuleState:
             for k, v in state.items():
                 setattr(m, k, v)
 
+    def merge_appends(self, sizes: list[int], fn_name: str) -> None:
+        """After the step ran once per micro-batch (``sizes``: their sizes): what it appended to a list as one process
+        appends it for the whole batch. A list the step grew by ``k`` entries per micro-batch gets ``k`` entries, each
+        the micro-batches' entries merged as the step's returned values are (:func:`merge_outputs`: per-sample
+        tensors concatenated, floating numbers averaged, counts summed); a list whose growth cannot be merged so is
+        left as the micro-batches made it."""
+        n = len(sizes)
+        for m, held in self._modules:
+            for k, (obj, contents) in held.items():
+                if not isinstance(obj, list) or vars(m).get(k) is not obj or len(obj) <= len(contents):
+                    continue
+                grown = len(obj) - len(contents)
+                if grown % n or any(a is not b for a, b in zip(obj, contents)):
+                    continue
+                per = grown // n
+                new = obj[len(contents):]
+                try:
+                    merged = [_merge([new[i * per + j] for i in range(n)], sizes, f"{fn_name}: self.{k}")
+                              for j in range(per)]
+                except PlanError:
+                    continue
+                obj[len(contents):] = merged
+
 
 def _tracked(name: str, root: bool) -> bool:
     if name == "training":

@@ -27,7 +27,7 @@ def test_every_hook_with_its_arguments_on_every_rank(conformance):
     in the same order on every rank as in one process, with the same arguments (the batch a replica's share of it;
     its step outputs its own)."""
     o = load(conformance, "every_hook")
-    called = {name for _, name, _ in o.ref["hooks"] + o.ref["resumed_hooks"]}
+    called = {name for _, name, *_ in o.ref["hooks"] + o.ref["resumed_hooks"]}
     assert {"on_train_epoch_end", "on_validation_epoch_end", "on_train_batch_end", "on_before_optimizer_step",
             "configure_gradient_clipping", "on_predict_batch_end", "on_save_checkpoint", "on_load_checkpoint",
             "load_state_dict", "lr_scheduler_step", "on_sanity_check_start"} <= called
@@ -36,13 +36,13 @@ def test_every_hook_with_its_arguments_on_every_rank(conformance):
 
 def test_every_hook_with_the_module_s_own_loaders(conformance):
     o = load(conformance, "every_hook_with_the_module_s_own_loaders")
-    assert {"train_dataloader", "transfer_batch_to_device"} <= {name for _, name, _ in o.ref["hooks"]}
+    assert {"train_dataloader", "transfer_batch_to_device"} <= {name for _, name, *_ in o.ref["hooks"]}
     check(diff_all(o) + hook_problems(o))
 
 
 def test_hooks_when_a_hook_raises(conformance):
     o = load(conformance, "hooks_when_a_hook_raises")
-    assert {("callback", "on_exception"), ("datamodule", "on_exception")} <= {(owner, name) for owner, name, _ in o.ref["hooks"]}
+    assert {("callback", "on_exception"), ("datamodule", "on_exception")} <= {(owner, name) for owner, name, *_ in o.ref["hooks"]}
     problems = hook_problems(o)
     problems += [f"{r.where}: raised {r.result['raised']!r} (reference {o.ref['raised']!r})" for r in o.ranks
                  if r.result["raised"] != o.ref["raised"]]
@@ -184,7 +184,7 @@ def test_every_hook_row_is_called_in_the_scenario_it_cites(conformance):
     called = {}
     for test, (name, keys) in HOOK_SCENARIOS.items():
         ref = load(conformance, name).ref
-        called[test] = {(owner, hook) for key in keys for owner, hook, _ in ref[key]}
+        called[test] = {(owner, hook) for key in keys for owner, hook, *_ in ref[key]}
     missing = [f"{r.kind} {r.name} (cites {r.evidence.partition('::')[2]})" for r in rows()
                if r.kind in owners and r.verdict == "equal" and (owners[r.kind], r.name) not in called[r.evidence]]
     assert not missing, f"hooks their scenario never called: {missing}"
