@@ -37,27 +37,41 @@ from typing_extensions import override
 from lightning_hpp import _dist
 from lightning_hpp.assembly import Pipeline, PipelineSpec, SetupInputs, build_pipeline
 from lightning_hpp.assembly.callbacks import pipeline_callbacks, refuse_unkept_setups
-from lightning_hpp.assembly.whole_module import align_module_copies, keep_param_groups_aligned
-from lightning_hpp.assembly.writers import write_once_per_replica
 from lightning_hpp.assembly.reuse import held_pipeline, pipeline_key
-from lightning_hpp.assembly.summary import summarise_whole_models
 from lightning_hpp.assembly.view import PipelineProperties
+from lightning_hpp.assembly.whole_module import adapt_callbacks
 from lightning_hpp.bias.controls import BiasControls
 from lightning_hpp.bias.monitor import BiasMonitor
 from lightning_hpp.bias.samplers import pin_wrapped_generator
-from lightning_hpp.precision.fp8_slots import fp8_slots
 from lightning_hpp.checkpoint.session import CheckpointSession
 from lightning_hpp.errors import PlanError
 from lightning_hpp.launch import Launcher, check_backend, check_timeout, init_process_group
 from lightning_hpp.model.materialize import init_on_meta
-from lightning_hpp.options import BiasOptions, CheckpointOptions, InitOptions, PlacementOptions, ShardingOptions
-from lightning_hpp.options import TelemetryOptions, moved_option_hint, section
+from lightning_hpp.options import (
+    BiasOptions,
+    CheckpointOptions,
+    InitOptions,
+    PlacementOptions,
+    ShardingOptions,
+    TelemetryOptions,
+    moved_option_hint,
+    section,
+)
 from lightning_hpp.pipeline.collectives import decide_together, gather_over_replicas, reduce_over_replicas
-from lightning_hpp.pipeline.data import can_rebatch, first_loader, peek_batch, rebatch, resume_mid_epoch
-from lightning_hpp.pipeline.data import seed_workers_per_replica, shard_over_replicas
+from lightning_hpp.pipeline.data import (
+    can_rebatch,
+    first_loader,
+    loaders_once,
+    peek_batch,
+    rebatch,
+    resume_mid_epoch,
+    seed_workers_per_replica,
+    shard_over_replicas,
+)
 from lightning_hpp.pipeline.optimizers import stage_local_optimizers
 from lightning_hpp.pipeline.steps import REDUCED, replay_logs
 from lightning_hpp.planning.plan import PLAN_FILENAME, StagePlan
+from lightning_hpp.precision.fp8_slots import fp8_slots
 from lightning_hpp.precision.plugin import HPPPrecision
 from lightning_hpp.redaction import redact_loggers
 
@@ -233,7 +247,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
             inputs = self._setup_inputs(trainer, module, fitting)
             self._pipeline = held_pipeline(module, pipeline_key(self._spec, inputs)) or build_pipeline(module, self._spec, inputs)
             self.precision_plugin = self._pipeline.precision  # the plugin its stages were set up with
-        self._adapt_callbacks(trainer.callbacks)
+        adapt_callbacks(trainer.callbacks, self._pipeline)  # Lightning's callbacks that act on the whole module
         step_saver = self._session.step_callback(trainer.callbacks) if fitting else None
         trainer.callbacks.extend(([step_saver] if step_saver is not None else []) + pipeline_callbacks(
             trainer.callbacks, self._telemetry, auto=self._spec.auto and fitting, watch=self._placement.watch if fitting else None,
@@ -252,15 +266,6 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
             self._agreed_epoch = None
             self._session.begin_fit(self._load_sharded)
 
-    def _adapt_callbacks(self, callbacks: list[Any]) -> None:
-        """Lightning's callbacks that act on the whole module, made to act on it across the pipeline's ranks."""
-        p = self._pipeline
-        align_module_copies(callbacks, p.module)  # weight averaging's copies, taken before the cut
-        keep_param_groups_aligned()  # fine-tuning callbacks add the same param groups on every rank
-        write_once_per_replica(callbacks, writes=p.mesh.position == 0)
-        if p.mesh.pp > 1:
-            summarise_whole_models(callbacks, p.mesh.pp_group, p.aliases)
-
     def _setup_inputs(self, trainer: Any, module: Any, fitting: bool) -> SetupInputs:
         """What the assembly needs of the running entry point: its step, one loader batch, the precision flag."""
         if isinstance(self.precision_plugin, HPPPrecision):
@@ -270,7 +275,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
             self.precision_plugin = HPPPrecision()
         loop_name, step_name = _ENTRY_POINTS[trainer.state.fn]
         loop = getattr(trainer, loop_name)
-        loader = first_loader(_loaders_once(loop._data_source)) if loop._data_source.is_defined() else None
+        loader = first_loader(loaders_once(loop._data_source)) if loop._data_source.is_defined() else None
         with isolate_rng():
             batch = peek_batch(loader) if loader is not None else None
         return SetupInputs(
@@ -396,10 +401,8 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        # Lightning's tuners restore their own temporary checkpoint (``.lr_find_<id>.ckpt``), then remove it
-        tuner = os.path.basename(str(filepath).rstrip("/")).startswith((".lr_find_", ".scale_batch_size_"))
         self._session.remove(filepath, is_global_zero=self.is_global_zero,
-                             resuming=self.lightning_module.trainer.ckpt_path is not None and not tuner)
+                             resuming=self.lightning_module.trainer.ckpt_path is not None)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -435,19 +438,6 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Heterogeneous pipeline parallelism (lightning_hpp)")
-
-
-def _loaders_once(source: Any) -> Any:
-    """The loaders of a loop's data source, asked for once: Lightning's next ``dataloader()`` call (its data set-up,
-    right after ``setup``) gets the same object instead of calling the ``*_dataloader`` hook a second time."""
-    loaders = source.dataloader()
-
-    def once() -> Any:
-        del source.dataloader  # the class's method again
-        return loaders
-
-    source.dataloader = once
-    return loaders
 
 
 if "hpp" not in StrategyRegistry:

@@ -77,3 +77,17 @@ def _holds_remote(modules: Any) -> bool:
         return any(_holds_remote(m) for m in modules)
     except TypeError:
         return False
+
+
+def adapt_callbacks(callbacks: Sequence[Any], pipeline: Any) -> None:
+    """Make Lightning's callbacks that act on the whole module act on it across the pipeline's ranks: weight
+    averaging's copies cut as the module is, fine-tuning's param groups the same on every rank, prediction writers
+    writing once per replica, model summaries of the whole model."""
+    from lightning_hpp.assembly.summary import summarise_whole_models
+    from lightning_hpp.assembly.writers import write_once_per_replica
+
+    align_module_copies(callbacks, pipeline.module)
+    keep_param_groups_aligned()
+    write_once_per_replica(callbacks, writes=pipeline.mesh.position == 0)
+    if pipeline.mesh.pp > 1:
+        summarise_whole_models(callbacks, pipeline.mesh.pp_group, pipeline.aliases)

@@ -7,8 +7,6 @@ The reference of a layout with ``dp`` replicas is Lightning's DDP with ``dp`` pr
 
 from __future__ import annotations
 
-from typing import Any
-
 from lightning_hpp.check.compare import diff_data, diff_hooks
 
 _METRICS = (("callback", "callback_metrics"), ("logged", "logged_metrics"), ("progress", "progress_bar_metrics"))

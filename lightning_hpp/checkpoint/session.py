@@ -171,7 +171,10 @@ class CheckpointSession:
         the fit was given one). A checkpoint restored otherwise (the tuner's own, around its trial steps) goes."""
         if not is_global_zero:
             return
-        if resuming and self._resumed_from is not None and _resume.same_location(str(filepath), self._resumed_from):
+        # Lightning's tuners restore their own temporary checkpoint (``.lr_find_<id>.ckpt``), then remove it
+        tuners = str(filepath).rstrip("/").rsplit("/", 1)[-1].startswith((".lr_find_", ".scale_batch_size_"))
+        if resuming and not tuners and self._resumed_from is not None and _resume.same_location(str(filepath),
+                                                                                              self._resumed_from):
             rank_zero_info(f"HPPStrategy: keeping {str(filepath)!r}, the checkpoint this run resumed from.")
             return
         wait_for_pending_save()

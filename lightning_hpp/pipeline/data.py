@@ -9,7 +9,8 @@
   step's batch over more replicas than the plan it replaced;
 * :func:`peek_batch` takes one real batch from a loader without moving any RNG, for the setup
   checks that need a real micro-batch;
-* :func:`resume_mid_epoch` makes a train loader start where a mid-epoch checkpoint left its epoch.
+* :func:`resume_mid_epoch` makes a train loader start where a mid-epoch checkpoint left its epoch;
+* :func:`loaders_once` takes a loop's loaders for the setup without calling its ``*_dataloader`` hook twice.
 """
 
 from __future__ import annotations
@@ -150,3 +151,16 @@ def resume_mid_epoch(dataloader: Any, batches: int, epoch: int) -> bool:
         sampler.set_epoch(epoch)
     batch_sampler.sampler = SkipFirst(sampler, batches * batch_sampler.batch_size, epoch)
     return True
+
+
+def loaders_once(source: Any) -> Any:
+    """The loaders of a Lightning loop's data source, asked for once: Lightning's next ``dataloader()`` call (its data set-up,
+    right after ``setup``) gets the same object instead of calling the ``*_dataloader`` hook a second time."""
+    loaders = source.dataloader()
+
+    def once() -> Any:
+        del source.dataloader  # the class's method again
+        return loaders
+
+    source.dataloader = once
+    return loaders
