@@ -30,6 +30,7 @@ from torch.distributed.pipelining import schedules as S
 
 from lightning_hpp._dist import all_gather_object, group_device
 from lightning_hpp.errors import PlanError
+from lightning_hpp.pipeline.collectives import OutputBroadcast
 from lightning_hpp.pipeline.exchange import StepExchange
 from lightning_hpp.pipeline.fsdp import ShardedStages
 from lightning_hpp.pipeline.mesh import Mesh
@@ -134,6 +135,7 @@ class PipelineRunner:
         self._trainable: tuple[bool, ...] | None = None  # per stage, whether it has parameters to train (agreed)
         self._extras: list[dict | None] = []  # what each micro-batch's step returned besides its loss
         self._outputs: list[Any] = []  # each micro-batch's pipeline output, kept for a replayed step
+        self._output_broadcast: OutputBroadcast | None = None
         _sync_metrics_over(module, mesh.dp_group)
 
     # ----------------------------------------------------------------- placement
@@ -352,10 +354,9 @@ class PipelineRunner:
 
     def _receive_outputs(self, outputs: list[Any] | None) -> list[Any]:
         """The last stage's pipeline outputs of the step (``outputs`` there) on every rank of the pipeline."""
-        box = [None if outputs is None else _to_cpu(outputs)]
-        dist.broadcast_object_list(box, group_src=self.last_position, group=self.mesh.pp_group,
-                                   device=group_device(self.mesh.pp_group))
-        return move_data_to_device(box[0], self.device)
+        if self._output_broadcast is None:
+            self._output_broadcast = OutputBroadcast(self.mesh.pp_group, self.last_position, self.device)
+        return self._output_broadcast(outputs)
 
     def _replay_step(self, step_fn: Callable[..., Any], batch: Any, output: Any,
                      step_args: tuple) -> tuple[Any, _LogRecorder]:
