@@ -219,6 +219,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         module = self.lightning_module
         if self._pipeline is None or self._pipeline.module is not module:
             self._pipeline = build_pipeline(module, self._spec, self._setup_inputs(trainer, module, fitting))
+        self.model_to_device()  # a reused cut too: the previous entry point's teardown moved the module to the CPU
         step_saver = self._session.step_callback(trainer.callbacks) if fitting else None
         trainer.callbacks.extend(([step_saver] if step_saver is not None else []) + pipeline_callbacks(
             trainer.callbacks, self._telemetry, auto=self._spec.auto and fitting, watch=self._placement.watch if fitting else None,
@@ -256,7 +257,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        self.model.to(self.root_device)
+        (self._pipeline.place if self._pipeline is not None else self.model.to)(self.root_device)
 
     # ------------------------------------------------------------------ steps
     def _wants_local_norms(self) -> bool:
