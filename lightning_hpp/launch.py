@@ -204,10 +204,11 @@ class _Job:
         instead had torch's store client log two lines per slice that timed out, every half second on
         every rank but rank 0 for the whole run.
         """
-        next_beat = 0.0
+        next_beat, role = 0.0, liveness.role_version()
         try:
             while not store.check([_FIRST]):
-                if time.monotonic() >= next_beat:
+                if time.monotonic() >= next_beat or role != liveness.role_version():  # a new role goes out at once
+                    role = liveness.role_version()
                     record = self.heart.publish(store)
                     next_beat = time.monotonic() + liveness.BEAT_S
                     if record["waiting"] and record["for_s"] > self.timeout_s + GRACE_S:

@@ -63,16 +63,18 @@ _WAIT_LINE = re.compile(r"\.wait\(")
 _USERINFO = re.compile(r"//[^/@\s]+@")
 
 
-def set_role(*, position: int, pp: int, replica: int, dp: int, stages: Sequence[int], step: Callable[[], int]) -> None:
-    """This rank's place in the pipeline, named in its heartbeat (set once its pipeline is built).
+def set_role(*, grid: Sequence[Sequence[int]], stages: Sequence[Sequence[int]], tp: int, step: Callable[[], int]) -> None:
+    """Every rank's place in the pipeline, named in heartbeats and diagnoses (set once the pipeline is built).
 
     Args:
-        position, pp: Its pipeline position and the number of positions.
-        replica, dp: Its data-parallel replica and the number of replicas.
-        stages: The stages it holds.
+        grid: ``grid[position][column]``: the global rank at each pipeline position of each pipeline
+            (:class:`~lightning_hpp.pipeline.mesh.Mesh`; ``column = replica * tp + tp_rank``).
+        stages: The stages each position holds.
+        tp: The tensor-parallel degree.
         step: The optimizer step being run (read at every beat).
     """
-    _ROLE.update(position=position, pp=pp, replica=replica, dp=dp, stages=list(stages), step=step)
+    _ROLE.update(grid=[list(row) for row in grid], stages=[list(s) for s in stages], tp=tp, step=step,
+                 version=_ROLE.get("version", 0) + 1)
 
 
 @contextlib.contextmanager
@@ -89,13 +91,21 @@ def activity(what: str) -> Iterator[None]:
         _ACTIVITY.pop()
 
 
-def role_text() -> str:
+def role_text(rank: int) -> str:
     """``"pipeline position 1 of 2, replica 0 of 2, stage 1"``, or where the rank is before its pipeline exists."""
-    if not _ROLE:
+    grid = _ROLE.get("grid")
+    position = next((r for r, row in enumerate(grid) if rank in row), None) if grid else None
+    if position is None:
         return "before its pipeline was built"
-    stages = _ROLE["stages"]
-    return (f"pipeline position {_ROLE['position']} of {_ROLE['pp']}, replica {_ROLE['replica']} of {_ROLE['dp']}, "
+    tp, stages = _ROLE["tp"], _ROLE["stages"][position]
+    replica, dp = grid[position].index(rank) // tp, len(grid[position]) // tp
+    return (f"pipeline position {position} of {len(grid)}, replica {replica} of {dp}, "
             f"stage{'s' if len(stages) != 1 else ''} {', '.join(map(str, stages))}")
+
+
+def role_version() -> int:
+    """Changes when :func:`set_role` is called (a heartbeat then goes out at once)."""
+    return int(_ROLE.get("version", 0))
 
 
 @dataclass(frozen=True)
@@ -255,7 +265,7 @@ class Heartbeat:
         except Exception:  # noqa: BLE001 - a heartbeat never fails on a step counter
             step = None
         self.beats += 1
-        return {"rank": self.rank, "beat": self.beats, "role": role_text(), "step": step, "doing": s.doing,
+        return {"rank": self.rank, "beat": self.beats, "role": role_text(self.rank), "step": step, "doing": s.doing,
                 "waiting": s.waiting, "for_s": round(t - self._since, 1)}
 
     def publish(self, store: Any) -> dict[str, Any]:
@@ -313,22 +323,24 @@ class Heartbeat:
         _, _, r, verdict = found[0]
         last = second[r] or first[r]
         text = self._sentence(r, verdict, last)
-        waiting = sum(1 for rec in second if rec is not None and rec["waiting"] and rec["rank"] != r)
-        text += f"; {waiting} other rank(s) waited for it in collectives or pipeline transfers"
+        text += f"; the other {self.world_size - len(found)} rank(s) waited for it in collectives or pipeline transfers"
         others = [f"rank {o}" for _, _, o, _ in found[1:]]
         if others:
             text += f"; not answering either: {', '.join(others)}"
         return Blame(r, text, tuple(gone))
 
     def diagnose_store_host(self) -> Blame | None:
-        """The blame when the job's store did not answer: its host rank, stopped (ended here) or gone.
-        ``None`` when the store lives in another process (torchrun's agent) or its host rank still runs."""
+        """The blame when the job's store did not answer: its host rank, stopped (ended here), gone or unanswering.
+        ``None`` when the store lives in another process (torchrun's agent)."""
         r = self.store_host
         if r is None or r == self.rank or r >= len(self.peers):
             return None
         state = self.peers[r].state()
-        if state == "running":
-            return None
+        for _ in range(10):  # a process being ended (by a peer's SIGKILL) runs for a moment before it is gone
+            if state != "running":
+                break
+            time.sleep(0.1)
+            state = self.peers[r].state()
         if state == "stopped":
             killed = self._end(r)
             verdict = ("is stopped (SIGSTOP: its process does not run), and the job's store it hosts with it"
@@ -336,15 +348,18 @@ class Heartbeat:
         elif state == "gone":
             verdict = "is gone (its process ended: killed or crashed), and the job's store it hosted with it"
         else:
-            verdict = "does not answer: the job's store it hosts gave no answer (stopped, frozen or gone)"
+            verdict = "does not answer: the job's store it hosts gave no answer (stopped, frozen, gone or cut off)"
         return Blame(r, self._sentence(r, verdict, self.host_record), (r,) if state in ("stopped", "gone") else ())
 
     def _sentence(self, r: int, verdict: str, record: dict[str, Any] | None) -> str:
         """``"rank 3 (host h, pid 12, pipeline position 1 of 2, ...) <verdict> at step 3: <what it was doing>"``."""
         peer = self.peers[r] if r < len(self.peers) else None
         where = peer.where() if peer is not None else "host unknown"
+        role = role_text(r)  # known here once the pipeline is built: fresher than a heartbeat of the setup
         if record is None:
-            return f"rank {r} ({where}) {verdict}"
+            return f"rank {r} ({where}{'' if role.startswith('before') else ', ' + role}) {verdict}"
+        if not role.startswith("before"):
+            record = {**record, "role": role}
         step = f" at step {record['step']}" if record.get("step") is not None else ""
         busy = "stopped answering: "
         if verdict.startswith(busy):  # "stopped answering: for 11 s it has been" -> "... at step 3: for 11 s it has been <doing>"

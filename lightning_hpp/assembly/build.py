@@ -188,8 +188,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     mesh.init_groups(device_type=device.type)
     module._device_mesh = mesh.device_mesh  # what `LightningModule.device_mesh` reads, as under ModelParallelStrategy
     stage_ids = positions[mesh.position]
-    liveness.set_role(position=mesh.position, pp=pp, replica=mesh.replica, dp=mesh.dp, stages=stage_ids,
-                      step=inputs.global_step)  # named in this rank's heartbeat
+    liveness.set_role(grid=mesh.grid, stages=positions, tp=mesh.tp, step=inputs.global_step)  # named in heartbeats
     blocks = block_names(module) if inputs.sharding.sharded else []  # FSDP2's units, named before the cut drops any
     cut.keep_only(module, stage_ids)
     bodies = [b for mode in ("train", "eval") for k in stage_ids for b in cut.bodies[mode][k]]
