@@ -57,7 +57,7 @@ STORE_GRACE_S = 30.0
 """The longest that the rank hosting the store stays up after an error for the others to read it."""
 WATCH_SLICE_S = 0.2
 """How often a rank's first-error watcher looks for the job's first error in the store."""
-GRACE_S = 5.0
+GRACE_S = 10.0
 """How long a rank's main thread has to end once the job's first error is known, before its watcher ends it."""
 STORE_OP_S = 10.0
 """The longest one call to the job's store may take (a store that does not answer is a stopped or gone host)."""
@@ -239,11 +239,8 @@ class _Job:
             return
         first = self.first or {}
         doing = liveness.sample_main_thread().doing
-        if first.get("rank") == self.rank:
-            text = f"{first['error']} (rank {self.rank} was ended {GRACE_S:g} s after that error: its main thread was still {doing})"
-        else:
-            text = (f"{_first_words(first)} (rank {self.rank} was ended {GRACE_S:g} s after that error: its main thread "
-                    f"was still {doing}; process groups: {what})")
+        text = (f"{_first_words(first)} (rank {self.rank} stopped because its main thread was still {doing} "
+                f"{GRACE_S:g} s after that error; process groups: {what})")
         with contextlib.suppress(OSError):
             os.write(2, f"[rank{self.rank}]: {RankFailedError.__module__}.RankFailedError: {text}\n".encode())
         self.leave()

@@ -5,8 +5,9 @@ for recv operation`` or ``Connection closed by peer``, NCCL's watchdog, none nam
 did. So every rank publishes a heartbeat record in the job's rendezvous store every :data:`BEAT_S`
 seconds (:class:`Heartbeat`, driven by :mod:`lightning_hpp.launch`'s first-error watcher thread):
 
-* who it is: rank, host, pid and, once its pipeline is built (:func:`set_role`), its pipeline position,
-  replica and stages, and the optimizer step it is at;
+* who it is: rank, host, pid and, once its pipeline is built (:func:`set_role`: every rank's place, so a
+  diagnosis names a rank's position from the grid, not from a heartbeat of its setup), its pipeline
+  position, replica and stages, and the optimizer step it is at;
 * what its main thread is doing, sampled from its Python stack: the innermost frame of the user's code or
   of this package (``on_train_batch_end (train.py:41): time.sleep(600)``), what it called there (a library
   entry point, storage I/O through fsspec), an :func:`activity` label where the code set one, and whether
@@ -20,13 +21,15 @@ job up, first found first:
 
 1. a rank whose process is gone (on this host: no such process, or a zombie) or stopped (state ``T``);
    a stopped rank on this host is ended with ``SIGKILL``, since it would never end by itself;
-2. a rank whose heartbeat stopped (another host: stopped, frozen or gone);
+2. a rank on another host whose heartbeat stopped (stopped, frozen or gone; on this host the process's own
+   state says it, and a watcher thread starved on a loaded host may miss a beat);
 3. a live rank that does not wait on a peer (a callback that sleeps, a forward that never returns, storage
    that does not answer), the one in that state for longest;
 4. none: every rank waits on a peer (a collective some ranks never entered); the peers' errors stand.
 
 When the store itself does not answer, the rank hosting it (rank 0 under Lightning's launcher) is the one:
-stopped or gone (:meth:`Heartbeat.diagnose_store_host`).
+stopped (ended here), gone, or not answering (:meth:`Heartbeat.diagnose_store_host`), with its last record,
+which every rank keeps at each beat.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def test_every_process_group_takes_the_strategy_timeout(cluster):
     # the mesh's dimensions, the flattened dp group, the step group, the async-save group: none keeps torch's
     # 30-minute default
     for rank in (0, 1):
-        out = load_rank(cluster / "fp8_te_simulated", rank)
+        out = load_rank(cluster / "setup_bytes", rank)
         assert out["timeouts"] == [f"0:00:{TIMEOUT_S}"], out["timeouts"]
         assert out["groups"] >= 5, out["groups"]
 

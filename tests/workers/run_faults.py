@@ -94,8 +94,8 @@ def train(cfg: dict, attempt: dict, out: Path) -> None:
 
 
 def _rank_main(cfg: dict, attempt: dict, out: Path, rank: int, port: int, env: dict) -> None:
-    """A forked rank: Lightning's child-rank environment, output to files, then :func:`train`; never returns."""
-    os.setsid()  # its own session: a stray SIGSTOP of the driver's terminal group never reaches it
+    """A forked rank: Lightning's child-rank environment, output to files, then :func:`train`; never returns. It stays
+    in this process's group, so that a test that kills this job's group kills its ranks too."""
     for fd, name in ((1, "stdout"), (2, "stderr")):
         f = os.open(out / f"rank{rank}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
