@@ -204,11 +204,12 @@ class _Job:
         instead had torch's store client log two lines per slice that timed out, every half second on
         every rank but rank 0 for the whole run.
         """
-        next_beat, role = 0.0, liveness.role_version()
+        next_beat, changed = 0.0, liveness.progress()
         try:
             while not store.check([_FIRST]):
-                if time.monotonic() >= next_beat or role != liveness.role_version():  # a new role goes out at once
-                    role = liveness.role_version()
+                # a beat every BEAT_S, and one at once when the rank's role or optimizer step changes
+                if time.monotonic() >= next_beat or changed != liveness.progress():
+                    changed = liveness.progress()
                     record = self.heart.publish(store)
                     next_beat = time.monotonic() + liveness.BEAT_S
                     if record["waiting"] and record["for_s"] > self.timeout_s + GRACE_S:
@@ -225,7 +226,7 @@ class _Job:
     def _record_hang(self, store: Any, record: dict) -> None:
         """This rank's main thread has waited on a peer past the timeout (a group without one, or a backend that
         did not raise): record the first error for the job, naming the rank that holds it up."""
-        blame = self.heart.diagnose(store)
+        blame = self.heart.diagnose(store, min_busy_s=self.timeout_s / 2)
         first = blame.record() if blame is not None else {
             "rank": self.rank, "error": f"rank {self.rank} waited {record['for_s']:g} s on a peer, past the timeout of "
                                         f"{self.timeout_s:g} s, while no rank was seen busy: {record['doing']}"}
@@ -253,7 +254,7 @@ class _Job:
     def blame(self, exc: BaseException) -> dict | None:
         """The first-error record naming the rank that held the job up when ``exc`` broke this rank's collective
         (:meth:`~lightning_hpp.liveness.Heartbeat.diagnose`); ``None`` when every rank waits on a peer."""
-        blame = self.heart.diagnose(self.store) if self.heart is not None else None
+        blame = self.heart.diagnose(self.store, min_busy_s=self.timeout_s / 2) if self.heart is not None else None
         return blame.record() if blame is not None else None
 
     def stop(self) -> None:

@@ -42,6 +42,7 @@ import re
 import signal
 import socket
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -64,9 +65,11 @@ _LIBRARIES = ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "li
 _STORAGE = ("fsspec", "s3fs", "botocore", "aiobotocore", "gcsfs")
 _WAIT_LINE = re.compile(r"\.wait\(")
 _USERINFO = re.compile(r"//[^/@\s]+@")
+_LIBRARY_ROOTS = tuple({os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
-def set_role(*, grid: Sequence[Sequence[int]], stages: Sequence[Sequence[int]], tp: int, step: Callable[[], int]) -> None:
+def set_role(*, grid: Sequence[Sequence[int]], stages: Sequence[Sequence[int]], tp: int,
+             step: Callable[[], int]) -> None:
     """Every rank's place in the pipeline, named in heartbeats and diagnoses (set once the pipeline is built).
 
     Args:
@@ -106,9 +109,17 @@ def role_text(rank: int) -> str:
             f"stage{'s' if len(stages) != 1 else ''} {', '.join(map(str, stages))}")
 
 
-def role_version() -> int:
-    """Changes when :func:`set_role` is called (a heartbeat then goes out at once)."""
-    return int(_ROLE.get("version", 0))
+def progress() -> tuple[int, int | None]:
+    """``(role version, optimizer step)``: a heartbeat goes out at once when it changes."""
+    return int(_ROLE.get("version", 0)), _step()
+
+
+def _step() -> int | None:
+    step = _ROLE.get("step")
+    try:
+        return int(step()) if step is not None else None
+    except Exception:  # noqa: BLE001 - a heartbeat never fails on a step counter
+        return None
 
 
 @dataclass(frozen=True)
@@ -168,7 +179,7 @@ def sample_main_thread() -> Sample:
     if not frames:
         return Sample("not running Python code", False)
     signature = tuple((f.f_code, f.f_lineno) for f in frames[:16])
-    own = next((i for i, f in enumerate(frames) if not _is_library(f) and f.f_globals.get("__name__") != __name__), None)
+    own = next((i for i, f in enumerate(frames) if not _is_library(f) and _module(f) != __name__), None)
     waiting = any(_module(f).startswith("torch.distributed") for f in frames[:4]) or (
         own is not None and own <= 1 and bool(_WAIT_LINE.search(_line(frames[own]))))
     if own is None:
@@ -193,11 +204,14 @@ def _module(frame: Any) -> str:
 
 
 def _is_library(frame: Any) -> bool:
+    """Whether ``frame`` runs an installed library's code (or the standard library's), not the user's or ours."""
     name = _module(frame)
     if name.startswith("lightning_hpp"):
         return False
     top = name.split(".")[0]
-    return top in _LIBRARIES or top in sys.stdlib_module_names or not name
+    path = frame.f_code.co_filename
+    return (top in _LIBRARIES or top in sys.stdlib_module_names or not name or path.startswith("<")
+            or any(path.startswith(root) for root in _LIBRARY_ROOTS))
 
 
 def _line(frame: Any) -> str:
@@ -210,7 +224,8 @@ def _short(path: str) -> str:
 
 def _describe_frame(frame: Any) -> str:
     line = _line(frame)
-    return f"{frame.f_code.co_name} ({_short(frame.f_code.co_filename)}:{frame.f_lineno})" + (f": `{line[:120]}`" if line else "")
+    where = f"{frame.f_code.co_name} ({_short(frame.f_code.co_filename)}:{frame.f_lineno})"
+    return where + (f": `{line[:120]}`" if line else "")
 
 
 def _endpoint() -> str:
@@ -262,11 +277,7 @@ class Heartbeat:
         if self._last is None or s.signature != self._last.signature or s.waiting != self._last.waiting:
             self._since = t
         self._last = s
-        step = _ROLE.get("step")
-        try:
-            step = int(step()) if step is not None else None
-        except Exception:  # noqa: BLE001 - a heartbeat never fails on a step counter
-            step = None
+        step = _step()
         self.beats += 1
         return {"rank": self.rank, "beat": self.beats, "role": role_text(self.rank), "step": step, "doing": s.doing,
                 "waiting": s.waiting, "for_s": round(t - self._since, 1)}
@@ -287,9 +298,15 @@ class Heartbeat:
             return [json.loads(v) for v in store.multi_get(keys)]
         return [json.loads(store.get(k)) if store.check([k]) else None for k in keys]
 
-    def diagnose(self, store: Any, wait_s: float = STALE_S) -> Blame | None:
+    def diagnose(self, store: Any, wait_s: float = STALE_S, min_busy_s: float = 0.0) -> Blame | None:
         """The rank that holds the job up (see the module docstring), or ``None`` where every rank waits on a
         peer; stopped ranks on this host are ended with ``SIGKILL``.
+
+        Args:
+            store: The job's store (every rank's record).
+            wait_s: How long apart the two reads of the records are.
+            min_busy_s: A live rank counts as holding the job up once it has been busy this long (half the
+                job's timeout: a rank busy for less is reacting to the break, as this one is).
 
         Raises:
             RuntimeError: the store does not answer (see :meth:`diagnose_store_host`).
@@ -318,18 +335,18 @@ class Heartbeat:
             elif silent:
                 found.append((1, 0.0, r, "stopped answering (its heartbeat stopped: the process is stopped, "
                                          "frozen or gone; end it on its host)"))
-            elif b is not None and not b["waiting"]:
+            elif b is not None and not b["waiting"] and float(b["for_s"]) >= min_busy_s:
                 found.append((2, -float(b["for_s"]), r, f"stopped answering: for {b['for_s']:g} s it has been"))
         if not found:
             return None
         found.sort()
         _, _, r, verdict = found[0]
-        last = second[r] or first[r]
-        text = self._sentence(r, verdict, last)
-        text += f"; the other {self.world_size - len(found)} rank(s) waited for it in collectives or pipeline transfers"
-        others = [f"rank {o}" for _, _, o, _ in found[1:]]
-        if others:
-            text += f"; not answering either: {', '.join(others)}"
+        text = self._sentence(r, verdict, second[r] or first[r])
+        also = [o for order, _, o, _ in found[1:] if order < 2]  # other ranks gone, stopped or silent
+        waited = self.world_size - 1 - len(also)
+        text += f"; the other {waited} rank(s) waited for it in collectives or pipeline transfers"
+        if also:
+            text += f"; not answering either: {', '.join(f'rank {o}' for o in also)}"
         return Blame(r, text, tuple(gone))
 
     def diagnose_store_host(self) -> Blame | None:
@@ -365,7 +382,7 @@ class Heartbeat:
             record = {**record, "role": role}
         step = f" at step {record['step']}" if record.get("step") is not None else ""
         busy = "stopped answering: "
-        if verdict.startswith(busy):  # "stopped answering: for 11 s it has been" -> "... at step 3: for 11 s it has been <doing>"
+        if verdict.startswith(busy):  # "stopped answering: for 11 s it has been" -> "... at step 3: for 11 s ..."
             return f"rank {r} ({where}, {record['role']}) {busy[:-2]}{step}: {verdict[len(busy):]} {record['doing']}"
         step = f", at step {record['step']}" if record.get("step") is not None else ""
         return f"rank {r} ({where}, {record['role']}) {verdict}; its last heartbeat{step}: {record['doing']}"

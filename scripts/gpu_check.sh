@@ -60,7 +60,8 @@ CLUSTER_TESTS=(tests/test_cluster_gpu.py)
 if [ "$CPU_ONLY" = 1 ]; then
   note "| cpu-only | the GPU parts are skipped |"
   # the GPU tests are collected (imports, markers); they skip without CUDA
-  part gpu_tests_collect 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu --collect-only "${GPU_TESTS[@]}" "${CLUSTER_TESTS[@]}"
+  part gpu_tests_collect 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu --collect-only "${GPU_TESTS[@]}" \
+    "${CLUSTER_TESTS[@]}"
   part placement_meta 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_device_placement.py
   part two_stage_cpu 300 "$PY" benchmarks/precision/two_stage.py --device cpu --precision bf16-true --out "$OUT"
   part fp8_stage_cpu 180 "$PY" benchmarks/precision/fp8_stage.py --device cpu --backend emulate --hidden 128 \
@@ -76,7 +77,8 @@ fi
 # 1. GPU-marked tests (~1-2 min), then the cluster checks (~1 min): they fail, not skip, where a GPU is there but a
 #    part is missing
 part gpu_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$OUT/gpu_tests.xml" "${GPU_TESTS[@]}"
-part cluster_gpu 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$OUT/cluster_gpu.xml" "${CLUSTER_TESTS[@]}"
+part cluster_gpu 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$OUT/cluster_gpu.xml" \
+  "${CLUSTER_TESTS[@]}"
 
 # 2. a 2-stage Llama in bf16 on the GPU against one process, and the placement harness on the GPU (~1 min)
 part two_stage 120 "$PY" benchmarks/precision/two_stage.py --device cuda --precision bf16-true --out "$OUT"

@@ -30,8 +30,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _run(code: str, timeout: float = 120) -> dict:
     """``code`` in a fresh process (its own NCCL world of one rank); it prints one JSON line last."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -58,7 +58,8 @@ def test_the_fp8_verdict_takes_the_real_devices_report_beside_a_simulated_a100()
     a100 = local_capability(0, "a100", torch.device("cpu"), {"HPP_SIMULATED_DEVICES": '{"a100": {}}'})
     if ok:  # an H100/H200 with Transformer Engine: the stage it holds runs TE itself, not the stand-in
         verdict = decide([1], {0: [0], 1: [1]}, [a100, real], None, "delayed")[1]
-        assert (verdict.backend, verdict.run_as) == ("te", "te") and verdict.label.startswith("fp8 (Transformer Engine ")
+        assert (verdict.backend, verdict.run_as) == ("te", "te")
+        assert verdict.label.startswith("fp8 (Transformer Engine ")
     else:
         with pytest.raises(Exception, match="Stage 1 has precision 'fp8' but runs on device 'cuda'"):
             decide([1], {0: [0], 1: [1]}, [a100, real], None, "delayed")

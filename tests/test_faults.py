@@ -69,8 +69,8 @@ def test_a_rank_that_hangs_or_dies_ends_every_rank_naming_it(fault_jobs, layout,
     pid = record["pids"][str(culprit)]
     named = f"RankFailedError: rank {culprit} (host {socket.gethostname()}, pid {pid}, pipeline position " \
             f"{_position(layout, culprit)} of {pp}"
-    doing = {"stall": "`time.sleep(SLEEP_S)`", "kill": " is gone (its process ended", "s3": "S3 endpoint http://127.0.0.1:",
-             "sigstop": " is stopped (SIGSTOP" if culprit != 0 else ""}[fault]
+    doing = {"stall": "`time.sleep(SLEEP_S)`", "kill": " is gone (its process ended",
+             "s3": "S3 endpoint http://127.0.0.1:", "sigstop": " is stopped (SIGSTOP" if culprit != 0 else ""}[fault]
     for rank in ended:
         if rank == culprit and fault in ("kill", "sigstop"):
             assert ended[rank]["how"] == "signal 9", ended[rank]  # killed by the test, or by a peer once stopped

@@ -44,9 +44,9 @@ def test_each_fp8_stage_is_decided_by_its_own_ranks_the_same_everywhere():
     with pytest.raises(FP8Error) as refused:
         decide([0, 1], {0: [0, 1], 1: [2, 3]}, caps, None, "delayed")
     text = str(refused.value)
-    assert text.startswith("Stage 0 has precision 'fp8' but runs on device 'cpu' (device kind 'a100', rank 0: simulated "
-                           "a100, compute capability 8.0), which cannot run fp8: compute capability 8.0 < 8.9; and on "
-                           "device 'cpu' (device kind 'a100', rank 1"), text
+    assert text.startswith("Stage 0 has precision 'fp8' but runs on device 'cpu' (device kind 'a100', rank 0: "
+                           "simulated a100, compute capability 8.0), which cannot run fp8: compute capability 8.0 < "
+                           "8.9; and on device 'cpu' (device kind 'a100', rank 1"), text
     assert "Stage 1" not in text and "fp8_backend='emulate'" in text
 
 

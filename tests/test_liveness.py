@@ -70,8 +70,8 @@ class _Beating:
 
     def publish(self) -> None:
         self.beat += 1
-        for r, (waiting, doing) in self.records.items():
-            self.store.set(f"beat/{r}", _record(r, self.beat, waiting, doing))
+        for r, (waiting, doing, *for_s) in self.records.items():
+            self.store.set(f"beat/{r}", _record(r, self.beat, waiting, doing, *for_s))
 
     def _run(self) -> None:
         while not self.stop.wait(0.1):
@@ -92,6 +92,19 @@ def test_a_busy_rank_is_named_with_what_it_does_while_the_others_wait():
     assert blame.text.startswith(f"rank 1 (host {socket.gethostname()}, pid "), blame.text
     assert blame.text.endswith("stopped answering at step 3: for 12 s it has been in on_train_batch_end: sleep; the "
                                "other 2 rank(s) waited for it in collectives or pipeline transfers"), blame.text
+
+
+def test_a_rank_busy_for_less_than_half_the_timeout_is_reacting_to_the_break_and_is_not_named():
+    store = dist.HashStore()
+    beating = _Beating(store, {0: (True, "waiting"), 1: (False, "in the error path", 1.0), 2: (False, "in strike", 9.0),
+                               3: (False, "in teardown", 2.0)})
+    blame = Heartbeat(0, 4, _peers(4), store_host=0).diagnose(store, wait_s=0.3, min_busy_s=5.0)
+    assert blame.rank == 2, blame
+    assert blame.text.endswith("for 9 s it has been in strike; the other 3 rank(s) waited for it in collectives or "
+                               "pipeline transfers"), blame.text
+    beating.records = {0: (True, "waiting"), 1: (False, "in the error path", 1.0)}
+    assert Heartbeat(0, 2, _peers(2), store_host=0).diagnose(store, wait_s=0.3, min_busy_s=5.0) is None
+    beating.stop.set()
 
 
 def test_no_rank_is_named_when_every_rank_waits_on_a_peer():
@@ -131,8 +144,9 @@ def test_a_rank_on_another_host_whose_heartbeat_stopped_is_named():
     peers = [Peer.of_this_process(0), Peer(1, "another-host", 4242, "1")]
     blame = Heartbeat(0, 2, peers, store_host=0).diagnose(store, wait_s=0.3)
     beating.stop.set()
-    assert blame.rank == 1 and "rank 1 (host another-host, pid 4242, before its pipeline was built) stopped answering " \
-                                "(its heartbeat stopped" in blame.text, blame.text
+    assert blame.rank == 1, blame
+    assert "rank 1 (host another-host, pid 4242, before its pipeline was built) stopped answering (its heartbeat " \
+           "stopped" in blame.text, blame.text
 
 
 def test_the_store_host_is_named_when_the_store_does_not_answer():
@@ -140,11 +154,12 @@ def test_the_store_host_is_named_when_the_store_does_not_answer():
     try:
         stopped.send_signal(signal.SIGSTOP)
         time.sleep(0.2)
-        peers = [Peer(0, socket.gethostname(), stopped.pid, liveness._proc_stat(stopped.pid)[1]), Peer.of_this_process(1)]
+        start = liveness._proc_stat(stopped.pid)[1]
+        peers = [Peer(0, socket.gethostname(), stopped.pid, start), Peer.of_this_process(1)]
         blame = Heartbeat(1, 2, peers, store_host=0).diagnose_store_host()
         assert blame.rank == 0 and blame.gone == (0,)
-        assert "is stopped (SIGSTOP: its process does not run), and the job's store it hosts with it; rank 1 ended it " \
-               "with SIGKILL" in blame.text, blame.text
+        assert "is stopped (SIGSTOP: its process does not run), and the job's store it hosts with it; rank 1 ended " \
+               "it with SIGKILL" in blame.text, blame.text
         assert Heartbeat(1, 2, peers, store_host=None).diagnose_store_host() is None  # torchrun's agent hosts it
     finally:
         stopped.kill()

@@ -247,7 +247,8 @@ class Mesh:
         override = mesh_backend_override(len(DIM_NAMES))
         mesh = DeviceMesh(device_type or default_device_type(), torch.tensor(self.grid, dtype=torch.int).reshape(shape),
                           mesh_dim_names=DIM_NAMES, backend_override=override)
-        self.dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(DP_DIM, backend_override=override[0] if override else None)
+        flat = override[0] if override else None
+        self.dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(DP_DIM, backend_override=flat)
         self.device_mesh, self._groups = mesh, {"dp": self.dp_mesh.get_group(), "step": new_group()}
 
     def groups_over_positions(self, position_sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], Any]:

@@ -99,7 +99,8 @@ def simulated_devices(env: Mapping[str, str] | None = None) -> dict[str, dict]:
     return {str(k).lower(): v for k, v in value.items()}
 
 
-def local_capability(rank: int, kind: str, device: torch.device, env: Mapping[str, str] | None = None) -> DeviceCapability:
+def local_capability(rank: int, kind: str, device: torch.device,
+                     env: Mapping[str, str] | None = None) -> DeviceCapability:
     """What this rank's ``device`` can do for fp8: simulated where ``HPP_SIMULATED_DEVICES`` names this rank or its
     kind, else the hardware (:func:`~lightning_hpp.precision.fp8.fp8_capable`) and Transformer Engine's import."""
     simulated = simulated_devices(env)
@@ -142,7 +143,8 @@ class Verdict:
 
     Attributes:
         backend: ``"te"`` (Transformer Engine) or ``"emulate"``: what the plan reports.
-        run_as: What this job runs: ``backend``, or ``"emulate"`` standing in for Transformer Engine on simulated devices.
+        run_as: What this job runs: ``backend``, or ``"emulate"`` standing in for Transformer Engine on simulated
+            devices.
         label: The stage's label in the log and in ``stage_plan.json``.
     """
 
@@ -151,8 +153,9 @@ class Verdict:
     label: str
 
 
-def decide(fp8_stages: Sequence[int], stage_ranks: Mapping[int, Sequence[int]], capabilities: Sequence[DeviceCapability],
-           backend: str | None, recipe: str, recompute: Sequence[bool] = (), device: str = "cpu") -> dict[int, Verdict]:
+def decide(fp8_stages: Sequence[int], stage_ranks: Mapping[int, Sequence[int]],
+           capabilities: Sequence[DeviceCapability], backend: str | None, recipe: str, recompute: Sequence[bool] = (),
+           device: str = "cpu") -> dict[int, Verdict]:
     """Every fp8 stage's :class:`Verdict` from the capabilities of the ranks that hold it (the same on every rank).
 
     Args:
@@ -182,9 +185,9 @@ def decide(fp8_stages: Sequence[int], stage_ranks: Mapping[int, Sequence[int]], 
                 f"{c.describe()}, which cannot run fp8: {c.reason}" for c in unable))
             continue
         if k < len(recompute) and recompute[k]:
-            refused.append(f"Stage {k} runs Transformer Engine (fp8) with activation checkpointing; its recompute would "
-                           f"advance TE's fp8 scaling state a second time. Turn `StageSpec(activation_checkpointing=False)` "
-                           f"for stage {k}")
+            refused.append(f"Stage {k} runs Transformer Engine (fp8) with activation checkpointing; its recompute "
+                           f"would advance TE's fp8 scaling state a second time. Turn "
+                           f"`StageSpec(activation_checkpointing=False)` for stage {k}")
             continue
         simulated = any(c.simulated for c in holders)
         versions = sorted({c.te_version for c in holders if c.te_version})
@@ -194,10 +197,10 @@ def decide(fp8_stages: Sequence[int], stage_ranks: Mapping[int, Sequence[int]], 
     if refused:
         raise FP8Error(
             f"{'. '.join(refused)}. fp8 runs through Transformer Engine on GPUs of compute capability >= 8.9 "
-            f"(H100/H200) with `transformer_engine` installed (decided for every rank that holds the stage, the same on "
-            f"every rank). Fix: place the stage on 'h100' or 'h200' ranks with Transformer Engine installed "
+            f"(H100/H200) with `transformer_engine` installed (decided for every rank that holds the stage, the "
+            f"same on every rank). Fix: place the stage on 'h100' or 'h200' ranks with Transformer Engine installed "
             f"(`StageSpec(device='h100')`, the ranks' kinds by `PlacementOptions(device_map=...)`), give it another "
-            f"precision (e.g. 'bf16-mixed'), or pass fp8_backend='emulate' (`HPPPrecision(fp8_backend='emulate')`) for a "
-            f"quantize-dequantize emulation (fp8 numerics on any device, not fp8 speed).")
+            f"precision (e.g. 'bf16-mixed'), or pass fp8_backend='emulate' (`HPPPrecision(fp8_backend='emulate')`) "
+            f"for a quantize-dequantize emulation (fp8 numerics on any device, not fp8 speed).")
     return out
 
