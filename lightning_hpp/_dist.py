@@ -138,34 +138,43 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0, group: Any = No
 
 def broadcast_in_buckets(tensors: list[torch.Tensor], src: int = 0, group: Any = None,
                          bucket_bytes: int | None = None) -> None:
-    """:func:`broadcast_tensors` without its one-rank shortcut: one bucket of at most ``bucket_bytes``
-    (default :data:`BROADCAST_BUCKET_BYTES`; a larger tensor alone) at a time, so that a model that fits in host
-    memory but not on one device crosses an NCCL group's device a bucket at a time: at most one bucket is held
-    there (staged with :func:`stage`) besides what already lives on it."""
+    """:func:`broadcast_tensors` without its one-rank shortcut, one bucket at a time: consecutive tensors of one
+    dtype, at most ``bucket_bytes`` (default :data:`BROADCAST_BUCKET_BYTES`; a larger tensor alone), flattened into
+    one buffer on the group's device (:func:`stage`), broadcast, and copied back. A model that fits in host memory
+    but not on one device so crosses an NCCL group's device a bucket at a time: one bucket is all it holds there
+    (torch's ``_broadcast_coalesced`` would flatten a second copy of the staged tensors)."""
     device = group_device(group)
     limit = BROADCAST_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     for bucket in _buckets(tensors, limit):
-        staged = [stage(t, device) for t in bucket]
-        dist._broadcast_coalesced(group or dist.group.WORLD, staged, limit, src)
+        flat = stage(bucket, device)
+        dist.broadcast(flat, src, group=group)
         with torch.no_grad():
-            for t, m in zip(bucket, staged):
-                if m.data_ptr() != t.data_ptr():
-                    t.copy_(m)
-        del staged
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+        del flat
 
 
-def stage(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` (detached: the same storage) where ``device`` is, else its copy on ``device`` (what a broadcast
-    bucket holds on a group's device)."""
-    return t.detach() if t.device == device else t.detach().to(device)
+def stage(bucket: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One buffer on ``device`` holding ``bucket``'s tensors (one dtype), flattened one after the other: what a
+    broadcast bucket holds on a group's device."""
+    flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=device)
+    offset = 0
+    with torch.no_grad():
+        for t in bucket:
+            flat[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
+            offset += t.numel()
+    return flat
 
 
 def _buckets(tensors: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive tensors of one dtype, at most ``limit`` bytes each group (a larger tensor alone)."""
     bucket: list[torch.Tensor] = []
     size = 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > limit:
+        if bucket and (size + nbytes > limit or t.dtype != bucket[0].dtype):
             yield bucket
             bucket, size = [], 0
         bucket.append(t)

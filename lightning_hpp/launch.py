@@ -234,9 +234,15 @@ class _Job:
             store.set(_FIRST, json.dumps(first))
 
     def _end_after_error(self, store: Any) -> None:
-        """Abort the groups and give the main thread :data:`GRACE_S` to end; end the process if it does not."""
+        """Abort the groups and give the main thread :data:`GRACE_S` to end; end the process if it is still inside
+        the entry point that was running when the error came (or in :func:`shutdown`). A main thread that left it
+        (the error was caught, and the process goes on with other work) is left alone."""
         what = _dist.abort_groups()
+        running = _main_frame(Launcher.launch.__code__)
         if self._stop.wait(GRACE_S):
+            return
+        still = _main_frame(Launcher.launch.__code__)
+        if (running is None or still is not running) and _main_frame(shutdown.__code__) is None:
             return
         first = self.first or {}
         doing = liveness.sample_main_thread().doing
@@ -272,6 +278,14 @@ class _Job:
             self._left = True
         with contextlib.suppress(RuntimeError):
             self.store.add(_LEFT, 1)
+
+
+def _main_frame(code: Any) -> Any:
+    """The main thread's innermost frame running ``code`` now, or ``None``."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    return frame
 
 
 def _wait_for_leavers(store: Any, count: int) -> None:

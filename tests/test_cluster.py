@@ -6,6 +6,8 @@ Engine, rank 1 an "h100" with it or without (``HPP_SIMULATED_DEVICES``), each ru
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 
@@ -74,7 +76,7 @@ def test_every_process_group_takes_the_strategy_timeout(cluster):
     # 30-minute default
     for rank in (0, 1):
         out = load_rank(cluster / "setup_bytes", rank)
-        assert out["timeouts"] == [f"0:00:{TIMEOUT_S}"], out["timeouts"]
+        assert out["timeouts"] == [str(timedelta(seconds=TIMEOUT_S))], out["timeouts"]
         assert out["groups"] >= 5, out["groups"]
 
 

@@ -177,14 +177,33 @@ def test_a_store_call_that_never_returns_is_given_up_on(monkeypatch):
     release.set()
 
 
-def test_the_watcher_aborts_the_groups_and_ends_a_stuck_rank_after_the_first_error(monkeypatch, capfd):
+def _job_after_error(monkeypatch, frames: list) -> tuple[launch._Job, list, list]:
+    """A job whose watcher learnt the first error; ``frames``: the main thread's ``Launcher.launch`` frame when the
+    error came and 0.2 s later (the same object: still inside the entry point that failed)."""
     monkeypatch.setattr(launch, "GRACE_S", 0.2)
     aborted, exits = [], []
     monkeypatch.setattr(_dist, "abort_groups", lambda: aborted.append(True) or "nccl: every communicator aborted")
+    seen = iter(frames)
+    entry = launch.Launcher.launch.__code__
+    monkeypatch.setattr(launch, "_main_frame", lambda code: next(seen) if code is entry else None)
     job = launch._Job()
     job.rank, job.world_size, job.exit = 3, 4, exits.append
     job.first = {"rank": 1, "error": "rank 1 (host h, pid 9) stopped answering at step 3: ...", "blame": True}
     job._end_after_error(dist.HashStore())
+    return job, aborted, exits
+
+
+def test_a_main_thread_that_left_the_failed_entry_point_is_left_alone(monkeypatch):
+    # a caught error: the process goes on (a next fit), and the watcher does not end it
+    _, aborted, exits = _job_after_error(monkeypatch, [object(), object()])
+    assert aborted == [True] and exits == []
+    _, _, exits = _job_after_error(monkeypatch, [None, object()])
+    assert exits == []
+
+
+def test_the_watcher_aborts_the_groups_and_ends_a_stuck_rank_after_the_first_error(monkeypatch, capfd):
+    inside = object()
+    _, aborted, exits = _job_after_error(monkeypatch, [inside, inside])
     assert aborted == [True] and exits == [1]
     line = capfd.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("[rank3]: lightning_hpp.errors.RankFailedError: rank 1 (host h, pid 9) stopped answering at "
