@@ -217,7 +217,14 @@ class _Job:
                 if self._stop.wait(WATCH_SLICE_S):
                     return
             self.first = json.loads(store.get(_FIRST)) or None
-        except (RuntimeError, ValueError):  # the store's host is gone: the main thread's collectives break
+        except (RuntimeError, ValueError):  # the store did not answer
+            # its host stopped or gone ends the job: a main thread that never reaches a collective (a stalled
+            # callback) would not learn it; a host that still runs (a starved one) leaves the decision to collectives
+            blame = self.heart.diagnose_store_host()
+            if blame is None or blame.rank not in blame.gone:
+                return
+            self.first = blame.record()
+            self._end_after_error(None)
             return
         if self.first is not None:
             self._end_after_error(store)
@@ -233,7 +240,7 @@ class _Job:
         if store.add(_COUNT, 1) == 1:
             store.set(_FIRST, json.dumps(first))
 
-    def _end_after_error(self, store: Any) -> None:
+    def _end_after_error(self, store: Any | None) -> None:
         """Abort the groups and give the main thread :data:`GRACE_S` to end; end the process if it is still inside
         the entry point that was running when the error came (or in :func:`shutdown`). A main thread that left it
         (the error was caught, and the process goes on with other work) is left alone."""
@@ -251,7 +258,7 @@ class _Job:
         with contextlib.suppress(OSError):
             os.write(2, f"[rank{self.rank}]: {RankFailedError.__module__}.RankFailedError: {text}\n".encode())
         self.leave()
-        if self.hosts_store:  # the others read the first error from this process's store: let them go first
+        if self.hosts_store and store is not None:  # the others read the first error from this process's store
             _wait_for_leavers(store, self.world_size - 1 - len(first.get("gone", [])))
         with contextlib.suppress(Exception):
             sys.stdout.flush()
