@@ -247,6 +247,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
             inputs = self._setup_inputs(trainer, module, fitting)
             self._pipeline = held_pipeline(module, pipeline_key(self._spec, inputs)) or build_pipeline(module, self._spec, inputs)
             self.precision_plugin = self._pipeline.precision  # the plugin its stages were set up with
+        self.model_to_device()  # a reused cut too: the previous entry point's teardown moved the module to the CPU
         adapt_callbacks(trainer.callbacks, self._pipeline)  # Lightning's callbacks that act on the whole module
         step_saver = self._session.step_callback(trainer.callbacks) if fitting else None
         trainer.callbacks.extend(([step_saver] if step_saver is not None else []) + pipeline_callbacks(
@@ -287,7 +288,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        self.model.to(self.root_device)
+        (self._pipeline.place if self._pipeline is not None else self.model.to)(self.root_device)
 
     # ------------------------------------------------------------------ steps
     def _wants_local_norms(self) -> bool:

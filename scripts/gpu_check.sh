@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one run of at most 8 minutes on one H100/H200:
 #   1. the GPU-marked tests (fp8 through Transformer Engine against bf16, the emulation on CUDA,
-#      device kinds, fingerprints, profiles, configs),
+#      device kinds, fingerprints, profiles, configs), then tests/test_cluster_gpu.py: the fp8 verdict from
+#      the real device's report beside a simulated A100, NCCL's abort after a first error, the stages on the
+#      GPU at a second entry point, the start-up broadcast's one bucket on the GPU, CUDA-event timing,
 #   2. benchmarks/precision/two_stage.py: a 2-stage transformers Llama in bf16 on the one GPU (both stages
 #      in one rank, an interleaved schedule) against Lightning's own strategy, and the device-placement
 #      harness (tests/device_harness.py) with its stages on the GPU,
@@ -33,9 +35,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 STATUS=0
 printf '| part | result |\n|---|---|\n' | tee "$OUT/summary.txt"
 note() { echo "$*" | tee -a "$OUT/summary.txt"; }
+DEADLINE=$((SECONDS + 470))  # every part together: at most 8 minutes, whatever each part's own limit
 part() {  # part NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/NAME.txt, note the outcome
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS rc
+  if [ $((DEADLINE - SECONDS)) -lt "$limit" ]; then limit=$((DEADLINE - SECONDS)); fi
+  if [ "$limit" -le 0 ]; then note "| $name | FAIL (no time left of the 8 minutes) |"; STATUS=1; return; fi
   timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.txt" 2>&1
   rc=$?
   if [ $rc -eq 0 ]; then note "| $name | PASS ($((SECONDS - t0)) s) |"; else note "| $name | FAIL (exit $rc, $((SECONDS - t0)) s; see $name.txt) |"; STATUS=1; fi
@@ -50,11 +55,13 @@ part() {  # part NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/NA
 } >"$OUT/env.txt" 2>&1
 
 GPU_TESTS=(tests/test_fp8_gpu.py tests/test_fp8_state.py tests/test_devices.py tests/test_profile.py tests/test_bias_fingerprint.py tests/test_configs.py)
+CLUSTER_TESTS=(tests/test_cluster_gpu.py)
 
 if [ "$CPU_ONLY" = 1 ]; then
   note "| cpu-only | the GPU parts are skipped |"
   # the GPU tests are collected (imports, markers); they skip without CUDA
-  part gpu_tests_collect 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu --collect-only "${GPU_TESTS[@]}"
+  part gpu_tests_collect 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu --collect-only "${GPU_TESTS[@]}" \
+    "${CLUSTER_TESTS[@]}"
   part placement_meta 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_device_placement.py
   part two_stage_cpu 300 "$PY" benchmarks/precision/two_stage.py --device cpu --precision bf16-true --out "$OUT"
   part fp8_stage_cpu 180 "$PY" benchmarks/precision/fp8_stage.py --device cpu --backend emulate --hidden 128 \
@@ -67,8 +74,11 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit 1
 fi
 
-# 1. GPU-marked tests (~1-2 min): they fail, not skip, where a GPU is there but a part is missing
+# 1. GPU-marked tests (~1-2 min), then the cluster checks (~1 min): they fail, not skip, where a GPU is there but a
+#    part is missing
 part gpu_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$OUT/gpu_tests.xml" "${GPU_TESTS[@]}"
+part cluster_gpu 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$OUT/cluster_gpu.xml" \
+  "${CLUSTER_TESTS[@]}"
 
 # 2. a 2-stage Llama in bf16 on the GPU against one process, and the placement harness on the GPU (~1 min)
 part two_stage 120 "$PY" benchmarks/precision/two_stage.py --device cuda --precision bf16-true --out "$OUT"

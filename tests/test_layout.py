@@ -50,7 +50,7 @@ INIT = "__init__"
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("errors",),  # 0
     ("validation",),  # 1
-    ("_dist", "_git", "examples_data"),  # 2
+    ("_dist", "_git", "_timing", "examples_data", "liveness"),  # 2
     ("checkpoint",),  # 3
     ("redaction", "launch"),  # 4
     ("pipeline",),  # 5

@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
 
+from lightning_hpp import liveness
 from lightning_hpp._dist import all_gather_object, broadcast_tensors
 from lightning_hpp.assembly.callbacks import sharding_refusals
 from lightning_hpp.assembly.placement import auto_plan, gather_kinds, kind_grid, loss_probe
@@ -135,6 +136,17 @@ class Pipeline:
         """This rank's device kind."""
         return self.rank_kinds[self.mesh.rank]
 
+    def place(self, device: torch.device) -> None:
+        """The module and its stages on ``device`` again, for an entry point that reuses this pipeline: Lightning's
+        ``Strategy.teardown`` moved the module to the CPU when the previous one ended (a traced stage's own
+        constants, and the ops its trace burnt a device into, follow)."""
+        self.module.to(device)
+        runner = self.runner
+        for sm in {id(sm): sm for sm in (*runner.stage_modules.values(), *runner.eval_stage_modules.values())}.values():
+            for body in sm.units:
+                if hasattr(body, "place"):
+                    body.place(device)
+
 
 def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -> Pipeline:
     """Resolve the plan, cut ``module``, build the groups and keep only this rank's stages (collective).
@@ -186,6 +198,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     mesh.init_groups(device_type=device.type)
     module._device_mesh = mesh.device_mesh  # what `LightningModule.device_mesh` reads, as under ModelParallelStrategy
     stage_ids = positions[mesh.position]
+    liveness.set_role(grid=mesh.grid, stages=positions, tp=mesh.tp, step=inputs.global_step)  # named in heartbeats
     blocks = block_names(module) if inputs.sharding.sharded else []  # FSDP2's units, named before the cut drops any
     aliases = tied_aliases(module, cut.shared)  # before the cut drops the units some of the names live in
     cut.keep_only(module, stage_ids)
@@ -213,7 +226,9 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     view = StageView(stages["train"], eval_stages=stages["eval"], pp_group=mesh.pp_group if pp > 1 else None,
                      dp_group=mesh.dp_group, microbatch=runner.current_microbatch, step=inputs.global_step,
                      step_checks=runner.step_checks, repeated_names=repeated,
-                     named_parameters=lambda: dict(module.named_parameters()))
+                     named_parameters=lambda: dict(module.named_parameters()), rank=inputs.rank,
+                     stage_ranks={k: sorted(mesh.replica_ranks(r)) for r, ks in enumerate(positions) for k in ks},
+                     recompute=recompute)
     inputs.precision.configure_stages(plan, view, inputs.trainer_precision, device, rank_kinds[inputs.rank])
     runner.sharded = _shard(module, plan, stages["train"], mesh, inputs, blocks)
     if runner.sharded is not None:

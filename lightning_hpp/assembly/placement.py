@@ -195,7 +195,7 @@ def _measure(units: Sequence[tuple[str, nn.Module]], example_args: tuple, kind: 
             profile.meta["fixed_ms"] = f"not measured: {err}"
     per_mb, per_step = 0.0, 0.0
     if _dist.initialized():  # torch pipelining needs a process group: this rank alone
-        alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        alone = _dist.new_group([dist.get_rank()], use_local_synchronization=True)
         per_mb, per_step = calibrate.schedule_overheads(device, alone)
     loss_ms, loss_fixed = calibrate.loss_costs(loss_probe, small, big, device) if loss_probe is not None else (0.0, 0.0)
     profile.entries[0].overheads = Overheads(

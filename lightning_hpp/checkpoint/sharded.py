@@ -92,7 +92,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.storage import WriteResult
 
-from lightning_hpp._dist import all_gather_object, initialized
+from lightning_hpp._dist import all_gather_object, initialized, new_group
 from lightning_hpp.checkpoint.s3 import redact
 from lightning_hpp.checkpoint.store import (
     METADATA_FILE,
@@ -572,7 +572,7 @@ def _async_group(group: Any) -> Any:
         return None
     ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
     if ranks not in _ASYNC_GROUPS:
-        _ASYNC_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo")
+        _ASYNC_GROUPS[ranks] = new_group(list(ranks), backend="gloo")  # with the job's timeout
     return _ASYNC_GROUPS[ranks]
 
 

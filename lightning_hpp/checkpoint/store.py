@@ -71,6 +71,7 @@ import fsspec
 import tenacity
 from fsspec.core import url_to_fs
 
+from lightning_hpp import liveness
 from lightning_hpp.checkpoint.s3 import DEFAULT_MAX_ATTEMPTS, RETRY_MODES, redact, s3_storage_options
 from lightning_hpp.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from lightning_hpp.validation import check_bool, check_choice, check_int, check_number
@@ -476,8 +477,10 @@ def remove_metadata(ckpt_url: str, *, retry: RetryPolicy | None = None) -> bool:
 
 
 def _lookup(retry: RetryPolicy | None, fn: Callable[[], T], what: str) -> T:
-    """A lookup or small read, retried whole on transient errors on every store (module docstring)."""
-    return (retry or RetryPolicy()).call(fn, what=what)
+    """A lookup or small read, retried whole on transient errors on every store (module docstring); named in this
+    rank's heartbeat while it runs, so that a store that does not answer is named by the ranks waiting for it."""
+    with liveness.activity(redact(what)):
+        return (retry or RetryPolicy()).call(fn, what=what)
 
 
 def read_metadata(ckpt_url: str, *, retry: RetryPolicy | None = None) -> dict[str, Any]:

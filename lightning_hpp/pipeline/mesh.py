@@ -233,18 +233,23 @@ class Mesh:
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
+        from lightning_hpp._dist import mesh_backend_override, new_group
+
         self._check_pipelines_ascend()
         if not dist.is_initialized():
             raise PlanError("Mesh.init_groups() needs the default process group: call "
                             "torch.distributed.init_process_group first.")
         # every rank passes the same tensor; DeviceMesh creates the groups of each dimension in turn
         # (new_group / split_group, both collective, both ordering a group's ranks by global rank) and
-        # reuses the default group for a dimension that spans the world
+        # reuses the default group for a dimension that spans the world; every group takes the job's timeout
+        # (`HPPStrategy(timeout=...)`), which a group made without one does not inherit from the default group
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        override = mesh_backend_override(len(DIM_NAMES))
         mesh = DeviceMesh(device_type or default_device_type(), torch.tensor(self.grid, dtype=torch.int).reshape(shape),
-                          mesh_dim_names=DIM_NAMES)
-        self.dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(DP_DIM)
-        self.device_mesh, self._groups = mesh, {"dp": self.dp_mesh.get_group(), "step": dist.new_group()}
+                          mesh_dim_names=DIM_NAMES, backend_override=override)
+        flat = override[0] if override else None
+        self.dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(DP_DIM, backend_override=flat)
+        self.device_mesh, self._groups = mesh, {"dp": self.dp_mesh.get_group(), "step": new_group()}
 
     def groups_over_positions(self, position_sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], Any]:
         """For each set of pipeline positions, the group of this pipeline's ranks at them (collective:
@@ -253,13 +258,13 @@ class Mesh:
 
         Made with ``new_group`` rather than from :attr:`device_mesh`: a ``DeviceMesh`` has groups for
         whole dimensions only, not for a subset of one."""
-        import torch.distributed as dist
+        from lightning_hpp._dist import new_group
 
         mine: dict[tuple[int, ...], Any] = {}
         for positions in position_sets:
             for c in range(self.dp * self.tp):
                 ranks = sorted(self.grid[r][c] for r in positions)
-                g = dist.new_group(ranks)
+                g = new_group(ranks)
                 if self.rank in ranks:
                     mine[positions] = g
             mine.setdefault(positions, None)

@@ -6,8 +6,13 @@ Each measurement is cheap (well under a second on a CPU core) and runs on the ra
   one-stage schedule of a trivial module on a one-rank group, run with 1 and with 8 micro-batches;
 * :func:`optimizer_ms_per_mb`: an SGD-with-momentum update per MB of parameters (``foreach``);
 * :func:`loss_costs`: the step's loss and its backward at two micro-batch sizes (fixed + per sample);
-* :func:`p2p_costs` (collective): latency and bandwidth of a send/recv between ranks 0 and 1;
+* :func:`p2p_links` (collective): latency and bandwidth of a send/recv on the link between every pair of
+  ranks (any pair may become a stage boundary), and :func:`p2p_costs`, the slowest of them: a plan whose
+  boundary crosses nodes is not costed at intra-node speed;
 * :func:`allreduce_gbps` (collective): the bus bandwidth of an all-reduce over every rank.
+
+Times are taken on the device's clock (:func:`~lightning_hpp._timing.device_clock`): CUDA events on CUDA,
+where kernels and NCCL transfers run asynchronously and a host clock would time their launch.
 """
 
 from __future__ import annotations
@@ -20,24 +25,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hpp._timing import device_clock, time_ms
+
 _REPEATS = 5
 _ROUNDS = 7
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _mean_ms(fn: Callable[[], Any], device: torch.device, repeats: int = _REPEATS, min_s: float = 0.05) -> float:
     fn()  # warm-up
-    _sync(device)
-    n, t0 = 0, time.perf_counter()
+    clock = device_clock(device)
+    n, start, t0 = 0, clock.mark(), time.perf_counter()
     while n < repeats or time.perf_counter() - t0 < min_s:
         fn()
         n += 1
-    _sync(device)
-    return (time.perf_counter() - t0) * 1e3 / n
+    return clock.elapsed_ns([(start, clock.mark())]) / 1e6 / n
 
 
 def schedule_overheads(device: torch.device, group: Any) -> tuple[float, float]:
@@ -94,38 +95,67 @@ def loss_costs(
 def p2p_costs(
     rank: int, world: int, device: torch.device, nbytes: int = 1 << 22, rounds: int = 5
 ) -> tuple[float, float]:
-    """``(latency_ms, GB/s)`` of one message between ranks 0 and 1 (collective over the world).
+    """``(latency_ms, GB/s)`` of the slowest link between two ranks of the job (collective over the world).
 
-    Ranks 0 and 1 ping-pong a 4-byte and an ``nbytes`` tensor; the result is broadcast from rank 0.
-    With one rank, ``(0.0, 0.0)`` (nothing is measured; the cluster's link speed applies).
+    Every pair is measured (:func:`p2p_links`): the plan's boundaries are not known yet, and one that crosses
+    nodes must not be costed at the speed of two ranks of one node. With one rank, ``(0.0, 0.0)`` (nothing is
+    measured; the cluster's link speed applies).
+    """
+    links = p2p_links(rank, world, device, nbytes, rounds)
+    if not links:
+        return 0.0, 0.0
+    return max(lat for lat, _ in links.values()), min(gbps for _, gbps in links.values())
+
+
+def p2p_links(
+    rank: int, world: int, device: torch.device, nbytes: int = 1 << 22, rounds: int = 5
+) -> dict[tuple[int, int], tuple[float, float]]:
+    """``{(a, b): (latency_ms, GB/s)}`` of a message between every pair of ranks ``a < b`` (collective over the world).
+
+    The pairs are measured in ``world - 1`` rounds of disjoint pairs (a round-robin tournament): in each round
+    every rank ping-pongs a 4-byte and an ``nbytes`` tensor with its partner, timed on the device's clock. The
+    lower rank of a pair measures; the table is gathered onto every rank.
     """
     import torch.distributed as dist
 
-    comm = torch.device("cpu") if world == 1 or dist.get_backend() == "gloo" else device
-    out = torch.zeros(2, dtype=torch.float64, device=comm)
-    if world > 1 and rank in (0, 1):
-        peer = 1 - rank
+    if world == 1:
+        return {}
+    comm = torch.device("cpu") if dist.get_backend() == "gloo" else device
+    mine: dict[tuple[int, int], tuple[float, float]] = {}
+    for peer in _partners(rank, world):
+        if peer is None:
+            continue
         times = []
         for size in (1, nbytes // 4):
             buf = torch.zeros(size, device=comm)
             for _ in range(2):  # warm-up
                 _ping(buf, rank, peer)
-            t0 = time.perf_counter()
-            for _ in range(rounds):
-                _ping(buf, rank, peer)
-            times.append((time.perf_counter() - t0) * 1e3 / (2 * rounds))  # one message
-        lat, big = times
-        out[0] = lat
-        out[1] = (nbytes / 1e6) / max(big - lat, 1e-6)  # bytes per ms / 1e6 = GB/s
-    if world > 1:
-        dist.broadcast(out, 0)
-    return float(out[0]), float(out[1])
+            times.append(time_ms(lambda: _ping(buf, rank, peer), comm, rounds) / 2)  # one message
+        if rank < peer:
+            lat, big = times
+            mine[(rank, peer)] = (lat, (nbytes / 1e6) / max(big - lat, 1e-6))  # bytes per ms / 1e6 = GB/s
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return {pair: link for part in gathered for pair, link in part.items()}
+
+
+def _partners(rank: int, world: int) -> list[int | None]:
+    """This rank's partner in each round of a round-robin tournament over ``world`` ranks (``None``: a bye)."""
+    n = world + world % 2
+    seats = list(range(n))
+    out: list[int | None] = []
+    for _ in range(n - 1):
+        i = seats.index(rank)
+        peer = seats[n - 1 - i]
+        out.append(peer if peer < world else None)
+        seats = [seats[0], seats[-1], *seats[1:-1]]
+    return out
 
 
 def _ping(buf: torch.Tensor, rank: int, peer: int) -> None:
     import torch.distributed as dist
 
-    if rank == 0:
+    if rank < peer:
         dist.send(buf, peer)
         dist.recv(buf, peer)
     else:
@@ -146,12 +176,7 @@ def allreduce_gbps(world: int, device: torch.device, latency_ms: float, nbytes: 
     comm = torch.device("cpu") if dist.get_backend() == "gloo" else device
     buf = torch.zeros(nbytes // 4, device=comm)
     dist.all_reduce(buf)  # warm-up
-    _sync(comm)
-    t0 = time.perf_counter()
-    for _ in range(rounds):
-        dist.all_reduce(buf)
-    _sync(comm)
-    ms = (time.perf_counter() - t0) * 1e3 / rounds - 2 * (world - 1) * latency_ms
+    ms = time_ms(lambda: dist.all_reduce(buf), comm, rounds) - 2 * (world - 1) * latency_ms
     out = torch.tensor([2.0 * (world - 1) / world * nbytes / 1e6 / max(ms, 1e-6)], dtype=torch.float64, device=comm)
     dist.broadcast(out, 0)
     return float(out[0])

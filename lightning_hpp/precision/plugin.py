@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from lightning_hpp._dist import group_device, initialized
 from lightning_hpp.errors import PlanError
 from lightning_hpp.planning.plan import normalize_precision
-from lightning_hpp.precision import fp8
+from lightning_hpp.precision import fp8, fp8_verdict
 from lightning_hpp.precision.clipping import (
     StageOptimizer,
     algorithm_name,
@@ -74,6 +74,10 @@ class StageView:
         repeated_names: For each held stage, the parameters (by the LightningModule's names) an earlier stage
             holds too: tied weights, counted once in the pipeline's gradient norm.
         named_parameters: The LightningModule's parameters by name (read at first use, after the casts).
+        rank: This process's global rank.
+        stage_ranks: The global ranks holding each stage (every replica): an fp8 stage's verdict is taken for
+            their devices (:mod:`~lightning_hpp.precision.fp8_verdict`); empty: this rank holds every stage.
+        recompute: Whether each stage recomputes its activations in the backward (activation checkpointing).
     """
 
     stages: dict[int, nn.Module]
@@ -86,6 +90,9 @@ class StageView:
     step_checks: list[Any] = field(default_factory=list)
     repeated_names: dict[int, set[str]] = field(default_factory=dict)
     named_parameters: Callable[[], dict[str, Tensor]] = dict
+    rank: int = 0
+    stage_ranks: dict[int, list[int]] = field(default_factory=dict)
+    recompute: list[bool] = field(default_factory=list)
 
     @functools.cached_property
     def params(self) -> list[Tensor]:
@@ -198,21 +205,17 @@ class HPPPrecision(Precision):
         last = len(precs) - 1
         guard = BoundaryGuard(self.nonfinite, view.microbatch, view.step, self._scaled, last_stage=last)
         view.step_checks.append(guard)
-        labels: list[str] = []
         captured = any(getattr(sm, "captured", False) for sm in view.stages.values())  # one frontend for all stages
-        for k, p in enumerate(precs):  # every stage, on every rank: all ranks refuse the same plan alike
-            if p == "fp8":
-                backend = fp8.check_fp8_stage(k, device, device_kind, self.fp8_backend)
-                if backend == "te" and captured:
-                    raise PlanError(
-                        f"Stage {k} runs in fp8 through Transformer Engine, which replaces `nn.Linear` modules, but the "
-                        f"traced frontend runs stage {k} as a captured graph. Use `HPPPrecision(fp8_backend='emulate')` "
-                        f"(fp8 numerics, not fp8 speed), precision='bf16-mixed' for stage {k}, or cut it between "
-                        f"top-level modules so that the sequential frontend runs it as written."
-                    )
-                labels.append(fp8.describe_backend(backend, self.fp8_recipe, device.type))
-            else:
-                labels.append(p)
+        verdicts = self._fp8_verdicts(precs, view, device, device_kind)  # every fp8 stage, the same on every rank
+        for k, v in verdicts.items():
+            if v.backend == "te" and captured:
+                raise PlanError(
+                    f"Stage {k} runs in fp8 through Transformer Engine, which replaces `nn.Linear` modules, but the "
+                    f"traced frontend runs stage {k} as a captured graph. Use `HPPPrecision(fp8_backend='emulate')` "
+                    f"(fp8 numerics, not fp8 speed), precision='bf16-mixed' for stage {k}, or cut it between "
+                    f"top-level modules so that the sequential frontend runs it as written."
+                )
+        labels = [verdicts[k].label if k in verdicts else p for k, p in enumerate(precs)]
         held = [*view.stages.items(), *((k, sm) for k, sm in (view.eval_stages or {}).items() if sm is not view.stages.get(k))]
         emulations: dict[int, fp8.EmulatedFP8Mode] = {}  # one per stage: its train and eval graphs share amaxes
         for k, sm in held:
@@ -222,7 +225,7 @@ class HPPPrecision(Precision):
                 emulation.adopt(sm.parameters())
                 sm.context = lambda emulation=emulation: emulation
             elif precs[k] == "fp8":
-                backend = fp8.check_fp8_stage(k, device, device_kind, self.fp8_backend)
+                backend = verdicts[k].run_as
                 fp8.convert_module_to_fp8(sm, backend, self.fp8_recipe)
                 sm.context = _fp8_context(backend, self.fp8_recipe, view.dp_group if backend == "te" else None)
             elif mode.autocast_dtype is not None:
@@ -238,6 +241,17 @@ class HPPPrecision(Precision):
         plan.meta["boundary_dtypes"] = [str(MODES[p].wire_dtype).replace("torch.", "") for p in precs[:-1]]
         if self._scaled:
             plan.meta["loss_scaling"] = "dynamic (fp16 stages present)"
+
+    def _fp8_verdicts(self, precs: list[str], view: StageView, device: torch.device,
+                      device_kind: str) -> dict[int, fp8_verdict.Verdict]:
+        """Each fp8 stage's backend, decided for the devices of the ranks that hold it (collective over the world
+        where Transformer Engine is asked for: every rank reports its device's capabilities)."""
+        stages = [k for k, p in enumerate(precs) if p == "fp8"]
+        if not stages:
+            return {}
+        ranks = view.stage_ranks or {k: [view.rank] for k in stages}
+        caps = [] if self.fp8_backend == "emulate" else fp8_verdict.gather_capabilities(view.rank, device_kind, device)
+        return fp8_verdict.decide(stages, ranks, caps, self.fp8_backend, self.fp8_recipe, view.recompute, device.type)
 
     # ------------------------------------------------------------------ Lightning hooks
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:

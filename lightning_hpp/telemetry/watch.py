@@ -5,9 +5,11 @@ A heterogeneous pipeline is planned for measured device speeds; when one device 
 on by default (``PlacementOptions(watch="warn")``), notices it.
 
 Measuring. Each rank times its own stages' compute (``forward_one_chunk``, ``backward_one_chunk``,
-``backward_weight_one_chunk``: two clock reads per action) and each wait on a pipeline transfer
+``backward_weight_one_chunk``: two clock marks per action) and each wait on a pipeline transfer
 (torch's ``_batch_p2p`` / ``_wait_batch_p2p``, through which every schedule sends and receives),
-per training step. Nothing is exchanged for it: every rank compares its own numbers with its own
+per training step, on its device's clock (:func:`~lightning_hpp._timing.device_clock`: CUDA events on
+CUDA, whose kernels run asynchronously, read when the step's times are next looked at; the host clock on
+CPU). Nothing is exchanged for it: every rank compares its own numbers with its own
 recent past (:class:`SlowdownDetector`):
 
 * the first ``warmup`` steps are ignored (allocation, first-touch, thread start-up);
@@ -68,6 +70,7 @@ from lightning.pytorch import Callback
 from torch.distributed.pipelining import schedules as _S
 
 from lightning_hpp._dist import all_gather_object
+from lightning_hpp._timing import HostClock, device_clock
 from lightning_hpp.errors import PlacementError, TransferError
 from lightning_hpp.pipeline.mesh import stages_of_position
 from lightning_hpp.pipeline.view import pipeline_view
@@ -294,13 +297,14 @@ class _StepTimer:
         self.rank = rank
         self.describe_peer = describe_peer
         self.timeout_s = timeout_s
-        self.compute_ns = 0
-        self.wait_ns = 0
-        self.wait_peer: int | None = None
+        self.clock: Any = HostClock()  # the stages' device's (set when a schedule is instrumented)
+        self.compute: list[tuple[Any, Any]] = []  # this step's compute spans (clock marks)
+        self.waits: list[tuple[Any, Any, int]] = []  # this step's transfer waits: marks and peer
         self.fresh = False  # the times of a step no one has read yet
         self.label = 0  # the global step being run (set by the watch)
         self.fresh_label = 0  # the global step the fresh times are of
-        self.fresh_times: tuple[int, int, int | None] = (0, 0, None)  # its compute ns, longest wait ns and peer
+        self._fresh: tuple[Any, list, list] | None = None  # the last step's spans, read at the first look
+        self._fresh_times: tuple[int, int, int | None] = (0, 0, None)
         self.enabled = True
         self._in_step = False
         self._failed: tuple[str, int] | None = None
@@ -309,7 +313,9 @@ class _StepTimer:
         """Wrap a training schedule and its stages (a ``PipelineRunner.schedule_observers`` callable)."""
         if not getattr(schedule, "_has_backward", False) or getattr(schedule, "_hpp_watch", None) is self:
             return
-        for stage in (list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]):
+        stages = list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
+        self.clock = device_clock(stages[0].device)
+        for stage in stages:
             if getattr(stage, "_hpp_watch", None) is not self:
                 for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                     setattr(stage, name, self._timed(getattr(stage, name)))
@@ -317,7 +323,7 @@ class _StepTimer:
         step = schedule.step
 
         def timed_step(*args: Any, **kwargs: Any) -> Any:
-            self.compute_ns, self.wait_ns, self.wait_peer, self._failed = 0, 0, None, None
+            self.compute, self.waits, self._failed = [], [], None
             self._in_step = self.enabled
             try:
                 return step(*args, **kwargs)
@@ -328,27 +334,43 @@ class _StepTimer:
             finally:
                 self.fresh, self._in_step = self._in_step, False
                 if self.fresh:
-                    self.fresh_label, self.fresh_times = self.label, (self.compute_ns, self.wait_ns, self.wait_peer)
+                    self.fresh_label, self._fresh = self.label, (self.clock, self.compute, self.waits)
 
         schedule.step = timed_step
         schedule._hpp_watch = self
         _install_p2p_hooks()
 
+    @property
+    def fresh_times(self) -> tuple[int, int, int | None]:
+        """The last step's compute ns, longest transfer wait ns and its peer (its clock's marks read now)."""
+        if self._fresh is not None:
+            clock, compute, waits = self._fresh
+            self._fresh = None
+            longest = max(((clock.elapsed_ns([(a, b)]), peer) for a, b, peer in waits), default=(0, None),
+                          key=lambda w: w[0])
+            self._fresh_times = (clock.elapsed_ns(compute), longest[0], longest[1])
+        return self._fresh_times
+
+    @fresh_times.setter
+    def fresh_times(self, times: tuple[int, int, int | None]) -> None:
+        self._fresh, self._fresh_times = None, times
+
     def _timed(self, fn: Callable) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not self._in_step:
                 return fn(*args, **kwargs)
-            t0 = time.perf_counter_ns()
+            t0 = self.clock.mark()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.compute_ns += time.perf_counter_ns() - t0
+                self.compute.append((t0, self.clock.mark()))
 
         return wrapper
 
-    def note_wait(self, ns: int, peer: int) -> None:
-        if self._in_step and ns > self.wait_ns:
-            self.wait_ns, self.wait_peer = ns, peer
+    def note_wait(self, start: Any, end: Any, peer: int) -> None:
+        """A transfer wait from clock mark ``start`` to ``end`` on the receive from (or send to) ``peer``."""
+        if self._in_step:
+            self.waits.append((start, end, peer))
 
     def note_failure(self, what: str, peer: int) -> None:
         if self._failed is None:
@@ -389,7 +411,7 @@ def _watch_wait_batch_p2p(work: list) -> None:
     timer = _TIMERS[-1]
     for w in work:
         tag = _TAGS.pop(id(w), None)
-        t0 = time.perf_counter_ns()
+        t0 = timer.clock.mark()
         try:
             _PREV["_wait_batch_p2p"]([w])
         except RuntimeError:
@@ -397,7 +419,7 @@ def _watch_wait_batch_p2p(work: list) -> None:
                 timer.note_failure(*tag)
             raise
         if tag is not None:
-            timer.note_wait(time.perf_counter_ns() - t0, tag[1])
+            timer.note_wait(t0, timer.clock.mark(), tag[1])
     return None
 
 
