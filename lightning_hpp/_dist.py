@@ -147,7 +147,9 @@ def broadcast_in_buckets(tensors: list[torch.Tensor], src: int = 0, group: Any =
     limit = BROADCAST_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     for bucket in _buckets(tensors, limit):
         flat = stage(bucket, device)
-        dist.broadcast(flat, src, group=group)
+        work = dist.broadcast(flat, src, group=group, async_op=True)
+        work.wait()
+        del work  # the work holds the bucket too: release it before the next bucket is staged
         with torch.no_grad():
             offset = 0
             for t in bucket:

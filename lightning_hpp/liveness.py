@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 BEAT_S = 1.0
 """How often a rank publishes its heartbeat record."""
@@ -174,8 +174,11 @@ def sample_main_thread() -> Sample:
     frame = sys._current_frames().get(threading.main_thread().ident)
     frames = []
     while frame is not None and len(frames) < 200:
-        frames.append(frame)
+        # what is read of a frame, not the frame: a frame held here would keep its locals alive past their return
+        # (a start-up broadcast's bucket staged on the device, the next one staged beside it)
+        frames.append(_Frame(frame.f_code, frame.f_lineno, frame.f_globals))
         frame = frame.f_back
+    del frame
     if not frames:
         return Sample("not running Python code", False)
     signature = tuple((f.f_code, f.f_lineno) for f in frames[:16])
@@ -197,6 +200,14 @@ def sample_main_thread() -> Sample:
     if _ACTIVITY:
         text = f"{_ACTIVITY[-1]}: {text}"
     return Sample(("waiting on a peer in " if waiting else "in ") + text, waiting, signature)
+
+
+class _Frame(NamedTuple):
+    """The parts of a frame the diagnosis reads (its code, line and module), without its locals."""
+
+    f_code: Any
+    f_lineno: int
+    f_globals: dict
 
 
 def _module(frame: Any) -> str:
