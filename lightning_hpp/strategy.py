@@ -157,8 +157,8 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         # shard over replicas only: every stage of one pipeline must see the same batch
         if self._pipeline is not None:
             return {"num_replicas": self._pipeline.mesh.dp, "rank": self._pipeline.mesh.replica}
-        replicas = self.world_size // self._spec.pp_before_setup(self.world_size, self.lightning_module)
-        return {"num_replicas": replicas, "rank": self.global_rank % replicas}
+        dims = self._spec.dims_before_setup(self.world_size, self.lightning_module, self._sharding)
+        return {"num_replicas": dims.dp, "rank": dims.replica_of(self.global_rank)}
 
     @override
     def _configure_launcher(self) -> None:

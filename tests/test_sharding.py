@@ -45,19 +45,50 @@ def test_sharding_is_taken_as_a_section_or_a_dict():
     assert not ShardingOptions().sharded and ShardingOptions(data_parallel="fsdp").sharded
 
 
-@pytest.mark.parametrize("options, dp, dims", [
-    (ShardingOptions(), 4, (4, 1)),
-    (ShardingOptions(data_parallel="fsdp"), 4, (1, 4)),
-    (ShardingOptions(data_parallel="hsdp", dp_replicate=2), 4, (2, 2)),
-    (ShardingOptions(data_parallel="hsdp", dp_replicate=1), 2, (1, 2)),
+@pytest.mark.parametrize("options, world, pp, dims", [
+    (ShardingOptions(), 8, 2, (2, 4, 1, 1)),
+    (ShardingOptions(data_parallel="fsdp"), 8, 2, (2, 1, 4, 1)),
+    (ShardingOptions(data_parallel="hsdp", dp_replicate=2), 8, 2, (2, 2, 2, 1)),
+    (ShardingOptions(data_parallel="hsdp", dp_replicate=1), 4, 2, (2, 1, 2, 1)),
+    (ShardingOptions(data_parallel="fsdp", tp_degree=2), 8, 2, (2, 1, 2, 2)),
+    (ShardingOptions(tp_degree=2), 8, 2, (2, 2, 1, 2)),
 ])
-def test_the_data_parallel_shape_rule(options, dp, dims):
-    assert options.dp_dims(dp) == dims
+def test_the_data_parallel_shape_rule(options, world, pp, dims):
+    got = options.dims(world, pp)
+    assert got.shape == dims and got.world_size == world and got.dp == world // (pp * options.tp_degree)
+
+
+def test_one_value_owns_the_degree_arithmetic():
+    from lightning_hpp.pipeline.dims import ParallelDims
+
+    dims = ParallelDims(pp=2, dp_replicate=1, dp_shard=2, tp=2)
+    assert (dims.dp, dims.width, dims.world_size, dims.data_parallel) == (2, 4, 8, "fsdp")
+    # pipeline-outer: the ranks of a position contiguous, a replica's tp ranks neighbours
+    assert dims.default_grid() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [dims.replica_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    # a grid of tp groups (what the kinds place) expands to neighbouring ranks per group
+    assert dims.expand_tp([[0, 1], [2, 3]]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert ParallelDims(dp_replicate=2, dp_shard=2).data_parallel == "hsdp"
+    with pytest.raises(PlanError, match=r"`ParallelDims\(tp=0\)`: every degree must be an integer >= 1"):
+        ParallelDims(tp=0)
+
+
+@pytest.mark.parametrize("world, pp, options, message", [
+    (4, 8, ShardingOptions(), r"`HPPStrategy\(pp_degree=8\)` needs at least 8 processes, one per pipeline position"),
+    (6, 4, ShardingOptions(), r"World size 6 is not divisible by pp_degree=4; world_size must equal pp_degree × "
+                              r"dp_degree. Use devices × num_nodes = a multiple of 4, or change pp_degree."),
+    (6, 2, ShardingOptions(tp_degree=2), r"World size 6 is not divisible by pp_degree=2 × tp_degree=2.*or tp_degree"),
+])
+def test_degrees_the_world_cannot_form_are_refused_naming_the_sizes(world, pp, options, message):
+    with pytest.raises(PlanError, match=message):
+        options.dims(world, pp)
+    with pytest.raises(PlanError, match=r"The plan has 6 stages \(pp_degree=6\) but the job has 4 processes"):
+        ShardingOptions().dims(4, 6, "The plan has 6 stages")
 
 
 def test_hsdp_replicas_that_do_not_split_evenly_are_refused():
     with pytest.raises(ShardingError, match=r"dp_replicate=2\)`: each stage has 3 replicas.*divides 3 \(\[1, 3\]\)"):
-        ShardingOptions(data_parallel="hsdp", dp_replicate=2).dp_dims(3)
+        ShardingOptions(data_parallel="hsdp", dp_replicate=2).dims(6, 2)
 
 
 # ============================================================================ sharded stages in real processes

@@ -137,10 +137,8 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     world, device = inputs.world_size, inputs.device
     free_sharding = inputs.sharding is None  # plan="auto" may shard the stages where only that fits
     inputs = dataclasses.replace(inputs, sharding=inputs.sharding or ShardingOptions())
-    if spec.pp_degree is not None and spec.pp_degree > world:
-        raise PlanError(f"`HPPStrategy(pp_degree={spec.pp_degree})` needs at least {spec.pp_degree} processes, one per pipeline "
-                        f"position, but the job has {world}. Lower `pp_degree`, or start more processes "
-                        f"(`Trainer(devices=..., num_nodes=...)`).")
+    if spec.pp_degree is not None:  # the sizes, before the plan is resolved
+        inputs.sharding.dims(world, spec.pp_degree)
     inputs.placement.check_world(world)
     rank_kinds = gather_kinds(device, inputs.rank, inputs.placement.device_map)
     tp = inputs.sharding.tp_degree
@@ -163,15 +161,11 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         check_frontend(tp_plan, cut.frontend, type(module).__name__)
     plan = cut.plan
     pp = resolved.pp(plan)
-    if pp > world or (resolved.pp_degree is None and plan.num_stages > world * resolved.kind.stages_per_rank):
-        raise PlanError(
-            f"The plan has {plan.num_stages} stages (pp_degree={pp}) but the job has {world} processes. "
-            f"Use at least {pp} processes (`Trainer(devices=..., num_nodes=...)`), or a plan with fewer stages."
-        )
+    dims = inputs.sharding.dims(world, pp, None if resolved.pp_degree is not None else f"The plan has {plan.num_stages} stages")
     check_schedule(resolved.schedule, plan.num_stages, pp, resolved.n_microbatches)
     positions = [stages_of_position(r, pp, plan.num_stages, resolved.kind.style) for r in range(pp)]
-    grid = resolved.grid if resolved.grid is not None else kind_grid(plan, positions, rank_kinds, pp, world // pp)
-    mesh = _mesh(world, pp, inputs, grid)
+    grid = resolved.grid if resolved.grid is not None else kind_grid(plan, positions, rank_kinds, dims)
+    mesh = Mesh.build(dims, inputs.rank, grid)
     plan.meta["device_kinds"] = rank_kinds
     mesh.init_groups(device_type=device.type)
     module._device_mesh = mesh.device_mesh  # what `LightningModule.device_mesh` reads, as under ModelParallelStrategy
@@ -226,19 +220,6 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     return Pipeline(module=module, plan=plan, mesh=mesh, stage_ids=tuple(stage_ids), schedule=resolved.schedule,
                     n_microbatches=resolved.n_microbatches, split=resolved.split, frontend=cut.frontend, reason=cut.reason,
                     rank_kinds=tuple(rank_kinds), runner=runner, grads=grads)
-
-
-def _mesh(world: int, pp: int, inputs: SetupInputs, grid: list[list[int]] | None) -> Mesh:
-    """The rank grid of ``pp`` positions with the sharding options' data-parallel shape.
-
-    Raises:
-        ShardingError: an hsdp ``dp_replicate`` that does not divide the replicas.
-    """
-    sharding, tp = inputs.sharding, inputs.sharding.tp_degree
-    if world % (pp * tp):
-        return Mesh.build(world, pp, inputs.rank, grid=grid, tp=tp)  # refused there, with the sizes
-    _, dp_shard = sharding.dp_dims(world // (pp * tp))
-    return Mesh.build(world, pp, inputs.rank, grid=grid, dp_shard=dp_shard, tp=tp)
 
 
 def _tp_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, world: int) -> TPPlan:
@@ -318,7 +299,7 @@ def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, bat
     if spec.plan is None:
         plan = spec.decorated_plan(module)
         if plan is None:
-            n = (spec.pp_degree or inputs.world_size) * spec.kind.stages_per_rank
+            n = spec.pp_before_setup(inputs.world_size, None, inputs.sharding.tp_degree) * spec.kind.stages_per_rank
             if n == 1:  # one process, or pp_degree=1: the whole model is one stage, data parallel over the ranks
                 plan = StagePlan([StageSpec(modules=[name for name, _ in find_units(module)])])
             else:

@@ -27,7 +27,8 @@ from lightning_hpp.errors import MicroBatchError, PlacementError
 from lightning_hpp.pipeline.microbatch import batch_size_of, split_batch
 from lightning_hpp.pipeline.steps import extract_loss, no_log, redirected, replay_forward
 from lightning_hpp.planning import calibrate
-from lightning_hpp.planning.devices import assign_ranks, detect_device_kind, precision_preference
+from lightning_hpp.pipeline.dims import ParallelDims
+from lightning_hpp.planning.devices import assign_ranks, detect_device_kind, precision_preference, tp_group_kinds
 from lightning_hpp.planning.partition import DEFAULT_LINK_GBPS
 from lightning_hpp.planning.plan import StagePlan
 from lightning_hpp.planning.profile import (
@@ -53,21 +54,21 @@ def gather_kinds(device: torch.device, rank: int, device_map: Any = None) -> lis
     return all_gather_object(kind)
 
 
-def kind_grid(plan: StagePlan, positions: list[list[int]], rank_kinds: list[str], pp: int, dp: int) -> list[list[int]] | None:
-    """The ``grid[position][replica]`` of global ranks that honours the stages' ``device`` kinds.
+def kind_grid(plan: StagePlan, positions: list[list[int]], rank_kinds: list[str], dims: ParallelDims) -> list[list[int]] | None:
+    """The ``grid[position][replica · tp + tp_rank]`` of global ranks that honours the stages' ``device`` kinds.
 
     Args:
         plan: The resolved plan.
         positions: The stage indices held by each pipeline position.
         rank_kinds: Every rank's kind.
-        pp, dp: Pipeline and data-parallel degrees.
+        dims: The job's degrees; a replica's ``tp`` ranks are neighbours of one kind.
 
     Returns:
         ``None`` when no stage asks for a kind (the default layout applies).
 
     Raises:
-        PlacementError: kinds that are absent or too few (the message lists every rank's kind), or
-            stages sharing a rank that ask for different kinds.
+        PlacementError: kinds that are absent or too few (the message lists every rank's kind), stages
+            sharing a rank that ask for different kinds, or a tensor-parallel group of mixed kinds.
     """
     if all(s.device is None for s in plan.stages):
         return None
@@ -80,7 +81,8 @@ def kind_grid(plan: StagePlan, positions: list[list[int]], rank_kinds: list[str]
                 f"that run on one rank must ask for the same kind (or none)."
             )
         position_kinds.append(next(iter(wanted), None))
-    return assign_ranks(position_kinds, rank_kinds, pp, dp)
+    groups = tp_group_kinds(rank_kinds, dims.tp)
+    return dims.expand_tp(assign_ranks(position_kinds, groups, dims.pp, dims.dp))
 
 
 def auto_plan(

@@ -16,6 +16,8 @@ from torch import nn
 from lightning_hpp.errors import PlanError, ScheduleError
 from lightning_hpp.model.frontend import FRONTENDS
 from lightning_hpp.model.units import find_units
+from lightning_hpp.options import ShardingOptions
+from lightning_hpp.pipeline.dims import ParallelDims
 from lightning_hpp.pipeline.schedules import SCHEDULES, ScheduleKind
 from lightning_hpp.planning.plan import StagePlan
 from lightning_hpp.validation import check_bool, check_choice, check_int
@@ -88,16 +90,26 @@ class PipelineSpec:
         except PlanError:
             return None
 
-    def pp_before_setup(self, world_size: int, module: nn.Module | None) -> int:
-        """The pipeline degree as far as it is known before the plan is resolved (for Lightning's samplers)."""
+    def pp_before_setup(self, world_size: int, module: nn.Module | None, tp: int = 1) -> int:
+        """The pipeline degree as far as it is known before the plan is resolved: ``pp_degree``, the plan's (or the
+        decorators') stages per position, else one position per tensor-parallel group (``world_size / tp``)."""
         if self.pp_degree is not None:
             return self.pp_degree
         plan = self.plan if isinstance(self.plan, StagePlan) else None
         if plan is None and module is not None:
             plan = self.decorated_plan(module)
         if plan is None:
-            return world_size
+            return max(1, world_size // tp)
         return plan.num_stages // self.kind.stages_per_rank
+
+    def dims_before_setup(self, world_size: int, module: nn.Module | None, sharding: ShardingOptions | None) -> ParallelDims:
+        """The degrees as far as they are known before the plan is resolved (what Lightning's samplers read
+        before setup); one replica where they do not divide the world (setup refuses that, naming the sizes)."""
+        sharding = sharding or ShardingOptions()
+        try:
+            return sharding.dims(world_size, self.pp_before_setup(world_size, module, sharding.tp_degree))
+        except PlanError:
+            return ParallelDims(pp=max(1, world_size))
 
 
 @dataclass(frozen=True)
