@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_hpp.errors import PlacementError
 from lightning_hpp.assembly.placement import kind_grid
+from lightning_hpp.errors import PlacementError
 from lightning_hpp.pipeline.dims import ParallelDims
 from lightning_hpp.planning.plan import StagePlan, StageSpec
 from lightning_hpp.planning.profile import CostProfile, ProfileEntry, UnitCost

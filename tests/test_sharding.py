@@ -439,7 +439,7 @@ def test_a_placement_that_does_not_fit_is_refused_naming_the_stage_and_the_bytes
 
 
 def test_a_bias_monitor_keeps_plan_auto_on_unsharded_stages():
-    from lightning_hpp.assembly.callbacks import sharding_refusals
+    from lightning_hpp.assembly.compose import sharding_refusals
     from lightning_hpp.bias.monitor import BiasMonitor
 
     assert sharding_refusals([]) == []

@@ -91,28 +91,27 @@ def test_styles_are_torch_styles_and_unknown_ones_are_refused():
 def test_what_tensor_parallel_does_not_compose_with_yet_is_refused_at_setup():
     from types import SimpleNamespace
 
-    from lightning_hpp.assembly.build import _tp_plan
     from lightning_hpp.assembly.callbacks import refuse_unkept_setups
-    from lightning_hpp.assembly.spec import PipelineSpec
+    from lightning_hpp.assembly.compose import refuse_tensor_parallel
     from lightning_hpp.errors import ShardingError
     from lightning_hpp.options import ShardingOptions
     from lightning_hpp.planning.plan import StagePlan
 
     llama = LMWrapper("llama", layers=2)
-    tp2 = SimpleNamespace(sharding=ShardingOptions(tp_degree=2))
-    assert _tp_plan(llama, PipelineSpec(pp_degree=2), tp2, 4).styles  # pp 2 × tp 2 on 4 ranks: the Llama's own plan
+    tp2 = ShardingOptions(tp_degree=2)
+    refuse_tensor_parallel(None, False, 2, tp2, 4)  # pp 2 × tp 2 on 4 ranks
     cases = [
-        (PipelineSpec(plan="auto", pp_degree=2), tp2, 4, r"plan='auto': the planner does not model tensor parallelism"),
-        (PipelineSpec(pp_degree=2), SimpleNamespace(sharding=ShardingOptions(data_parallel="fsdp", tp_degree=2)), 8,
+        ((None, True, 2, tp2, 4), r"plan='auto': the planner does not model tensor parallelism"),
+        ((None, False, 2, ShardingOptions(data_parallel="fsdp", tp_degree=2), 8),
          r"data_parallel='fsdp': sharded stages do not compose"),
-        (PipelineSpec(), tp2, 4, r"give `HPPStrategy\(pp_degree=...\)` too"),
-        (PipelineSpec(pp_degree=2), tp2, 8, r"8 processes with pp_degree=2 are 2 replicas of each stage"),
-        (PipelineSpec(plan=StagePlan.split_at(["model.model.layers.1"], clip_norm=[None, 1.0]), pp_degree=2), tp2, 4,
+        ((None, False, None, tp2, 4), r"give `HPPStrategy\(pp_degree=...\)` too"),
+        ((None, False, 2, tp2, 8), r"8 processes with pp_degree=2 are 2 replicas of each stage"),
+        ((StagePlan.split_at(["model.model.layers.1"], clip_norm=[None, 1.0]), False, 2, tp2, 4),
          r"stages \[1\] clip their gradients"),
     ]
-    for spec, inputs, world, match in cases:
+    for args, match in cases:
         with pytest.raises(ShardingError, match=match):
-            _tp_plan(llama, spec, inputs, world)
+            refuse_tensor_parallel(*args)
     llama._trainer = SimpleNamespace(gradient_clip_val=0.5)
     with pytest.raises(PlanError, match=r"gradient_clip_val=0.5\)` with `ShardingOptions\(tp_degree=2\)`"):
         refuse_unkept_setups(llama, None, checkpoint_io=None, fitting=True, precision_flag="32-true",

@@ -31,10 +31,10 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
 
 from lightning_hpp._dist import broadcast_tensors
-from lightning_hpp.assembly.callbacks import sharding_refusals
+from lightning_hpp.assembly.compose import refuse_sharded, refuse_tensor_parallel, sharding_refusals
 from lightning_hpp.assembly.placement import auto_plan, gather_kinds, kind_grid, loss_probe
 from lightning_hpp.assembly.spec import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PipelineSpec, ResolvedPlan
-from lightning_hpp.errors import PartitionError, PlacementError, PlanError, ShardingError
+from lightning_hpp.errors import PartitionError, PlacementError, PlanError
 from lightning_hpp.model.frontend import balanced_plan, block_names, cut_model, planning_units
 from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, materialize_stages
 from lightning_hpp.model.units import find_units
@@ -48,7 +48,7 @@ from lightning_hpp.pipeline.runner import PipelineRunner
 from lightning_hpp.pipeline.schedules import check_schedule
 from lightning_hpp.pipeline.stage import StageModule
 from lightning_hpp.pipeline.steps import capture_input, count_forward_calls, second_call_error
-from lightning_hpp.pipeline.tensor_parallel import TPPlan, at_local_width, check_frontend, resolve_tp_plan, split_stages
+from lightning_hpp.pipeline.tensor_parallel import at_local_width, check_frontend, resolve_tp_plan, split_stages
 from lightning_hpp.planning.plan import StagePlan, StageSpec
 from lightning_hpp.precision.modes import MODES
 from lightning_hpp.precision.plugin import HPPPrecision, StageView
@@ -142,7 +142,9 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     inputs.placement.check_world(world)
     rank_kinds = gather_kinds(device, inputs.rank, inputs.placement.device_map)
     tp = inputs.sharding.tp_degree
-    tp_plan = _tp_plan(module, spec, inputs, world) if tp > 1 else None
+    if tp > 1:
+        refuse_tensor_parallel(spec.plan, spec.auto, spec.pp_degree, inputs.sharding, world)
+    tp_plan = resolve_tp_plan(module, tp) if tp > 1 else None
     meta = has_meta_parameters(module)
     if not meta:  # as DDP does: every replica (and every stage's copy of a shared weight) starts from rank 0's model
         broadcast_tensors([t for t in (*module.parameters(), *module.buffers()) if t is not None], src=0)
@@ -163,6 +165,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     pp = resolved.pp(plan)
     dims = inputs.sharding.dims(world, pp, None if resolved.pp_degree is not None else f"The plan has {plan.num_stages} stages")
     check_schedule(resolved.schedule, plan.num_stages, pp, resolved.n_microbatches)
+    refuse_sharded(inputs.sharding, inputs.precision.stage_precisions(plan, inputs.trainer_precision))
     positions = [stages_of_position(r, pp, plan.num_stages, resolved.kind.style) for r in range(pp)]
     grid = resolved.grid if resolved.grid is not None else kind_grid(plan, positions, rank_kinds, dims)
     mesh = Mesh.build(dims, inputs.rank, grid)
@@ -222,39 +225,6 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
                     rank_kinds=tuple(rank_kinds), runner=runner, grads=grads)
 
 
-def _tp_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, world: int) -> TPPlan:
-    """The tensor-parallel plan of ``module``'s stages (``tp_degree > 1``), where this version composes it.
-
-    Raises:
-        ShardingError: tensor parallel with ``plan="auto"``, sharded (fsdp / hsdp) stages, or several replicas
-            of each stage (their gradients' all-reduce does not yet take ``DTensor`` shards).
-        PlanError: no plan for the model, or one that ``tp_degree`` does not divide (:func:`resolve_tp_plan`).
-    """
-    sharding = inputs.sharding
-    tp = sharding.tp_degree
-    opt = f"`ShardingOptions(tp_degree={tp})`"
-    if spec.auto:
-        raise ShardingError(f"{opt} with plan='auto': the planner does not model tensor parallelism. Give the plan "
-                            f"(`StagePlan.split_at([...])` or pp_degree), or use tp_degree=1.")
-    if sharding.sharded:
-        raise ShardingError(f"{opt} with data_parallel={sharding.data_parallel!r}: sharded stages do not compose with "
-                            f"tensor parallelism in this version. Use data_parallel='ddp' with tp_degree={tp}, or "
-                            f"tp_degree=1.")
-    clipped = [k for k, s in enumerate(spec.plan.stages if isinstance(spec.plan, StagePlan) else []) if s.clip_norm is not None]
-    if clipped:
-        raise ShardingError(f"{opt}: stages {clipped} clip their gradients (`StageSpec(clip_norm=...)`), but clipping does not "
-                            f"take the norm over tensor-parallel shards in this version. Drop clip_norm, or use tp_degree=1.")
-    pp = spec.pp_degree
-    if pp is None:
-        raise ShardingError(f"{opt}: give `HPPStrategy(pp_degree=...)` too, so that world_size = pp_degree × tp_degree "
-                            f"(the pipeline degree is otherwise the number of processes).")
-    if world % (pp * tp) == 0 and world // (pp * tp) > 1:
-        raise ShardingError(f"{opt}: {world} processes with pp_degree={pp} are {world // (pp * tp)} replicas of each "
-                            f"stage, whose gradients' all-reduce does not take tensor-parallel shards in this version. "
-                            f"Use world_size = pp_degree × tp_degree ({pp * tp} processes), or tp_degree=1.")
-    return resolve_tp_plan(module, tp)
-
-
 def _shard(root: nn.Module, plan: StagePlan, stages: dict[int, StageModule], mesh: Mesh, inputs: SetupInputs,
            blocks: list[str]) -> ShardedStages | None:
     """FSDP2 on this rank's training stages when ``ShardingOptions`` asks for it (collective over the shard
@@ -262,19 +232,10 @@ def _shard(root: nn.Module, plan: StagePlan, stages: dict[int, StageModule], mes
     of the model's ``blocks`` and each unit of the plan a stage holds is sharded on its own (FSDP2 gathers one
     group at a time).
 
-    Raises:
-        ShardingError: an fp8 stage (its converted or emulated GEMMs keep per-weight scaling state that
-            FSDP2's sharded parameters do not carry yet).
     """
     sharding = inputs.sharding
     if not sharding.sharded:
         return None
-    precisions = inputs.precision.stage_precisions(plan, inputs.trainer_precision)
-    fp8 = [k for k, p in enumerate(precisions) if p == "fp8"]
-    if fp8:
-        raise ShardingError(
-            f"`ShardingOptions(data_parallel={sharding.data_parallel!r})` cannot shard fp8 stages yet (stage(s) {fp8}). "
-            f"Give those stages another precision (e.g. 'bf16-mixed'), or keep data_parallel='ddp'.")
     return shard_stages(root, stages, {k: [*blocks, *plan.stages[k].modules] for k in stages}, mesh.shard_mesh,
                         sharding.reshard_after_forward)
 

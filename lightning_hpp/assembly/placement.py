@@ -24,10 +24,10 @@ from torch import nn
 from lightning_hpp import _dist
 from lightning_hpp._dist import all_gather_object
 from lightning_hpp.errors import MicroBatchError, PlacementError
+from lightning_hpp.pipeline.dims import ParallelDims
 from lightning_hpp.pipeline.microbatch import batch_size_of, split_batch
 from lightning_hpp.pipeline.steps import extract_loss, no_log, redirected, replay_forward
 from lightning_hpp.planning import calibrate
-from lightning_hpp.pipeline.dims import ParallelDims
 from lightning_hpp.planning.devices import assign_ranks, detect_device_kind, precision_preference, tp_group_kinds
 from lightning_hpp.planning.partition import DEFAULT_LINK_GBPS
 from lightning_hpp.planning.plan import StagePlan
