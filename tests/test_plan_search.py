@@ -15,7 +15,8 @@ from lightning_hpp.errors import MicroBatchError, PartitionError, ProfileMismatc
 from lightning_hpp.pipeline.data import can_rebatch, rebatch
 from lightning_hpp.pipeline.schedules import SCHEDULES, check_schedule
 from lightning_hpp.planning.devices import stage_kind_orders
-from lightning_hpp.planning.profile import CostProfile, Overheads, ProfileEntry, UnitCost, fit_fixed_costs
+from lightning_hpp.planning.measure import fit_fixed_costs
+from lightning_hpp.planning.profile import CostProfile, Overheads, ProfileEntry, UnitCost
 from lightning_hpp.planning.replay import rank_of_stages
 from lightning_hpp.planning.search import search_plan
 from lightning_hpp.telemetry.model import schedule_actions, simulate
@@ -246,11 +247,11 @@ def test_few_microbatches_make_a_multi_stage_schedule_win():
 
 
 def test_large_models_are_cut_by_local_search_from_the_bottleneck_cut(monkeypatch):
-    import lightning_hpp.planning.search as search
+    import lightning_hpp.planning.solver as solver
 
     prof = _bubble_bound_profile(6, latency=0.2)
     exact = search_plan(prof, ["cpu", "cpu"], batch_size=8, pp_degree=2, n_microbatches=4, schedule="zbv")
-    monkeypatch.setattr(search, "EXACT_CUTS", 0)
+    monkeypatch.setattr(solver, "EXACT_CUTS", 0)
     local = search_plan(prof, ["cpu", "cpu"], batch_size=8, pp_degree=2, n_microbatches=4, schedule="zbv")
     cuts = [0, *itertools.accumulate(len(s.units) for s in local.stages)]
     assert local.step_ms == pytest.approx(_pipeline_step(prof, ["cpu", "cpu"], cuts, "zbv", 2, 1, 4, 8, {}), rel=1e-9)

@@ -403,41 +403,6 @@ def test_sharded_stages_count_one_shard_of_params_grads_and_optimizer_state_plus
         1000 + 2000 + 10)
 
 
-def test_a_placement_that_does_not_fit_is_refused_naming_the_stage_and_the_bytes():
-    from lightning_hpp.errors import PartitionError
-    from lightning_hpp.planning.partition import evaluate
-    from tests.test_partition import make_profile
-
-    units = [(1.0, 2.0, 4_000_000, 1000, 1000)] * 4  # 4 MB of parameters per unit
-    profile = make_profile({"a100": units})
-    cluster = "4xa100:0.03"  # 30 MB per device
-    stages = [profile.unit_names[:2], profile.unit_names[2:]]
-    kw = dict(schedule="1f1b", n_microbatches=2, dp_degree=2)
-    ddp = evaluate(profile, cluster, stages, ["a100"] * 2, **kw)
-    # in flight under 1f1b: 2 micro-batches on stage 0, 1 on stage 1, each keeping 2 x 1000 B
-    assert [s.memory_bytes for s in ddp.stages] == [8e6 * 4 + 2 * 2000, 8e6 * 4 + 2000]  # 32 MB: over
-    with pytest.raises(PartitionError, match=r"Stage 0 \(layers.0, layers.1 on a100\) needs 32.0 MB per rank "
-                                             r"\(parameters 8.0 MB x \(1 \+ optimizer_factor 3\) \+ 2 in-flight"
-                                             r".*but the device has 30.0 MB.*ShardingOptions\(data_parallel='fsdp'\)"):
-        ddp.require_fit()
-    # sharded over its 2 replicas with one unit gathered at a time (one micro-batch a step), the same stage
-    # fits: 16 + 8 MB
-    one = dict(kw, n_microbatches=1)
-    fsdp = evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=2, reshard_after_forward=True, **one)
-    assert fsdp.stages[0].memory_bytes == 8e6 * 4 / 2 + 2 * 4e6 + 2000
-    assert fsdp.require_fit() is fsdp and "/ dp_shard 2 + 8.0 MB gathered" in fsdp.stages[0].memory_detail
-    # without reshard_after_forward, one micro-batch holds the stage's parameters and one unit's gradients
-    kept = evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=2, **one)
-    assert kept.stages[0].memory_bytes == 8e6 * 4 / 2 + 8e6 + 4e6 + 2000 and kept.fits
-    # gathered for the whole step (the default, or reshard_after_forward under 2 micro-batches), it does not
-    for options in ({}, {"reshard_after_forward": True}):
-        with pytest.raises(PartitionError, match=r"Stage 0 .* needs 32.0 MB per rank \(parameters 8.0 MB x \(1 \+ "
-                                                 r"optimizer_factor 3\) / dp_shard 2 \+ 16.0 MB gathered"):
-            evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=2, **options, **kw).require_fit()
-    with pytest.raises(PartitionError, match=r"dp_shard=3 must divide dp_degree=2"):
-        evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=3, **kw)
-
-
 def test_a_bias_monitor_keeps_plan_auto_on_unsharded_stages():
     from lightning_hpp.assembly.compose import sharding_refusals
     from lightning_hpp.bias.monitor import BiasMonitor

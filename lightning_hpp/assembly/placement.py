@@ -28,24 +28,16 @@ from lightning_hpp.pipeline.dims import ParallelDims
 from lightning_hpp.pipeline.microbatch import batch_size_of, split_batch
 from lightning_hpp.pipeline.steps import extract_loss, no_log, redirected, replay_forward
 from lightning_hpp.planning import calibrate
+from lightning_hpp.planning.cluster import DEFAULT_LINK_GBPS
 from lightning_hpp.planning.devices import assign_ranks, detect_device_kind, precision_preference, tp_group_kinds
-from lightning_hpp.planning.partition import DEFAULT_LINK_GBPS
+from lightning_hpp.planning.measure import as_args, fit_fixed_costs, profile_units, to_device
 from lightning_hpp.planning.plan import StagePlan
-from lightning_hpp.planning.profile import (
-    CostProfile,
-    Overheads,
-    as_args,
-    check_profile_matches,
-    fit_fixed_costs,
-    mean_over_ranks,
-    profile_units,
-    to_device,
-    with_rank_speeds,
-)
+from lightning_hpp.planning.profile import CostProfile, Overheads, check_profile_matches
 from lightning_hpp.planning.search import search_plan
+from lightning_hpp.planning.speeds import mean_over_ranks, with_rank_speeds
 
 if TYPE_CHECKING:
-    from lightning_hpp.planning.partition import PartitionResult
+    from lightning_hpp.planning.result import PlanResult
 
 
 def gather_kinds(device: torch.device, rank: int, device_map: Any = None) -> list[str]:
@@ -106,7 +98,7 @@ def auto_plan(
     data_parallel: str | None = "ddp",
     dp_replicate: int | None = None,
     reshard_after_forward: bool = False,
-) -> tuple[StagePlan, list[list[int]], str, PartitionResult]:
+) -> tuple[StagePlan, list[list[int]], str, PlanResult]:
     """Profile, then search the whole plan for the ranks of this job (collective).
 
     Every rank measures at once, on its own ``device``, every unit's forward+backward time
@@ -115,7 +107,7 @@ def auto_plan(
     and a part per sample; plus the overheads of :mod:`~lightning_hpp.planning.calibrate` (the
     schedule's per micro-batch and per step, the optimizer, the loss through ``loss_probe``, a
     send/recv between ranks 0 and 1). A kind's costs are the mean over its ranks
-    (:func:`~lightning_hpp.planning.profile.mean_over_ranks`): measured with every other rank busy, as in
+    (:func:`~lightning_hpp.planning.speeds.mean_over_ranks`): measured with every other rank busy, as in
     training. The profiles are merged on every rank, and every rank runs the same deterministic
     :func:`~lightning_hpp.planning.search.search_plan`, so all ranks agree.
 
@@ -133,7 +125,7 @@ def auto_plan(
         split_batches: Whether the loader's batches can be made smaller (more replicas than loader batches).
         speeds: Per-rank speeds recorded by the straggler watch (``{rank: share of its kind's speed}``): the
             search plans those ranks with their kind's costs divided by the speed
-            (:func:`~lightning_hpp.planning.profile.with_rank_speeds`); the profiling is as without them.
+            (:func:`~lightning_hpp.planning.speeds.with_rank_speeds`); the profiling is as without them.
         memory_bytes: Memory per device by kind (the ranks' own kinds; a rank planned with its own speed
             keeps its kind's); default the datasheet's.
         data_parallel, dp_replicate, reshard_after_forward: As for ``search_plan``: the user's
