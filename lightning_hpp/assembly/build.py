@@ -31,7 +31,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
 
 from lightning_hpp._dist import broadcast_tensors
-from lightning_hpp.assembly.compose import refuse_sharded, refuse_tensor_parallel, sharding_refusals
+from lightning_hpp.assembly.compose import refuse_stage_precisions, refuse_tensor_parallel, sharding_refusals
 from lightning_hpp.assembly.placement import auto_plan, gather_kinds, kind_grid, loss_probe
 from lightning_hpp.assembly.spec import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PipelineSpec, ResolvedPlan
 from lightning_hpp.errors import PartitionError, PlacementError, PlanError
@@ -143,7 +143,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     rank_kinds = gather_kinds(device, inputs.rank, inputs.placement.device_map)
     tp = inputs.sharding.tp_degree
     if tp > 1:
-        refuse_tensor_parallel(spec.plan, spec.auto, spec.pp_degree, inputs.sharding, world)
+        refuse_tensor_parallel(spec.auto, inputs.sharding)
     tp_plan = resolve_tp_plan(module, tp) if tp > 1 else None
     meta = has_meta_parameters(module)
     if not meta:  # as DDP does: every replica (and every stage's copy of a shared weight) starts from rank 0's model
@@ -165,7 +165,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     pp = resolved.pp(plan)
     dims = inputs.sharding.dims(world, pp, None if resolved.pp_degree is not None else f"The plan has {plan.num_stages} stages")
     check_schedule(resolved.schedule, plan.num_stages, pp, resolved.n_microbatches)
-    refuse_sharded(inputs.sharding, inputs.precision.stage_precisions(plan, inputs.trainer_precision))
+    refuse_stage_precisions(inputs.sharding, inputs.precision.stage_precisions(plan, inputs.trainer_precision))
     positions = [stages_of_position(r, pp, plan.num_stages, resolved.kind.style) for r in range(pp)]
     grid = resolved.grid if resolved.grid is not None else kind_grid(plan, positions, rank_kinds, dims)
     mesh = Mesh.build(dims, inputs.rank, grid)
@@ -208,7 +208,7 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     shared = shared_gradient_groups(cut.shared, dict(module.named_parameters()), positions, mesh)
     # FSDP2 reduces a sharded stage's gradients itself (reduce-scatter, and all-reduce over hsdp's replicas)
     grads = GradHandover(stages["train"], None if runner.sharded else mesh.dp_group, 1 if runner.sharded else mesh.dp,
-                         shared=shared)
+                         shared=shared, ties=runner.sharded.ties if runner.sharded else ())
     runner.last_backward_window = grads.last_backward
     replay_epoch_ends(module, holds_last=runner.holds_last, pp_group=mesh.pp_group if pp > 1 else None,
                       last_position=runner.last_position, dp_group=mesh.dp_group)

@@ -58,7 +58,7 @@ def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fit
     Raises:
         PlanError: naming the setting and the fix (``ShardingError`` for what sharded stages cannot keep).
     """
-    refuse_with_trainer(module, sharding, callbacks, fitting)
+    refuse_with_trainer(sharding, callbacks)
     if checkpoint_io is not None and type(checkpoint_io) is not TorchCheckpointIO:  # Lightning's default
         raise PlanError(f"HPPStrategy writes sharded checkpoints itself; the CheckpointIO plugin {type(checkpoint_io).__name__} "
                         f"would not be used. Remove it from `Trainer(plugins=...)`.")

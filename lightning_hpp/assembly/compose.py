@@ -4,10 +4,10 @@ Each check runs at setup, on every rank alike (it reads only what every rank has
 the Trainer's callbacks), before any collective that a refused layout could leave waiting, and names the
 combination, why it does not compose and the fix.
 
-* :func:`refuse_with_trainer` — before the pipeline is built: what the Trainer's setup asks of sharded or
-  tensor-parallel stages (``BiasMonitor``, ``gradient_clip_val``);
+* :func:`refuse_with_trainer` — before the pipeline is built: what the Trainer's setup asks of sharded
+  stages (``BiasMonitor``);
 * :func:`refuse_tensor_parallel` — before the cut: tensor parallelism with what it does not compose with;
-* :func:`refuse_sharded` — before FSDP2 shards the stages: their precisions;
+* :func:`refuse_stage_precisions` — before the cut: precisions sharded or tensor-parallel stages do not take;
 * :func:`sharding_refusals` — why ``plan="auto"``, left free to shard the stages, keeps them whole.
 """
 
@@ -17,9 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_hpp.bias.monitor import BiasMonitor
-from lightning_hpp.errors import PlanError, ShardingError
+from lightning_hpp.errors import ShardingError
 from lightning_hpp.options import ShardingOptions
-from lightning_hpp.planning.plan import StagePlan
 
 
 def sharding_refusals(callbacks: Sequence[Any]) -> list[str]:
@@ -30,13 +29,11 @@ def sharding_refusals(callbacks: Sequence[Any]) -> list[str]:
     return []
 
 
-def refuse_with_trainer(module: Any, sharding: ShardingOptions | None, callbacks: Sequence[Any], fitting: bool) -> None:
-    """What sharded stages cannot keep yet (a ``BiasMonitor``), and what tensor-parallel stages do not compose with
-    yet (gradient clipping: a norm over their shards).
+def refuse_with_trainer(sharding: ShardingOptions | None, callbacks: Sequence[Any]) -> None:
+    """What sharded stages cannot keep yet: a ``BiasMonitor``.
 
     Raises:
         ShardingError: a ``BiasMonitor`` with sharded stages.
-        PlanError: ``Trainer(gradient_clip_val=...)`` with ``tp_degree > 1``.
     """
     if sharding is not None and sharding.sharded and any(isinstance(cb, BiasMonitor) for cb in callbacks):
         raise ShardingError(
@@ -44,60 +41,37 @@ def refuse_with_trainer(module: Any, sharding: ShardingOptions | None, callbacks
             f"`ShardingOptions(data_parallel={sharding.data_parallel!r})` FSDP2 reduce-scatters the gradients inside the "
             f"schedule and no replica holds its own whole gradient afterwards. Remove `BiasMonitor` from "
             f"`Trainer(callbacks=...)`, or use data_parallel='ddp' while auditing.")
-    clip = getattr(getattr(module, "_trainer", None), "gradient_clip_val", None)
-    tp_degree = sharding.tp_degree if sharding is not None else 1
-    if tp_degree > 1 and fitting and clip:
-        raise PlanError(f"`Trainer(gradient_clip_val={clip})` with `ShardingOptions(tp_degree={tp_degree})`: clipping does not "
-                        f"take the norm over tensor-parallel shards in this version. Train without gradient clipping, or "
-                        f"with tp_degree=1.")
 
 
-def refuse_tensor_parallel(plan: Any, auto: bool, pp_degree: int | None, sharding: ShardingOptions, world: int) -> None:
+def refuse_tensor_parallel(auto: bool, sharding: ShardingOptions) -> None:
     """Tensor parallelism (``tp_degree > 1``) with what it does not compose with in this version.
 
-    Args:
-        plan: The user's plan (a :class:`StagePlan`, or anything else: none yet).
-        auto: ``plan="auto"``.
-        pp_degree: ``HPPStrategy(pp_degree=...)``.
-        sharding: The stages' options.
-        world: The job's processes.
-
     Raises:
-        ShardingError: tensor parallel with ``plan="auto"``, sharded (fsdp / hsdp) stages, stages that clip their own
-            gradients, no ``pp_degree``, or several replicas of each stage (their gradients' all-reduce does not yet
-            take ``DTensor`` shards).
+        ShardingError: tensor parallel with ``plan="auto"``.
     """
-    tp = sharding.tp_degree
-    opt = f"`ShardingOptions(tp_degree={tp})`"
     if auto:
-        raise ShardingError(f"{opt} with plan='auto': the planner does not model tensor parallelism. Give the plan "
-                            f"(`StagePlan.split_at([...])` or pp_degree), or use tp_degree=1.")
-    if sharding.sharded:
-        raise ShardingError(f"{opt} with data_parallel={sharding.data_parallel!r}: sharded stages do not compose with "
-                            f"tensor parallelism in this version. Use data_parallel='ddp' with tp_degree={tp}, or "
-                            f"tp_degree=1.")
-    clipped = [k for k, s in enumerate(plan.stages if isinstance(plan, StagePlan) else []) if s.clip_norm is not None]
-    if clipped:
-        raise ShardingError(f"{opt}: stages {clipped} clip their gradients (`StageSpec(clip_norm=...)`), but clipping does not "
-                            f"take the norm over tensor-parallel shards in this version. Drop clip_norm, or use tp_degree=1.")
-    if pp_degree is None:
-        raise ShardingError(f"{opt}: give `HPPStrategy(pp_degree=...)` too, so that world_size = pp_degree × tp_degree "
-                            f"(the pipeline degree is otherwise the number of processes).")
-    if world % (pp_degree * tp) == 0 and world // (pp_degree * tp) > 1:
-        raise ShardingError(f"{opt}: {world} processes with pp_degree={pp_degree} are {world // (pp_degree * tp)} replicas "
-                            f"of each stage, whose gradients' all-reduce does not take tensor-parallel shards in this "
-                            f"version. Use world_size = pp_degree × tp_degree ({pp_degree * tp} processes), or tp_degree=1.")
+        raise ShardingError(f"`ShardingOptions(tp_degree={sharding.tp_degree})` with plan='auto': the planner does not "
+                            f"model tensor parallelism. Give the plan (`StagePlan.split_at([...])` or pp_degree), or "
+                            f"use tp_degree=1.")
 
 
-def refuse_sharded(sharding: ShardingOptions, precisions: Sequence[str]) -> None:
-    """Sharded stages in precisions FSDP2 does not carry yet.
+def refuse_stage_precisions(sharding: ShardingOptions, precisions: Sequence[str]) -> None:
+    """Stage precisions that sharded or tensor-parallel stages do not take yet: fp8's converted or emulated GEMMs
+    keep per-weight scaling state (the amax of the whole weight) that neither FSDP2's shards nor a tensor-parallel
+    rank's slice carry (Transformer Engine's own sharded and tensor-parallel modules are not wired in this version).
 
     Raises:
-        ShardingError: an fp8 stage (its converted or emulated GEMMs keep per-weight scaling state that FSDP2's
-            sharded parameters do not carry yet).
+        ShardingError: an fp8 stage with ``data_parallel`` ``"fsdp"`` / ``"hsdp"`` or with ``tp_degree > 1``.
     """
     fp8 = [k for k, p in enumerate(precisions) if p == "fp8"]
-    if sharding.sharded and fp8:
+    if not fp8:
+        return
+    if sharding.sharded:
         raise ShardingError(
             f"`ShardingOptions(data_parallel={sharding.data_parallel!r})` cannot shard fp8 stages yet (stage(s) {fp8}). "
             f"Give those stages another precision (e.g. 'bf16-mixed'), or keep data_parallel='ddp'.")
+    if sharding.tp_degree > 1:
+        raise ShardingError(
+            f"`ShardingOptions(tp_degree={sharding.tp_degree})` cannot split fp8 stages yet (stage(s) {fp8}): their "
+            f"GEMMs scale each weight by its whole amax, which a tensor-parallel rank's slice does not hold. Give those "
+            f"stages another precision (e.g. 'bf16-mixed'), or use tp_degree=1.")
