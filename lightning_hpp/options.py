@@ -137,6 +137,9 @@ class PlacementOptions:
     """Memory per device, in bytes, by device kind, that ``plan="auto"`` must fit every rank's stages in
     (``{"a100": 40e9}``): kinds not named have their datasheet's (``cpu``: unlimited). Where no ddp plan
     fits and ``sharding`` is not given, the plan may shard the stages (``data_parallel="fsdp"``)."""
+    tp_across_hosts: bool = False
+    """Let ``plan="auto"`` split a stage's layers over ranks of several hosts (tensor parallel's per-layer
+    all-reduces then cross the hosts' network); by default a tensor-parallel group stays on one host."""
 
     error: ClassVar[type[ValueError]] = PlacementError
     """The error class of this section's checks."""
@@ -155,6 +158,7 @@ class PlacementOptions:
         check_path(self.profile, "PlacementOptions(profile=...)", optional=True, error=PlacementError,
                    kind="the path of a cost-profile JSON")
         object.__setattr__(self, "watch", watch_options(self.watch))
+        check_bool(self.tp_across_hosts, "PlacementOptions(tp_across_hosts=...)", error=PlacementError)
 
     def check_world(self, world_size: int) -> None:
         """Refuse a ``device_map`` (or ``$HPP_DEVICE_KIND`` map) whose ranks do not match a job of ``world_size``.

@@ -123,7 +123,6 @@ RUNS = {
 DEFAULTS = {"schedule": "1f1b", "pp": 2, "n_micro": 2, "steps": 3, "batch": 4}
 # what sharded stages cannot keep yet, refused at setup on every rank (tried last, by the same ranks)
 REFUSED = {
-    "tp2": {"model": "gpt2", "points": GPT2_CUT, "strategy": {"sharding": {"data_parallel": "fsdp", "tp_degree": 2}}},
     "bias_monitor": {"model": "gpt2", "points": GPT2_CUT, "bias_monitor": True, "strategy": FSDP},
 }
 
@@ -370,7 +369,6 @@ def test_what_sharded_stages_cannot_keep_is_refused_at_setup_on_every_rank(job):
     out, proc = job
     assert proc.returncode == 1, proc.stderr[-4000:]  # the refused cases, and nothing else, failed
     expected = {
-        "tp2": ("ShardingError", "`ShardingOptions(tp_degree=2)` with data_parallel='fsdp': sharded stages do not compose"),
         "bias_monitor": ("ShardingError", "`BiasMonitor` compares each replica's gradient norm"),
     }
     for name, (kind, text) in expected.items():

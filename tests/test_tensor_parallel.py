@@ -88,18 +88,15 @@ def test_styles_are_torch_styles_and_unknown_ones_are_refused():
         torch_style("embedding_rowwise", "linear")
 
 
-def test_what_tensor_parallel_does_not_compose_with_yet_is_refused_at_setup():
+def test_fp8_stages_are_what_tensor_parallel_refuses_and_clipping_composes():
     from types import SimpleNamespace
 
     from lightning_hpp.assembly.callbacks import refuse_unkept_setups
-    from lightning_hpp.assembly.compose import refuse_stage_precisions, refuse_tensor_parallel
+    from lightning_hpp.assembly.compose import refuse_stage_precisions
     from lightning_hpp.errors import ShardingError
     from lightning_hpp.options import ShardingOptions
 
     tp2 = ShardingOptions(tp_degree=2)
-    refuse_tensor_parallel(False, tp2)
-    with pytest.raises(ShardingError, match=r"plan='auto': the planner does not model tensor parallelism"):
-        refuse_tensor_parallel(True, tp2)
     refuse_stage_precisions(tp2, ["bf16-mixed", "32-true"])
     with pytest.raises(ShardingError, match=r"`ShardingOptions\(tp_degree=2\)` cannot split fp8 stages yet \(stage\(s\) "
                                             r"\[1\]\).*whole amax"):

@@ -31,8 +31,8 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
 
 from lightning_hpp._dist import broadcast_tensors
-from lightning_hpp.assembly.compose import refuse_stage_precisions, refuse_tensor_parallel, sharding_refusals
-from lightning_hpp.assembly.placement import auto_plan, gather_kinds, kind_grid, loss_probe
+from lightning_hpp.assembly.compose import refuse_stage_precisions, sharding_refusals
+from lightning_hpp.assembly.placement import auto_plan, gather_hosts, gather_kinds, kind_grid, loss_probe
 from lightning_hpp.assembly.spec import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PipelineSpec, ResolvedPlan
 from lightning_hpp.errors import PartitionError, PlacementError, PlanError
 from lightning_hpp.model.frontend import balanced_plan, block_names, cut_model, planning_units
@@ -48,7 +48,14 @@ from lightning_hpp.pipeline.runner import PipelineRunner
 from lightning_hpp.pipeline.schedules import check_schedule
 from lightning_hpp.pipeline.stage import StageModule
 from lightning_hpp.pipeline.steps import capture_input, count_forward_calls, second_call_error
-from lightning_hpp.pipeline.tensor_parallel import at_local_width, check_frontend, resolve_tp_plan, split_stages
+from lightning_hpp.pipeline.tensor_parallel import (
+    at_local_width,
+    check_frontend,
+    plan_shape,
+    resolve_tp_plan,
+    split_stages,
+    tp_degrees,
+)
 from lightning_hpp.planning.plan import StagePlan, StageSpec
 from lightning_hpp.precision.modes import MODES
 from lightning_hpp.precision.plugin import HPPPrecision, StageView
@@ -141,10 +148,6 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         inputs.sharding.dims(world, spec.pp_degree)
     inputs.placement.check_world(world)
     rank_kinds = gather_kinds(device, inputs.rank, inputs.placement.device_map)
-    tp = inputs.sharding.tp_degree
-    if tp > 1:
-        refuse_tensor_parallel(spec.auto, inputs.sharding)
-    tp_plan = resolve_tp_plan(module, tp) if tp > 1 else None
     meta = has_meta_parameters(module)
     if not meta:  # as DDP does: every replica (and every stage's copy of a shared weight) starts from rank 0's model
         broadcast_tensors([t for t in (*module.parameters(), *module.buffers()) if t is not None], src=0)
@@ -155,6 +158,8 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         resolved, example = resolve_plan(module, spec, inputs, batch, rank_kinds, free_sharding=free_sharding)
         if resolved.sharding is not None:  # the same on every rank: every rank ran the same search
             inputs = dataclasses.replace(inputs, sharding=resolved.sharding)
+        tp = inputs.sharding.tp_degree
+        tp_plan = resolve_tp_plan(module, tp) if tp > 1 else None
         example = _in_stage_dtype(module, resolved.plan, example, inputs)
         # both modes whatever the entry point: a pipeline built by `validate()` is the one a later `fit()` trains
         with at_local_width(module, tp_plan, tp) if tp_plan is not None else contextlib.nullcontext():
@@ -317,7 +322,8 @@ def _auto_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch
                         "cost profile (`HPPStrategy(placement=PlacementOptions(profile=...))`, see "
                         "`python -m lightning_hpp.planning.cli`), or a plan (`StagePlan.split_at([...])`).")
     units, unit_inputs, to_cut = planning_units(module, example)
-    groups = inputs.world_size // spec.pp_degree if spec.pp_degree else 1  # the global batch of the unsearched plan
+    # the global batch of the unsearched plan: the loader's batch on each of its replicas
+    groups = inputs.sharding.dims(inputs.world_size, spec.pp_degree).dp if spec.pp_degree else 1
     probe = loss_probe(module, inputs.step_fn, batch, units, unit_inputs, inputs.device)
     memory, sharding = inputs.placement.memory, inputs.sharding
     absent = sorted(set(memory or {}) - set(rank_kinds))
@@ -326,20 +332,29 @@ def _auto_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch
                              f"are {sorted(set(rank_kinds))}. Name the ranks' kinds (see `device_map`).")
     refused = sharding_refusals(inputs.callbacks) if free_sharding else []
     mode = sharding.data_parallel if not free_sharding else "ddp" if refused else None
+    # tensor parallel: the degree given, or (nothing given) every degree the model's plan divides, searched
+    allowed = tp_degrees(module, inputs.world_size) if free_sharding else [sharding.tp_degree]
+    tp_plan = next((resolve_tp_plan(module, t) for t in allowed if t > 1), None)
+    shape = plan_shape(module, [n for n, _ in units], tp_plan) if tp_plan is not None else None
+    hosts = gather_hosts()
     try:
         plan, grid, table, chosen = auto_plan(
             units, unit_inputs, inputs.rank, rank_kinds, batch_size=batch_size_of(batch), device=inputs.device,
             data_groups=groups, pp_degree=spec.pp_degree, schedule=spec.schedule, n_microbatches=spec.n_microbatches,
             loss_probe=probe, profile_path=inputs.placement.profile, split_batches=inputs.split_batches and inputs.fitting,
             speeds=inputs.recorded_speeds() if inputs.fitting else None, memory_bytes=memory, data_parallel=mode,
-            dp_replicate=sharding.dp_replicate, reshard_after_forward=bool(sharding.reshard_after_forward))
+            dp_replicate=sharding.dp_replicate, reshard_after_forward=bool(sharding.reshard_after_forward),
+            tp_degree=None if free_sharding else sharding.tp_degree, tp_allowed=allowed, tp_shape=shape, hosts=hosts,
+            tp_across_hosts=inputs.placement.tp_across_hosts)
     except PartitionError as err:
         if not refused:
             raise
         raise PartitionError(f"{err} Sharded stages (data_parallel='fsdp'), which hold less per rank, were not tried: "
                              f"{'; '.join(refused)}.") from None
     rank_zero_info(f"HPPStrategy: plan='auto' chose\n{table}")
-    chose = ShardingOptions(data_parallel=chosen.data_parallel) if free_sharding and chosen.data_parallel != "ddp" else None
+    chose = None
+    if free_sharding and (chosen.data_parallel != "ddp" or chosen.tp_degree > 1):
+        chose = ShardingOptions(data_parallel=chosen.data_parallel, tp_degree=chosen.tp_degree)
     return ResolvedPlan(to_cut(plan), chosen.schedule, chosen.n_microbatches, split=chosen.dp_degree // groups, grid=grid,
                         pp_degree=chosen.pp_degree, sharding=chose)
 

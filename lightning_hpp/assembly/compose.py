@@ -6,7 +6,6 @@ combination, why it does not compose and the fix.
 
 * :func:`refuse_with_trainer` — before the pipeline is built: what the Trainer's setup asks of sharded
   stages (``BiasMonitor``);
-* :func:`refuse_tensor_parallel` — before the cut: tensor parallelism with what it does not compose with;
 * :func:`refuse_stage_precisions` — before the cut: precisions sharded or tensor-parallel stages do not take;
 * :func:`sharding_refusals` — why ``plan="auto"``, left free to shard the stages, keeps them whole.
 """
@@ -41,18 +40,6 @@ def refuse_with_trainer(sharding: ShardingOptions | None, callbacks: Sequence[An
             f"`ShardingOptions(data_parallel={sharding.data_parallel!r})` FSDP2 reduce-scatters the gradients inside the "
             f"schedule and no replica holds its own whole gradient afterwards. Remove `BiasMonitor` from "
             f"`Trainer(callbacks=...)`, or use data_parallel='ddp' while auditing.")
-
-
-def refuse_tensor_parallel(auto: bool, sharding: ShardingOptions) -> None:
-    """Tensor parallelism (``tp_degree > 1``) with what it does not compose with in this version.
-
-    Raises:
-        ShardingError: tensor parallel with ``plan="auto"``.
-    """
-    if auto:
-        raise ShardingError(f"`ShardingOptions(tp_degree={sharding.tp_degree})` with plan='auto': the planner does not "
-                            f"model tensor parallelism. Give the plan (`StagePlan.split_at([...])` or pp_degree), or "
-                            f"use tp_degree=1.")
 
 
 def refuse_stage_precisions(sharding: ShardingOptions, precisions: Sequence[str]) -> None:

@@ -14,6 +14,7 @@ Both run on every rank at setup, before the model is cut:
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,12 @@ def gather_kinds(device: torch.device, rank: int, device_map: Any = None) -> lis
     """Every rank's device kind, index = global rank (collective)."""
     kind = detect_device_kind(device, rank=rank, device_map=device_map)
     return all_gather_object(kind)
+
+
+def gather_hosts() -> list[str]:
+    """Every rank's host name, index = global rank (collective): a tensor-parallel group ``plan="auto"`` chooses
+    stays on one host."""
+    return all_gather_object(socket.gethostname())
 
 
 def kind_grid(plan: StagePlan, positions: list[list[int]], rank_kinds: list[str], dims: ParallelDims) -> list[list[int]] | None:
@@ -98,6 +105,11 @@ def auto_plan(
     data_parallel: str | None = "ddp",
     dp_replicate: int | None = None,
     reshard_after_forward: bool = False,
+    tp_degree: int | None = 1,
+    tp_allowed: list[int] | None = None,
+    tp_shape: tuple[list[float], list[list[int]]] | None = None,
+    hosts: list[str] | None = None,
+    tp_across_hosts: bool = False,
 ) -> tuple[StagePlan, list[list[int]], str, PlanResult]:
     """Profile, then search the whole plan for the ranks of this job (collective).
 
@@ -130,6 +142,11 @@ def auto_plan(
             keeps its kind's); default the datasheet's.
         data_parallel, dp_replicate, reshard_after_forward: As for ``search_plan``: the user's
             ``ShardingOptions``, or ``data_parallel=None`` (ddp, or fsdp where only sharded stages fit).
+        tp_degree: The user's ``tp_degree``, or ``None``: searched among the profile's ``tp_degrees``.
+        tp_allowed, tp_shape: The degrees the model's tensor-parallel plan divides, and what it splits of each
+            unit (:func:`~lightning_hpp.pipeline.tensor_parallel.plan_shape`): recorded in the profile where it
+            does not say (a profile file's own are kept).
+        hosts, tp_across_hosts: Every rank's host, and whether a tensor-parallel group may span hosts.
 
     Returns:
         The plan (with ``meta["predicted"]`` and the profile it was made from in ``meta["profile"]``), the rank grid ``grid[position][replica]``, a table
@@ -155,6 +172,10 @@ def auto_plan(
         mine["entries"][0]["overheads"].update(p2p_latency_ms=lat, p2p_gbps=gbps, allreduce_gbps=ar_gbps,
                                                allreduce_overlap=0.0 if device.type == "cpu" else 1.0)
         profile = mean_over_ranks([CostProfile.from_dict(part) for part in all_gather_object(mine)])
+    if profile.tp_degrees is None:
+        profile.tp_degrees = list(tp_allowed) if tp_allowed is not None else None
+    if profile.tp_split is None and tp_shape is not None:
+        profile.tp_split, profile.tp_allreduces = tp_shape
     planned, plan_kinds = with_rank_speeds(profile, rank_kinds, speeds)
     memory = {p: memory_bytes[k] for p, k in zip(plan_kinds, rank_kinds) if k in memory_bytes} if memory_bytes else None
     result = search_plan(
@@ -162,6 +183,7 @@ def auto_plan(
         n_microbatches=n_microbatches, schedule=schedule, memory_bytes=memory,
         link_gbps=link_gbps if link_gbps is not None else DEFAULT_LINK_GBPS, split_batches=split_batches,
         data_parallel=data_parallel, dp_replicate=dp_replicate, reshard_after_forward=reshard_after_forward,
+        tp_degree=tp_degree, hosts=hosts, tp_across_hosts=tp_across_hosts,
     )
     plan = result.plan
     plan.meta["profile"] = profile.to_dict()  # what the plan was made from: re-plan offline with search_plan
