@@ -154,7 +154,7 @@ def _ranks(out, name):
     return [load_rank(out / name, r) for r in range(4)]
 
 
-def _reference(model, steps: int, batch: int, n: int = 32, clip: float | None = None):
+def one_process(model, steps: int, batch: int, n: int = 32, clip: float | None = None):
     """``model`` trained in one process under Lightning's own strategy: (its state, the loss of every step)."""
     import lightning as L
     import torch
@@ -174,7 +174,7 @@ def _reference(model, steps: int, batch: int, n: int = 32, clip: float | None = 
     return {k: v.detach() for k, v in model.state_dict().items()}, torch.tensor(losses)
 
 
-def _replica_mean_losses(outs, replicas: list[int]):
+def replica_mean_losses(outs, replicas: list[int]):
     """The global batch's loss per step: the mean of each replica's own (Lightning logs each replica's)."""
     import torch
 
@@ -182,7 +182,7 @@ def _replica_mean_losses(outs, replicas: list[int]):
     return torch.stack([by_replica[r] for r in replicas]).mean(0)
 
 
-def _assert_params(outs, want: dict, tol=TOL):
+def assert_params(outs, want: dict, tol=TOL):
     import torch
 
     got = {}
@@ -224,9 +224,9 @@ def test_pp2_fsdp2_gpt2_with_global_clipping_and_validation_equals_one_process(s
 
     outs = _ranks(sharded_runs, "gpt2_fsdp")
     L.seed_everything(0)
-    want, want_losses = _reference(LMWrapper("gpt2", reference_microbatches=4), 3, 8, clip=0.5)
-    _assert_params(outs, want)
-    torch.testing.assert_close(_replica_mean_losses(outs, [0, 1]), want_losses, **TOL)
+    want, want_losses = one_process(LMWrapper("gpt2", reference_microbatches=4), 3, 8, clip=0.5)
+    assert_params(outs, want)
+    torch.testing.assert_close(replica_mean_losses(outs, [0, 1]), want_losses, **TOL)
     # the clip clipped: the pipeline's norm (at least its largest stage's) was above 0.5 at the last step
     assert all(max(o["metrics"]["grad_norm/stage_0"], o["metrics"]["grad_norm/stage_1"]) > 0.5 for o in outs)
     assert outs[0]["device_mesh_dims"] == ["pp", "dp_replicate", "dp_shard", "tp"]
@@ -245,15 +245,15 @@ def test_pp2_fsdp2_llama_with_per_stage_clipping_and_activation_checkpointing_eq
     stages = _stage_names(outs)
     assert not stages[0] & stages[1]  # untied: each parameter on one stage
     L.seed_everything(0)
-    want, want_losses = _reference(PerStageClipped.make("llama", stages, reference_microbatches=4, tie=False), 3, 8,
+    want, want_losses = one_process(PerStageClipped.make("llama", stages, reference_microbatches=4, tie=False), 3, 8,
                                    clip=0.3)
-    _assert_params(outs, want)
-    torch.testing.assert_close(_replica_mean_losses(outs, [0, 1]), want_losses, **TOL)
+    assert_params(outs, want)
+    torch.testing.assert_close(replica_mean_losses(outs, [0, 1]), want_losses, **TOL)
     # per-stage clipping is not global clipping: the reference clipping the whole model's norm ends elsewhere
     from tests.real_models import LMWrapper
 
     L.seed_everything(0)
-    globally, _ = _reference(LMWrapper("llama", reference_microbatches=4, tie=False), 3, 8, clip=0.3)
+    globally, _ = one_process(LMWrapper("llama", reference_microbatches=4, tie=False), 3, 8, clip=0.3)
     assert max(float((want[k] - globally[k]).abs().max()) for k in want) > 1e-4
 
 
@@ -291,9 +291,9 @@ def test_hsdp_replicate2_x_shard2_equals_one_process(sharded_runs):
     assert sorted((o["dp_replicate"], o["dp_shard"]) for o in outs) == [(2, 2)] * 4
     assert outs[0]["device_mesh_shape"] == [1, 2, 2, 1]
     L.seed_everything(0)
-    want, want_losses = _reference(LMWrapper("gpt2", reference_microbatches=8), 3, 16)
-    _assert_params(outs, want)
-    torch.testing.assert_close(_replica_mean_losses(outs, [0, 1, 2, 3]), want_losses, **TOL)
+    want, want_losses = one_process(LMWrapper("gpt2", reference_microbatches=8), 3, 16)
+    assert_params(outs, want)
+    torch.testing.assert_close(replica_mean_losses(outs, [0, 1, 2, 3]), want_losses, **TOL)
 
 
 @pytest.mark.slow
@@ -307,7 +307,7 @@ def test_an_fp16_overflow_skips_the_step_on_every_rank_of_a_sharded_pipeline(sha
         assert o["skipped_steps"] == 1 and o["loss_scale"] == 2.0**59, (o["position"], o["replica"])
     L.seed_everything(0)
     initial = {k: v.detach() for k, v in LMWrapper("gpt2").state_dict().items()}
-    _assert_params(outs, initial, tol={"rtol": 0, "atol": 0})
+    assert_params(outs, initial, tol={"rtol": 0, "atol": 0})
 
 
 def _replica_ordered_staged_reference(run: dict, replicas: int, bf16: bool = True):
@@ -353,8 +353,8 @@ def test_pp2_fsdp2_with_a_bf16_stage_equals_one_process_with_the_same_stage_prec
     run = {**DEFAULTS, **RUNS["gpt2_bf16"]}
     want, want_losses = _replica_ordered_staged_reference(run, replicas=2)
     # to 1e-5 as in fp32: the one process runs the pipeline's micro-batches, so bf16 rounds the same sums
-    _assert_params(outs, want)
-    torch.testing.assert_close(_replica_mean_losses(outs, [0, 1]), want_losses, **TOL)
+    assert_params(outs, want)
+    torch.testing.assert_close(replica_mean_losses(outs, [0, 1]), want_losses, **TOL)
     for o in outs:
         assert o["plan"]["meta"]["precision"] == ["bf16-mixed", "32-true"]
         assert o["plan"]["meta"]["boundary_dtypes"] == ["bfloat16"]

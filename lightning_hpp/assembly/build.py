@@ -39,6 +39,7 @@ from lightning_hpp.model.frontend import balanced_plan, block_names, cut_model, 
 from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, materialize_stages
 from lightning_hpp.model.units import find_units
 from lightning_hpp.options import InitOptions, PlacementOptions, ShardingOptions
+from lightning_hpp.pipeline.compile import compile_blocks, compile_options, eager
 from lightning_hpp.pipeline.epoch_end import replay_epoch_ends
 from lightning_hpp.pipeline.fsdp import ShardedStages, shard_stages
 from lightning_hpp.pipeline.grads import GradHandover, shared_gradient_groups
@@ -162,7 +163,8 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         tp_plan = resolve_tp_plan(module, tp) if tp > 1 else None
         example = _in_stage_dtype(module, resolved.plan, example, inputs)
         # both modes whatever the entry point: a pipeline built by `validate()` is the one a later `fit()` trains
-        with at_local_width(module, tp_plan, tp) if tp_plan is not None else contextlib.nullcontext():
+        with (at_local_width(module, tp_plan, tp) if tp_plan is not None else contextlib.nullcontext(),
+              eager(module) as compiled_by_user):
             cut = cut_model(module, resolved.plan, example, frontend=spec.frontend, modes=("train", "eval"))
     if tp_plan is not None:
         check_frontend(tp_plan, cut.frontend, type(module).__name__)
@@ -178,7 +180,9 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     mesh.init_groups(device_type=device.type)
     module._device_mesh = mesh.device_mesh  # what `LightningModule.device_mesh` reads, as under ModelParallelStrategy
     stage_ids = positions[mesh.position]
-    blocks = block_names(module) if inputs.sharding.sharded else []  # FSDP2's units, named before the cut drops any
+    options = compile_options(spec.compile)
+    # FSDP2's units and what is compiled, named before the cut drops any
+    blocks = block_names(module) if inputs.sharding.sharded or options is not None else []
     cut.keep_only(module, stage_ids)
     bodies = [b for mode in ("train", "eval") for k in stage_ids for b in cut.bodies[mode][k]]
     traced = cut.frontend == "traced"
@@ -206,7 +210,10 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
                      step_checks=runner.step_checks, repeated_names=repeated,
                      named_parameters=lambda: dict(module.named_parameters()))
     inputs.precision.configure_stages(plan, view, inputs.trainer_precision, device, rank_kinds[inputs.rank])
-    runner.sharded = _shard(module, plan, stages["train"], mesh, inputs, blocks)
+    to_compile = [*(blocks if options is not None else []), *compiled_by_user]
+    if to_compile:  # after tensor parallel and the precisions, before FSDP2 (torchtitan's order)
+        plan.meta["compiled"] = compile_blocks(stages["train"], to_compile, module, options or {})
+    runner.sharded = _shard(module, plan, stages["train"], mesh, inputs, blocks if inputs.sharding.sharded else [])
     if runner.sharded is not None:
         view.shard_group = mesh.dp_shard_group
     # after sharding: the parameters several stages use are the ones the stages hold now (shards, under FSDP2)

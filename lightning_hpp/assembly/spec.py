@@ -17,6 +17,7 @@ from lightning_hpp.errors import PlanError, ScheduleError
 from lightning_hpp.model.frontend import FRONTENDS
 from lightning_hpp.model.units import find_units
 from lightning_hpp.options import ShardingOptions
+from lightning_hpp.pipeline.compile import compile_options
 from lightning_hpp.pipeline.dims import ParallelDims
 from lightning_hpp.pipeline.schedules import SCHEDULES, ScheduleKind
 from lightning_hpp.planning.plan import StagePlan
@@ -49,6 +50,10 @@ class PipelineSpec:
             cuts at modules of any depth) or ``"auto"`` (sequential where it applies, else traced).
         activation_checkpointing: Recompute each unit's activations in the backward instead of keeping
             them (per stage: ``StageSpec(activation_checkpointing=...)`` overrides this default).
+        compile: ``torch.compile`` each block of the model's block list in its stage (after tensor parallel, before
+            FSDP2, as torchtitan does): ``True`` (torch.compile's defaults) or a dict of its keyword arguments
+            (``{"backend": "inductor", "mode": "max-autotune"}``); ``False``: only the modules the user compiled in
+            place (``nn.Module.compile()``) run compiled (:mod:`lightning_hpp.pipeline.compile`).
     """
 
     plan: Any = None
@@ -57,6 +62,7 @@ class PipelineSpec:
     pp_degree: int | None = None
     frontend: str = "auto"
     activation_checkpointing: bool = False
+    compile: Any = False
 
     def __post_init__(self) -> None:
         if self.schedule is not None and (not isinstance(self.schedule, str) or self.schedule not in SCHEDULES):
@@ -65,6 +71,7 @@ class PipelineSpec:
         check_int(self.pp_degree, "HPPStrategy(pp_degree=...)", optional=True)
         check_choice(self.frontend, "HPPStrategy(frontend=...)", FRONTENDS)
         check_bool(self.activation_checkpointing, "HPPStrategy(activation_checkpointing=...)")
+        compile_options(self.compile)
         plan = self.plan
         if isinstance(plan, (str, os.PathLike)) and plan != "auto":
             object.__setattr__(self, "plan", StagePlan.load(os.fspath(plan)))

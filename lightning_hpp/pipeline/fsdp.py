@@ -95,17 +95,19 @@ def _slots(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
 
 def untie_across_stages(stages: dict[int, nn.Module]) -> list[list[tuple[int, nn.Module, str]]]:
     """Give every stage but the first of this rank's stages that use one parameter (a tied embedding and head on
-    a V schedule's rank) a copy of its own, in each slot of that stage: FSDP2 manages a parameter in one group, and
-    each stage is a group of its own (two groups sharding one parameter install their own shard in turn at every
-    reshard). The copies start equal; their gradients are summed each step (``GradHandover(ties=...)``).
+    a V schedule's rank) a copy of its own in its slots (a traced stage's entry linked to the user's module becomes
+    the stage's own): FSDP2 manages a parameter in one group, and each stage is a group of its own (two groups
+    sharding one parameter install their own shard in turn at every reshard). The copies start equal; each step
+    their gradients are summed into the parameter the optimizer steps and the copies take its values before the
+    next (:class:`~lightning_hpp.pipeline.grads.GradHandover`), so they stay equal.
 
     Returns:
         Per tied parameter, one slot ``(stage, owner, name)`` of each stage holding it (read again after sharding).
     """
     users: dict[int, list[int]] = {}
     for k, sm in sorted(stages.items()):
-        for p in {id(p) for p in sm.parameters()}:
-            users.setdefault(p, []).append(k)
+        for pid in {id(p) for p in sm.parameters()}:
+            users.setdefault(pid, []).append(k)
     ties: list[list[tuple[int, nn.Module, str]]] = []
     for pid, ks in users.items():
         if len(ks) < 2:
@@ -113,13 +115,14 @@ def untie_across_stages(stages: dict[int, nn.Module]) -> list[list[tuple[int, nn
         tie = []
         for k in ks:
             held = _slots(stages[k]).get(pid, [])
-            if not held:
-                continue
             if k != ks[0]:
                 original = held[0][0]._parameters[held[0][1]]
                 copy = nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad)
                 for owner, name in held:
-                    owner._parameters[name] = copy
+                    registry = owner._parameters
+                    if not isinstance(registry, dict):  # a traced stage's link to a user's slot: its own entry now
+                        del registry[name]
+                    registry[name] = copy
             tie.append((k, *held[0]))
         ties.append(tie)
     return ties
@@ -133,7 +136,8 @@ def shard_stages(root: nn.Module, stages: dict[int, nn.Module], unit_names: dict
     A parameter the user's model holds under several names (tied weights) is a shard under all of them
     afterwards, also where this rank's stages use it under one name only: FSDP2 replaces the parameter in
     the slots of the modules it shards, and the others are pointed at the same shard. Where several of this
-    rank's stages use it, each holds a copy of its own (:func:`untie_across_stages`): ``ShardedStages.ties``.
+    rank's stages use it, each holds a copy of its own (:func:`untie_across_stages`): ``ShardedStages.ties``,
+    each list the one the optimizer steps first.
     A tensor-parallel stage's ``DTensor`` parameters become 2-D shards (``dp_shard`` × ``tp``): tensor parallel
     first, then FSDP2, as torchtitan composes them.
 
@@ -154,7 +158,7 @@ def shard_stages(root: nn.Module, stages: dict[int, nn.Module], unit_names: dict
     policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=REDUCE_DTYPE, output_dtype=None,
                                   cast_forward_inputs=False)
     tied = untie_across_stages(stages)
-    slots = _slots(root)
+    slots = _slots(nn.ModuleList([root, *stages.values()]))  # the user's slots and the stages' own
     before = {pid: aliases[0][0]._parameters[aliases[0][1]] for pid, aliases in slots.items()}
     for k, sm in sorted(stages.items()):
         for unit in unit_modules(sm, unit_names.get(k, []), root):
@@ -166,7 +170,9 @@ def shard_stages(root: nn.Module, stages: dict[int, nn.Module], unit_names: dict
             for m, n in aliases:
                 if m._parameters[n] is before[pid]:
                     m._parameters[n] = sharded
-    ties = [[owner._parameters[name] for _, owner, name in tie] for tie in tied]
+    stepped = {id(p) for p in root.parameters()}  # the copy the optimizer steps first: the others follow it
+    ties = [sorted((owner._parameters[name] for _, owner, name in tie), key=lambda p: id(p) not in stepped)
+            for tie in tied]
     return ShardedStages(stages, ties)
 
 

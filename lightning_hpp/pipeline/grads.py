@@ -58,8 +58,8 @@ class GradHandover:
             with the group of the ranks of this replica holding them: their gradients are summed
             over it after the dp average, so every copy takes the same step.
         ties: Copies of one parameter on several of this rank's stages (sharded stages hold one each,
-            :func:`~lightning_hpp.pipeline.fsdp.shard_stages`): their gradients are summed (before ``shared``),
-            so every copy takes the same step.
+            :func:`~lightning_hpp.pipeline.fsdp.shard_stages`), the one the optimizer steps first: their gradients
+            are summed into each (before ``shared``), and at the start of every step the others take its values.
         bucket_numel: Elements per bucket of small gradients.
 
     A ``DTensor`` parameter (tensor parallel) is reduced by its local shard: the replicas of one tensor-parallel
@@ -136,6 +136,7 @@ class GradHandover:
                 before its all-reduce starts.
         """
         self._drain()
+        self._follow_ties()
         self._in_step, self._want_norms = True, local_norms
         held = [p.grad if keep_held else None for p in self.params]
         for p in self.params:
@@ -262,6 +263,14 @@ class GradHandover:
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
         return norms
+
+    @torch.no_grad()
+    def _follow_ties(self) -> None:
+        """The copies of a tied parameter take the values of the one the optimizer steps (their local shards: one
+        layout on every copy)."""
+        for first, *others in self._ties:
+            for p in others:
+                local(p).copy_(local(first))
 
     @staticmethod
     def _sum_ties(tie: list[nn.Parameter], fresh: list[Tensor | None], index: dict[int, int],

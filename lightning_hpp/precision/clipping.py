@@ -159,6 +159,11 @@ def clip_stages(
         repeated_sq: For ``mode="global"``: each stage's squared norm of its copies of tied weights an earlier
             stage holds too, taken out of the pipeline's norm (one process counts such a weight once).
     """
+    # a tensor several stages of this rank hold (a tied weight on a V schedule's rank, unsharded) is scaled once,
+    # by the first of them
+    seen: set[int] = set()
+    per_stage = {k: [g for g in per_stage[k] if not (g.data_ptr() in seen or seen.add(g.data_ptr()))]
+                 for k in sorted(per_stage)}
     if algorithm == "value":
         for k, grads in per_stage.items():
             limit = stage_limits.get(k) or clip_val
