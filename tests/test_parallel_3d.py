@@ -10,6 +10,9 @@ mean loss of every step), and each rank's share of its stage is checked.
   (two FSDP2 groups, one copy each, their gradients summed);
 * ``@stage(clip_norm=...)`` decorators on a model its ``parallelize_stage`` hook splits (pp2 × dp2 × tp2), and the
   same model clipping in its own ``configure_gradient_clipping`` through ``self.clip_gradients`` (pp2 × fsdp2 × tp2);
+* ``plan="auto"`` over all of it: from a cost profile (``PlacementOptions(profile=...)``) and a memory limit that
+  only tensor-parallel layouts meet, it chooses pp4 × tp2, the plan the offline search (and the CLI) gives for that
+  profile and those ranks, and trains it as one process;
 * what does not compose is refused at setup on every rank, naming why.
 """
 
@@ -35,6 +38,11 @@ RUNS = {
     "decorated_tp": {"model": "deep_mlp", "wrapper": "decorated", "points": None, "strategy": DDP_TP},
     "hook_fsdp_tp": {"model": "deep_mlp", "wrapper": "per_half_clipped", "points": None, "strategy": FSDP_TP},
 }
+AUTO_LIMIT = 20e6
+"""Bytes per rank ``plan="auto"`` must fit: every layout without tensor parallel holds a whole 8 MB layer's training
+state (32 MB) on some rank."""
+RUNS["auto_tp"] = {"model": "llama", "model_kw": {"layers": 4}, "points": "auto", "batch": 8, "pp": None,
+                   "schedule": None, "n_micro": None}
 REFUSED = {
     "fp8_tp": ({**LLAMA, "precision": ["fp8", "32-true"], "fp8_backend": "emulate", "strategy": DDP_TP},
                "`ShardingOptions(tp_degree=2)` cannot split fp8 stages yet (stage(s) [0])"),
@@ -48,9 +56,24 @@ REFUSED = {
 }
 
 
+def auto_profile():
+    """A cost profile of the 4-layer Llama's planning units (its layers, the embedding and the head folded in): 8 MB
+    of parameters each, 95 % of them split by its tensor-parallel plan (tp 2 only: two key/value heads)."""
+    from lightning_hpp.planning.profile import CostProfile, Overheads, ProfileEntry, UnitCost
+
+    names = [f"model.model.layers.{i}" for i in range(4)]
+    units = [UnitCost(n, 1.0, 2.0, 8_000_000, 4096, 8192) for n in names]
+    oh = Overheads(p2p_latency_ms=0.05, p2p_gbps=1.0, allreduce_gbps=1.0, allreduce_overlap=0.0)
+    return CostProfile("LMWrapper", names, [1] * 4, [[2, 16], [2, 16]], [ProfileEntry("cpu", "32-true", units, overheads=oh)],
+                       tp_split=[0.95] * 4, tp_allreduces=[[2, 5]] * 4, tp_degrees=[1, 2])
+
+
 def eight_rank_runs(out) -> list[dict]:
     """This module's configurations for the 8-rank job (tests/conftest.py: ``eight_rank_job``)."""
-    runs = [{**DEFAULTS, **cfg, "name": name, "out": str(out / name)} for name, cfg in RUNS.items()]
+    auto_profile().save(out / "auto_profile.json")
+    placement = {"placement": {"profile": str(out / "auto_profile.json"), "memory": {"cpu": AUTO_LIMIT}}}
+    runs = [{**DEFAULTS, **cfg, "name": name, "out": str(out / name),
+             **({"strategy": placement} if name == "auto_tp" else {})} for name, cfg in RUNS.items()]
     runs += [{**DEFAULTS, **cfg, "name": name, "out": str(out / name), "refused": True}
              for name, (cfg, _) in REFUSED.items()]
     return runs
@@ -68,14 +91,14 @@ def _ranks(out, name):
     return [load_rank(out / name, r) for r in range(WORLD)]
 
 
-def _llama_reference(batch: int, clip: float = 0.5, **kw):
+def _llama_reference(batch: int, clip: float | None = 0.5, layers: int = 2):
     import lightning as L
 
     from tests.real_models import LMWrapper
     from tests.test_sharding import one_process
 
     L.seed_everything(0)
-    return one_process(LMWrapper("llama", reference_microbatches=4, layers=2, **kw), 3, batch, clip=clip)
+    return one_process(LMWrapper("llama", reference_microbatches=4, layers=layers), 3, batch, clip=clip)
 
 
 def _assert_every_rank_equals(outs, want: dict) -> None:
@@ -170,6 +193,24 @@ def test_stage_clip_norm_from_decorators_and_the_users_hook_with_tp_equal_one_pr
         assert {n for n in o["split"] if "fc" in n} == {n for n in o["state"] if "fc" in n}  # split by the hook
     # each stage clipped at its own limit: its norm before clipping was above it
     assert all(outs[0]["metrics"][f"grad_norm/stage_{k}"] > CLIP_NORMS[k] for k in (0, 1))
+
+
+@pytest.mark.slow
+def test_plan_auto_chooses_tensor_parallel_where_only_it_fits_and_trains_as_one_process(runs):
+    from lightning_hpp.planning.search import search_plan
+
+    outs = _ranks(runs, "auto_tp")
+    offline = search_plan(auto_profile(), ["cpu"] * WORLD, batch_size=8, tp_degree=None, data_parallel=None,
+                          memory_bytes={"cpu": AUTO_LIMIT})
+    assert (offline.pp_degree, offline.tp_degree, offline.dp_degree) == (4, 2, 1)
+    for o in outs:
+        predicted = o["plan"]["meta"]["predicted"]
+        assert {k: v for k, v in predicted.items() if k != "label"} == {
+            k: v for k, v in offline.predicted().items() if k != "label"}
+        assert (o["tp"], o["dp_shard"], o["dp_replicate"]) == (2, 1, 1) and o["stage_ids"] == [o["position"]]
+    want, losses = _llama_reference(8, clip=None, layers=4)
+    _assert_every_rank_equals(outs, want)
+    torch.testing.assert_close(torch.tensor(outs[0]["losses"]), losses, **TOL)
 
 
 def test_what_does_not_compose_is_refused_at_setup_on_every_rank(eight_rank_job):
