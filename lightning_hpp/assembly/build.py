@@ -170,7 +170,8 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         check_frontend(tp_plan, cut.frontend, type(module).__name__)
     plan = cut.plan
     pp = resolved.pp(plan)
-    dims = inputs.sharding.dims(world, pp, None if resolved.pp_degree is not None else f"The plan has {plan.num_stages} stages")
+    origin = None if resolved.pp_degree is not None else f"The plan has {plan.num_stages} stages"
+    dims = inputs.sharding.dims(world, pp, origin)
     check_schedule(resolved.schedule, plan.num_stages, pp, resolved.n_microbatches)
     refuse_stage_precisions(inputs.sharding, inputs.precision.stage_precisions(plan, inputs.trainer_precision))
     positions = [stages_of_position(r, pp, plan.num_stages, resolved.kind.style) for r in range(pp)]

@@ -37,8 +37,8 @@ def refuse_with_trainer(sharding: ShardingOptions | None, callbacks: Sequence[An
     if sharding is not None and sharding.sharded and any(isinstance(cb, BiasMonitor) for cb in callbacks):
         raise ShardingError(
             f"`BiasMonitor` compares each replica's gradient norm before the data-parallel reduction, but with "
-            f"`ShardingOptions(data_parallel={sharding.data_parallel!r})` FSDP2 reduce-scatters the gradients inside the "
-            f"schedule and no replica holds its own whole gradient afterwards. Remove `BiasMonitor` from "
+            f"`ShardingOptions(data_parallel={sharding.data_parallel!r})` FSDP2 reduce-scatters the gradients inside "
+            f"the schedule and no replica holds its own whole gradient afterwards. Remove `BiasMonitor` from "
             f"`Trainer(callbacks=...)`, or use data_parallel='ddp' while auditing.")
 
 
@@ -55,10 +55,10 @@ def refuse_stage_precisions(sharding: ShardingOptions, precisions: Sequence[str]
         return
     if sharding.sharded:
         raise ShardingError(
-            f"`ShardingOptions(data_parallel={sharding.data_parallel!r})` cannot shard fp8 stages yet (stage(s) {fp8}). "
-            f"Give those stages another precision (e.g. 'bf16-mixed'), or keep data_parallel='ddp'.")
+            f"`ShardingOptions(data_parallel={sharding.data_parallel!r})` cannot shard fp8 stages yet "
+            f"(stage(s) {fp8}). Give those stages another precision (e.g. 'bf16-mixed'), or keep data_parallel='ddp'.")
     if sharding.tp_degree > 1:
         raise ShardingError(
             f"`ShardingOptions(tp_degree={sharding.tp_degree})` cannot split fp8 stages yet (stage(s) {fp8}): their "
-            f"GEMMs scale each weight by its whole amax, which a tensor-parallel rank's slice does not hold. Give those "
-            f"stages another precision (e.g. 'bf16-mixed'), or use tp_degree=1.")
+            f"GEMMs scale each weight by its whole amax, which a tensor-parallel rank's slice does not hold. Give "
+            f"those stages another precision (e.g. 'bf16-mixed'), or use tp_degree=1.")

@@ -53,7 +53,8 @@ def gather_hosts() -> list[str]:
     return all_gather_object(socket.gethostname())
 
 
-def kind_grid(plan: StagePlan, positions: list[list[int]], rank_kinds: list[str], dims: ParallelDims) -> list[list[int]] | None:
+def kind_grid(plan: StagePlan, positions: list[list[int]], rank_kinds: list[str],
+              dims: ParallelDims) -> list[list[int]] | None:
     """The ``grid[position][replica · tp + tp_rank]`` of global ranks that honours the stages' ``device`` kinds.
 
     Args:

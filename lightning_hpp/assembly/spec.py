@@ -109,7 +109,8 @@ class PipelineSpec:
             return max(1, world_size // tp)
         return plan.num_stages // self.kind.stages_per_rank
 
-    def dims_before_setup(self, world_size: int, module: nn.Module | None, sharding: ShardingOptions | None) -> ParallelDims:
+    def dims_before_setup(self, world_size: int, module: nn.Module | None,
+                          sharding: ShardingOptions | None) -> ParallelDims:
         """The degrees as far as they are known before the plan is resolved (what Lightning's samplers read
         before setup); one replica where they do not divide the world (setup refuses that, naming the sizes)."""
         sharding = sharding or ShardingOptions()

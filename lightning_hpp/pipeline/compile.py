@@ -60,7 +60,8 @@ def eager(module: nn.Module) -> Iterator[list[str]]:
             modules[n]._compiled_call_impl = impl
 
 
-def compile_blocks(stages: dict[int, nn.Module], names: Iterable[str], root: nn.Module, options: dict[str, Any]) -> list[str]:
+def compile_blocks(stages: dict[int, nn.Module], names: Iterable[str], root: nn.Module,
+                   options: dict[str, Any]) -> list[str]:
     """``module.compile(**options)`` on every module of ``names`` that one of ``stages`` holds (deepest first: a
     compiled block is not compiled again inside its parent). Returns the names compiled.
 

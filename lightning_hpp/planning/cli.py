@@ -60,7 +60,8 @@ class ClusterSimulation:
     def comparison_table(self, markdown: bool = False) -> str:
         """Predicted throughput of every row relative to the auto plan."""
         base = self.auto.samples_per_s or 1.0 / self.auto.step_ms
-        head = ["placement", "devices", "pp x dp x tp", "m", "schedule", "stage kinds", "step ms", "samples/s", "vs auto"]
+        head = ["placement", "devices", "pp x dp x tp", "m", "schedule", "stage kinds", "step ms", "samples/s",
+                "vs auto"]
         rows = [head]
         for alt in self.rows:
             r = alt.result
@@ -70,8 +71,9 @@ class ClusterSimulation:
             rate = r.samples_per_s or 1.0 / r.step_ms
             kinds = "/".join(_runs(s.device for s in r.stages))
             rows.append([
-                alt.label, alt.cluster.describe(), f"{r.pp_degree} x {r.dp_degree} x {r.tp_degree}", str(r.n_microbatches),
-                r.schedule, kinds, f"{r.step_ms:.1f}", f"{rate:,.0f}" if r.samples_per_s else "-", f"{rate / base:.2f}x",
+                alt.label, alt.cluster.describe(), f"{r.pp_degree} x {r.dp_degree} x {r.tp_degree}",
+                str(r.n_microbatches), r.schedule, kinds, f"{r.step_ms:.1f}",
+                f"{rate:,.0f}" if r.samples_per_s else "-", f"{rate / base:.2f}x",
             ])
         if markdown:
             lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(head)]
@@ -203,7 +205,8 @@ def simulate_cluster(
 
     srcs = sorted({s for r in sim.rows if r.result for s in (st.cost_source for st in r.result.stages)})
     sim.assumptions = [f"costs: {s}" for s in srcs]
-    sim.assumptions += [f"link {g.kind}: {g.link_gbps:g} GB/s per device where the profile measured none" for g in groups]
+    sim.assumptions += [f"link {g.kind}: {g.link_gbps:g} GB/s per device where the profile measured none"
+                        for g in groups]
     sim.assumptions.append(f"{devices_per_host} devices per host; a tensor-parallel group stays on one host"
                            + (" (here: allowed across hosts)" if constraints.get("tp_across_hosts") else ""))
     note = profile.meta.get("assumptions")

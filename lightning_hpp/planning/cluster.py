@@ -57,7 +57,8 @@ class DeviceGroup:
         return spec.memory_gb * 1e9 if spec else math.inf
 
 
-_GROUP_RE = re.compile(r"^(?P<count>\d+)\s*[x*]\s*(?P<kind>[A-Za-z0-9_.-]+?)(?::(?P<mem>[0-9.]+)\s*(?:gb)?)?$", re.IGNORECASE)
+_GROUP_RE = re.compile(r"^(?P<count>\d+)\s*[x*]\s*(?P<kind>[A-Za-z0-9_.-]+?)(?::(?P<mem>[0-9.]+)\s*(?:gb)?)?$",
+                       re.IGNORECASE)
 
 
 @dataclass
@@ -77,7 +78,8 @@ class Cluster:
             raise PartitionError(f"Cluster lists kind(s) {dup} more than once; give each kind once with its count.")
 
     @classmethod
-    def parse(cls, spec: Cluster | str | Mapping[str, int] | Sequence[DeviceGroup], link_gbps: float | None = None) -> Cluster:
+    def parse(cls, spec: Cluster | str | Mapping[str, int] | Sequence[DeviceGroup],
+              link_gbps: float | None = None) -> Cluster:
         """Build a cluster from any accepted description.
 
         Args:
@@ -112,7 +114,8 @@ class Cluster:
 
     @classmethod
     def from_rank_kinds(
-        cls, rank_kinds: Sequence[str], memory_bytes: Mapping[str, float] | None = None, link_gbps: float = DEFAULT_LINK_GBPS
+        cls, rank_kinds: Sequence[str], memory_bytes: Mapping[str, float] | None = None,
+        link_gbps: float = DEFAULT_LINK_GBPS,
     ) -> Cluster:
         """The cluster formed by the ranks of a job, from each rank's kind."""
         memory_bytes = dict(memory_bytes or {})

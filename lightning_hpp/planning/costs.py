@@ -259,7 +259,8 @@ class CostModel:
         if self.tp <= 1:
             return np.zeros(self.n)
         act = np.asarray(self.costs[k].activation_bytes, dtype=float) * self.scale
-        return ring_factor(self.tp) * act / self.allreduce_bandwidth(k) + 2 * (self.tp - 1) * self.overheads(k).p2p_latency_ms
+        latency = 2 * (self.tp - 1) * self.overheads(k).p2p_latency_ms
+        return ring_factor(self.tp) * act / self.allreduce_bandwidth(k) + latency
 
     def _action_parts(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, float, float]:
         costs, oh = self.costs[k], self.overheads(k)
@@ -267,7 +268,8 @@ class CostModel:
         share = np.divide(costs.fwd_ms, costs.step_ms, out=np.full(self.n, 1 / 3), where=costs.step_ms > 0)
         fwd_units, bwd_units = unit * share, unit * (1 - share)
         if self.tp > 1:
-            reduces = np.asarray(self.tp_allreduces if self.tp_allreduces is not None else [(2, 2)] * self.n, dtype=float)
+            given = self.tp_allreduces if self.tp_allreduces is not None else [(2, 2)] * self.n
+            reduces = np.asarray(given, dtype=float)
             one = self.tp_allreduce_ms(k)
             fwd_units, bwd_units = fwd_units + reduces[:, 0] * one, bwd_units + reduces[:, 1] * one
         fwd, bwd = _prefix_matrix(fwd_units), _prefix_matrix(bwd_units)
@@ -286,12 +288,13 @@ class CostModel:
         used = sorted(set(position_kinds))
         u = np.arange(self.n)
         fastest = np.min([self.actions[k][0][u, u + 1] + self.actions[k][1][u, u + 1] for k in used], axis=0).sum()
-        per_mb = min(self.actions[k][4] for k in used) * n_stages + min(self.actions[k][5] + self.actions[k][6] for k in used)
+        per_mb = (min(self.actions[k][4] for k in used) * n_stages
+                  + min(self.actions[k][5] + self.actions[k][6] for k in used))
         fixed = max(self.overheads(k).step_ms for k in used)
         return m * (float(fastest) + per_mb) / len(position_kinds) + fixed
 
     def parts(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(compute_ms, comm_ms)`` of every segment on kind ``k`` with both boundaries sent (``inf`` where invalid)."""
+        """``(compute_ms, comm_ms)`` of every segment on kind ``k``, both boundaries sent (``inf`` where invalid)."""
         fwd, bwd, out, back, mb, lf, lb = self.actions[k]
         compute = fwd + bwd + mb
         compute[:, self.n] += lf + lb
@@ -303,7 +306,8 @@ class CostModel:
         compute, talk = self.parts(k)
         return compute + talk
 
-    def held(self, params: np.ndarray, largest: np.ndarray | None, activations: np.ndarray | float, m: int) -> np.ndarray:
+    def held(self, params: np.ndarray, largest: np.ndarray | None, activations: np.ndarray | float,
+             m: int) -> np.ndarray:
         """What one rank holds for ``params`` bytes of parameters (of which the largest unit's ``largest``)
         and ``activations`` bytes kept for the backward, under this model's sharding
         (:func:`~lightning_hpp.planning.memory.stage_memory_bytes`)."""

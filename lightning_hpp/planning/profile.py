@@ -164,8 +164,8 @@ class CostProfile:
         n = len(self.unit_names)
         for name, value in (("tp_split", self.tp_split), ("tp_allreduces", self.tp_allreduces)):
             if value is not None and len(value) != n:
-                raise ProfileError(f"Profile of {self.model!r} gives {name} for {len(value)} units, but it has {n} units; "
-                                   f"give one entry per unit (or none).")
+                raise ProfileError(f"Profile of {self.model!r} gives {name} for {len(value)} units, but it has {n} "
+                                   f"units; give one entry per unit (or none).")
         entries = [e if isinstance(e, ProfileEntry) else ProfileEntry(**e) for e in self.entries]
         self.entries = []
         for e in entries:
@@ -244,7 +244,8 @@ class CostProfile:
             "input_shapes": self.input_shapes,
             "entries": [asdict(e) for e in self.entries],
             "meta": self.meta,
-            **{k: getattr(self, k) for k in ("tp_split", "tp_allreduces", "tp_degrees") if getattr(self, k) is not None},
+            **{k: getattr(self, k) for k in ("tp_split", "tp_allreduces", "tp_degrees")
+               if getattr(self, k) is not None},
         }
 
     def tp_shape(self) -> tuple[list[float], list[tuple[int, int]]]:

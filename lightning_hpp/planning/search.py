@@ -153,8 +153,9 @@ def tp_refusal(tp: int, rank_kinds: Sequence[str], hosts: Sequence[Hashable] | N
     if hosts is not None and not across_hosts:
         split = [g for g in range(len(rank_kinds) // tp) if len(set(hosts[g * tp:(g + 1) * tp])) > 1]
         if split:
+            first = hosts[split[0] * tp:(split[0] + 1) * tp]
             return (f"the group of ranks {split[0] * tp}-{split[0] * tp + tp - 1} spans hosts "
-                    f"{sorted(set(map(str, hosts[split[0] * tp:(split[0] + 1) * tp])))} (allow it with tp_across_hosts)")
+                    f"{sorted(set(map(str, first)))} (allow it with tp_across_hosts)")
     return None
 
 
@@ -266,10 +267,12 @@ def search_plan(
                 excluded.append(f"{where}: dp={dp} replicas, not the dp_degree={dp_degree} fixed")
                 continue
             if not split_batches and dp != data_groups:
-                excluded.append(f"{where}: dp={dp} replicas would split the loader's batches, which cannot be rebatched")
+                excluded.append(f"{where}: dp={dp} replicas would split the loader's batches, which cannot be "
+                                f"rebatched")
                 continue
             if dp % data_groups or batch_size % (dp // data_groups):
-                excluded.append(f"{where}: dp={dp} replicas cannot split {data_groups} batch(es) of {batch_size} evenly")
+                excluded.append(f"{where}: dp={dp} replicas cannot split {data_groups} batch(es) of {batch_size} "
+                                f"evenly")
                 continue
             per_replica = batch_size // (dp // data_groups)
             modes = _sharding_modes(data_parallel, dp, dp_replicate, fp8)
