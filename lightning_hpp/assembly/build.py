@@ -231,7 +231,8 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         + (f" ({inputs.sharding.data_parallel}: dp_replicate={mesh.dp_replicate} × dp_shard={mesh.dp_shard})"
            if runner.sharded else "")
         + (f" × tp={tp} ({tp_plan.source})" if tp_plan else "")
-        + (f", shared parameters {sorted(cut.shared)}" if cut.shared else "") + f"\n{plan.table()}"
+        + (f", shared parameters {sorted(cut.shared)}" if cut.shared else "")
+        + (f", torch.compile on {plan.meta['compiled']}" if plan.meta.get("compiled") else "") + f"\n{plan.table()}"
     )
     return Pipeline(module=module, plan=plan, mesh=mesh, stage_ids=tuple(stage_ids), schedule=resolved.schedule,
                     n_microbatches=resolved.n_microbatches, split=resolved.split, frontend=cut.frontend, reason=cut.reason,
