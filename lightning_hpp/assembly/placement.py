@@ -4,11 +4,12 @@
 Both run on every rank at setup, before the model is cut:
 
 * :func:`gather_kinds` — the device kind of every rank (detected, or overridden by ``device_map`` /
-  ``HPP_DEVICE_KIND``), gathered over the world;
-* :func:`kind_grid` — the rank grid for a plan whose stages ask for device kinds;
+  ``HPP_DEVICE_KIND``), gathered over the world; :func:`gather_hosts` — every rank's host;
+* :func:`kind_grid` — the rank grid for a plan whose stages ask for device kinds (tensor-parallel groups of
+  neighbouring ranks of one kind);
 * :func:`auto_plan` — profile the units and the step's overheads on every rank at once, each on its
   device, share the profiles (a kind's costs: the mean over its ranks), and search the whole plan
-  (pp x dp, micro-batches, schedule, cuts, kinds) for these ranks.
+  (pp x dp_replicate x dp_shard x tp, micro-batches, schedule, cuts, kinds) for these ranks.
 """
 
 from __future__ import annotations

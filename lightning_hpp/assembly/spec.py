@@ -33,11 +33,12 @@ class PipelineSpec:
 
     Args:
         plan: ``None`` (the ``@stage`` decorators, else a cut balanced by parameter count), a
-            :class:`StagePlan`, the path of a ``stage_plan.json``, or ``"auto"`` (profile the units and the step's overheads on the ranks'
-            devices and search the whole plan: pp × dp, pp = 1 included, micro-batches, gpipe or 1f1b,
-            cuts, kinds and precisions; ``schedule``, ``n_microbatches`` and ``pp_degree``, when given,
-            are constraints of the search; the global batch stays the DataLoader's batch times
-            ``world_size / pp_degree`` (1 without ``pp_degree``), split between replicas as needed).
+            :class:`StagePlan`, the path of a ``stage_plan.json``, or ``"auto"`` (profile the units and the step's
+            overheads on the ranks' devices and search the whole plan: pp × dp_replicate × dp_shard × tp, pp = 1
+            included, micro-batches, every schedule, cuts, kinds and precisions; ``schedule``, ``n_microbatches``
+            and ``pp_degree``, when given, are constraints of the search, and so is a given ``ShardingOptions``; the
+            global batch stays the DataLoader's batch times its replicas before setup (1 without ``pp_degree``),
+            split between replicas as needed).
         schedule: One of ``gpipe``, ``1f1b``, ``interleaved1f1b``, ``looped_bfs``,
             ``interleaved_zb``, ``zbv``, ``dualpipev``. Default ``1f1b`` (searched under ``plan="auto"``).
         n_microbatches: Micro-batches per training batch (the batch size must be divisible by it).
