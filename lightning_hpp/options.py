@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
 from lightning_hpp.errors import BiasConfigError, CheckpointError, PlacementError, ShardingError, TelemetryError
+from lightning_hpp.pipeline.dims import DATA_PARALLEL, ParallelDims
 from lightning_hpp.planning.devices import ENV_VAR as DEVICE_KIND_ENV
 from lightning_hpp.planning.devices import normalize_kind, parse_device_map
 from lightning_hpp.telemetry.watch import watch_options
@@ -136,6 +137,9 @@ class PlacementOptions:
     """Memory per device, in bytes, by device kind, that ``plan="auto"`` must fit every rank's stages in
     (``{"a100": 40e9}``): kinds not named have their datasheet's (``cpu``: unlimited). Where no ddp plan
     fits and ``sharding`` is not given, the plan may shard the stages (``data_parallel="fsdp"``)."""
+    tp_across_hosts: bool = False
+    """Let ``plan="auto"`` split a stage's layers over ranks of several hosts (tensor parallel's per-layer
+    all-reduces then cross the hosts' network); by default a tensor-parallel group stays on one host."""
 
     error: ClassVar[type[ValueError]] = PlacementError
     """The error class of this section's checks."""
@@ -154,6 +158,7 @@ class PlacementOptions:
         check_path(self.profile, "PlacementOptions(profile=...)", optional=True, error=PlacementError,
                    kind="the path of a cost-profile JSON")
         object.__setattr__(self, "watch", watch_options(self.watch))
+        check_bool(self.tp_across_hosts, "PlacementOptions(tp_across_hosts=...)", error=PlacementError)
 
     def check_world(self, world_size: int) -> None:
         """Refuse a ``device_map`` (or ``$HPP_DEVICE_KIND`` map) whose ranks do not match a job of ``world_size``.
@@ -235,9 +240,6 @@ class InitOptions:
         check_int(self.seed, "InitOptions(seed=...)", minimum=None, optional=True, error=self.error)
 
 
-DATA_PARALLEL = ("ddp", "fsdp", "hsdp")
-
-
 @dataclass(frozen=True)
 class ShardingOptions:
     """How the replicas of each stage share its work (the data-parallel mode) and split it (tensor parallel).
@@ -293,24 +295,16 @@ class ShardingOptions:
         """Whether each stage is sharded over (some of) its replicas."""
         return self.data_parallel != "ddp"
 
-    def dp_dims(self, dp: int) -> tuple[int, int]:
-        """``(dp_replicate, dp_shard)`` of ``dp`` replicas of a stage (the shape rule of the class docstring).
+    def dims(self, world_size: int, pp: int, origin: str | None = None) -> ParallelDims:
+        """The degrees of ``world_size`` ranks in ``pp`` pipeline positions under these options (the shape rule of
+        the class docstring), checked by :meth:`~lightning_hpp.pipeline.dims.ParallelDims.resolve`.
 
         Raises:
-            ShardingError: ``dp_replicate`` does not divide ``dp``.
+            PlanError: ``pp × tp_degree`` more than the processes or not dividing them (``origin``: what set ``pp``).
+            ShardingError: ``dp_replicate`` does not divide the replicas.
         """
-        if self.data_parallel == "ddp":
-            return dp, 1
-        if self.data_parallel == "fsdp":
-            return 1, dp
-        assert self.dp_replicate is not None
-        if dp % self.dp_replicate:
-            divisors = [d for d in range(1, dp + 1) if dp % d == 0]
-            raise self.error(
-                f"`ShardingOptions(data_parallel='hsdp', dp_replicate={self.dp_replicate})`: each stage has {dp} "
-                f"replicas (world_size / (pp × tp)), which {self.dp_replicate} groups cannot split evenly. Use a "
-                f"dp_replicate that divides {dp} ({divisors}), or change the number of processes.")
-        return self.dp_replicate, dp // self.dp_replicate
+        return ParallelDims.resolve(world_size, pp, tp=self.tp_degree, data_parallel=self.data_parallel,
+                                    dp_replicate=self.dp_replicate, origin=origin)
 
 
 Section = TypeVar("Section", CheckpointOptions, BiasOptions, TelemetryOptions, PlacementOptions, InitOptions,

@@ -83,7 +83,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
     """Pipeline-parallel (× data-parallel) training of an unchanged LightningModule.
 
     Args:
-        plan, schedule, n_microbatches, pp_degree, frontend, activation_checkpointing: The pipeline's own
+        plan, schedule, n_microbatches, pp_degree, frontend, activation_checkpointing, compile: The pipeline's own
             options, documented with :class:`~lightning_hpp.assembly.spec.PipelineSpec`: ``plan`` is ``None``
             (the ``@stage`` decorators), a :class:`StagePlan`, a ``stage_plan.json`` path or ``"auto"``;
             ``schedule`` one of ``gpipe``, ``1f1b`` (default), ``interleaved1f1b``, ``looped_bfs``,
@@ -113,7 +113,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         n_microbatches: int | None = None,
         pp_degree: int | None = None,
         frontend: str = "auto",
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool = False, compile: bool | dict = False,
         *,
         step_replay: str = "auto",
         checkpoint: CheckpointOptions | dict | None = None,
@@ -138,7 +138,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
         self._spec = PipelineSpec(plan, schedule, n_microbatches, pp_degree, frontend, activation_checkpointing,
-                                  step_replay)
+                                  step_replay=step_replay, compile=compile)
         self._timeout = check_timeout(timeout)
         self._process_group_backend = check_backend(process_group_backend)
         self._checkpoint = section(CheckpointOptions, checkpoint, "checkpoint")
@@ -183,8 +183,8 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         # shard over replicas only: every stage of one pipeline must see the same batch
         if self._pipeline is not None:
             return {"num_replicas": self._pipeline.mesh.dp, "rank": self._pipeline.mesh.replica}
-        replicas = self.world_size // self._spec.pp_before_setup(self.world_size, self.lightning_module)
-        return {"num_replicas": replicas, "rank": self.global_rank % replicas}
+        dims = self._spec.dims_before_setup(self.world_size, self.lightning_module, self._sharding)
+        return {"num_replicas": dims.dp, "rank": dims.replica_of(self.global_rank)}
 
     @override
     def _configure_launcher(self) -> None:

@@ -24,7 +24,7 @@ def real_model_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace
 
     1. 2 ranks: real models traced and the BatchNorm chain (test_real_models), tied-weight checkpoints,
        per-stage precisions and V schedules (test_traced_stages), the meta-device chain (test_big_models),
-       the emulated fp8 checkpoints resumed (test_fp8_state);
+       the emulated fp8 checkpoints resumed (test_fp8_state), compiled blocks (test_compile);
        4 ranks: GPT-2 pp=2 x dp=2 (test_real_models), the meta-device Llama in 4 stages (test_big_models),
        Llama (eager, and on the meta device reading test_big_models' weights) and an MLP pp=2 x tp=2
        (test_tensor_parallel);
@@ -32,10 +32,11 @@ def real_model_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace
        stages (test_traced_stages); 2 ranks: the traced GPT-2s whose setup must fail, tried in turn by
        the same ranks (test_traced_stages, tests/workers/refusals.py).
 
-    Returns the modules' directories (``real``, ``traced``, ``big``, ``refused``, ``fp8_state``, ``tp``), the refusal job's
+    Returns the modules' directories (``real``, ``traced``, ``big``, ``refused``, ``fp8_state``, ``tp``, ``compiled``), the refusal job's
     finished process (``refusals``) and what test_big_models wrote the weights of (``llama``, ``chain``).
     """
     from tests import test_big_models as big
+    from tests import test_compile as compiled
     from tests import test_fp8_state as fp8_state
     from tests import test_real_models as real
     from tests import test_tensor_parallel as tp
@@ -43,7 +44,7 @@ def real_model_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace
     from tests.launch import run_scripts
 
     root = tmp_path_factory.mktemp("real_model_jobs")
-    dirs = {name: root / name for name in ("real", "traced", "big", "refused", "fp8_state", "tp")}
+    dirs = {name: root / name for name in ("real", "traced", "big", "refused", "fp8_state", "tp", "compiled")}
     for d in dirs.values():
         d.mkdir()
     llama, chain = big.write_weights(dirs["big"])
@@ -53,7 +54,7 @@ def real_model_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace
 
     run_scripts([
         job(2, real.two_rank_runs(dirs["real"]) + traced.two_rank_runs(dirs["traced"]) + big.two_rank_runs(dirs["big"])
-            + fp8_state.two_rank_runs(dirs["fp8_state"])),
+            + fp8_state.two_rank_runs(dirs["fp8_state"]) + compiled.two_rank_runs(dirs["compiled"])),
         job(4, real.four_rank_runs(dirs["real"]) + big.four_rank_runs(dirs["big"]) + tp.four_rank_runs(dirs["tp"], dirs["big"] / "hf")),
     ], timeout=900)
     resumed, refusals = run_scripts([
@@ -88,3 +89,26 @@ def hpp_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
                                          + placement.four_rank_runs(dirs["placement"])}, 4),
     ], timeout=600)
     return SimpleNamespace(**dirs)
+
+
+@pytest.fixture(scope="session")
+def eight_rank_job(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """The one 8-rank job (``tests.workers.run_3d``, ranks forked from one process that imported Lightning):
+    pipeline × data parallel × tensor parallel on real models, with clipping, tied weights on a V schedule and
+    the refused combinations (test_parallel_3d), then the first two layouts of the checkpoint chain, saved under
+    pp2 × fsdp2 × tp2 and resumed under pp4 × tp2 (test_checkpoint_reshard_chain, which goes on on 4 ranks).
+
+    Returns the modules' directories (``three_d``, ``chain``), the job's finished process (``proc``, its exit
+    status 1 from the refused cases) and its wall time in seconds (``seconds``).
+    """
+    from tests import test_checkpoint_reshard_chain as chain
+    from tests import test_parallel_3d as three_d
+    from tests.launch import forked, run_scripts
+
+    root = tmp_path_factory.mktemp("eight_rank_job")
+    dirs = {name: root / name for name in ("three_d", "chain")}
+    for d in dirs.values():
+        d.mkdir()
+    runs = three_d.eight_rank_runs(dirs["three_d"]) + chain.eight_rank_runs(dirs["chain"])
+    [proc] = run_scripts([forked("tests.workers.run_3d", {"devices": 8, "runs": runs}, 8)], timeout=1500, check=False)
+    return SimpleNamespace(**dirs, proc=proc, seconds=proc.seconds)

@@ -178,6 +178,58 @@ class SplitMLP(LMWrapper):
         self.split_calls.append(list(module.names))
 
 
+CLIP_NORMS = (0.02, 0.03)
+"""The ``@stage(clip_norm=...)`` of :class:`DecoratedMLP`'s two stages."""
+
+
+def _decorated(stage_id: int):
+    from lightning_hpp import stage
+
+    @stage(stage_id, clip_norm=CLIP_NORMS[stage_id])
+    class Half(nn.Module):
+        """A Megatron MLP half: ``fc1`` (colwise under tensor parallel), Tanh, ``fc2`` (rowwise)."""
+
+        def __init__(self, d_in: int, hidden: int, d_out: int) -> None:
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, d_out)
+
+        def forward(self, x):
+            return self.fc2(self.act(self.fc1(x)))
+
+    Half.__name__ = Half.__qualname__ = f"Half{stage_id}"
+    return Half
+
+
+class DecoratedMLP(LMWrapper):
+    """``deep_mlp``'s data on two halves whose classes carry ``@stage(k, clip_norm=...)`` (:data:`CLIP_NORMS`):
+    each stage clips its own gradient norm. Under tensor parallel its hook splits each half as Megatron's MLP."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__("deep_mlp", **kw)
+        torch.manual_seed(0)
+        self.model = nn.Sequential(_decorated(0)(8, 32, 16), _decorated(1)(16, 32, 4))
+
+    def parallelize_stage(self, module, mesh):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        for unit in module.units:
+            parallelize_module(unit, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+
+
+
+class PerHalfClipped(DecoratedMLP):
+    """:class:`DecoratedMLP` that clips in its own ``configure_gradient_clipping``: in one process each half at its
+    stage's limit (what the decorators ask of a pipeline); in a pipeline, handed one stage at a time, through
+    ``self.clip_gradients`` (the plugin applies that stage's ``clip_norm`` with the norm over its shards)."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if getattr(optimizer, "stage", None) is not None:
+            self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val)
+            return
+        for half, limit in zip(self.model, CLIP_NORMS):
+            torch.nn.utils.clip_grad_norm_(half.parameters(), limit)
+
+
 def dataset(kind: str, n: int = 32, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     if kind == "vit":

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from lightning_hpp.precision.clipping import clip_stages, stage_norm
+from lightning_hpp.precision.clipping import clip_stages
+from lightning_hpp.precision.clipping import stage_norm as params_norm
+
+
+def stage_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The norm of a stage whose parameters hold ``grads`` (the tensors themselves, as clipping scales them)."""
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g
+    return params_norm(params)
 
 
 def _grads(seed: int, *shapes: tuple[int, ...]) -> list[torch.Tensor]:

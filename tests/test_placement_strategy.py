@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_hpp.errors import PlacementError
 from lightning_hpp.assembly.placement import kind_grid
+from lightning_hpp.errors import PlacementError
+from lightning_hpp.pipeline.dims import ParallelDims
 from lightning_hpp.planning.plan import StagePlan, StageSpec
 from lightning_hpp.planning.profile import CostProfile, ProfileEntry, UnitCost
 from tests.launch import load_rank, merged_state
@@ -158,8 +159,8 @@ def test_stages_follow_device_kinds_and_absent_kinds_are_refused():
     # rank 0 is an a100 and rank 1 an h100: the first stage (h100) must be on rank 1 - not ascending,
     # so the placement is refused rather than silently swapped
     grid = kind_grid(StagePlan([StageSpec(modules=["a"], device="a100"), StageSpec(modules=["b"], device="h100")]),
-                     [[0], [1]], ["a100", "h100"], 2, 1)
+                     [[0], [1]], ["a100", "h100"], ParallelDims(pp=2))
     assert grid == [[0], [1]]
     with pytest.raises(PlacementError, match="cpu"):
-        kind_grid(plan, [[0], [1]], ["cpu", "cpu"], 2, 1)
-    assert kind_grid(StagePlan([StageSpec(modules=["a"]), StageSpec(modules=["b"])]), [[0], [1]], ["cpu", "cpu"], 2, 1) is None
+        kind_grid(plan, [[0], [1]], ["cpu", "cpu"], ParallelDims(pp=2))
+    assert kind_grid(StagePlan([StageSpec(modules=["a"]), StageSpec(modules=["b"])]), [[0], [1]], ["cpu", "cpu"], ParallelDims(pp=2)) is None

@@ -15,7 +15,8 @@ from lightning_hpp.errors import MicroBatchError, PartitionError, ProfileMismatc
 from lightning_hpp.pipeline.data import can_rebatch, rebatch
 from lightning_hpp.pipeline.schedules import SCHEDULES, check_schedule
 from lightning_hpp.planning.devices import stage_kind_orders
-from lightning_hpp.planning.profile import CostProfile, Overheads, ProfileEntry, UnitCost, fit_fixed_costs
+from lightning_hpp.planning.measure import fit_fixed_costs
+from lightning_hpp.planning.profile import CostProfile, Overheads, ProfileEntry, UnitCost
 from lightning_hpp.planning.replay import rank_of_stages
 from lightning_hpp.planning.search import search_plan
 from lightning_hpp.telemetry.model import schedule_actions, simulate
@@ -246,11 +247,11 @@ def test_few_microbatches_make_a_multi_stage_schedule_win():
 
 
 def test_large_models_are_cut_by_local_search_from_the_bottleneck_cut(monkeypatch):
-    import lightning_hpp.planning.search as search
+    import lightning_hpp.planning.solver as solver
 
     prof = _bubble_bound_profile(6, latency=0.2)
     exact = search_plan(prof, ["cpu", "cpu"], batch_size=8, pp_degree=2, n_microbatches=4, schedule="zbv")
-    monkeypatch.setattr(search, "EXACT_CUTS", 0)
+    monkeypatch.setattr(solver, "EXACT_CUTS", 0)
     local = search_plan(prof, ["cpu", "cpu"], batch_size=8, pp_degree=2, n_microbatches=4, schedule="zbv")
     cuts = [0, *itertools.accumulate(len(s.units) for s in local.stages)]
     assert local.step_ms == pytest.approx(_pipeline_step(prof, ["cpu", "cpu"], cuts, "zbv", 2, 1, 4, 8, {}), rel=1e-9)
@@ -469,3 +470,91 @@ def test_where_ddp_fits_the_fsdp_branch_changes_nothing(seed):
             assert auto.predicted() == today.predicted() and auto.ranks == today.ranks
             # the table too, but for its last line: what was searched
             assert auto.format_table().splitlines()[:-1] == today.format_table().splitlines()[:-1]
+
+
+# ============================================================================ tensor parallel in the search
+def _blocks(n: int = 4, split: float = 0.9, reduces=(2, 2), params: int = 1 << 20, degrees=(1, 2, 4)) -> CostProfile:
+    """``n`` transformer-like blocks of ``params`` bytes each, ``split`` of them split by the model's tp plan."""
+    names = [f"layers.{i}" for i in range(n)]
+    units = [UnitCost(nm, 2.0, 4.0, params, 4096, 8192) for nm in names]
+    oh = Overheads(p2p_latency_ms=0.01, p2p_gbps=10.0, allreduce_gbps=10.0)
+    return CostProfile("tp", names, [1] * n, [[4, 8]], [ProfileEntry("fast", "32-true", units, overheads=oh)],
+                       tp_split=[split] * n, tp_allreduces=[list(reduces)] * n, tp_degrees=list(degrees))
+
+
+def test_tensor_parallel_splits_compute_and_memory_and_pays_its_per_layer_all_reduces():
+    from lightning_hpp.planning.search import evaluate_plan
+
+    prof = _blocks()
+    halves = [prof.unit_names[:2], prof.unit_names[2:]]
+    kw = dict(batch_size=8, n_microbatches=2, schedule="1f1b")
+    one = evaluate_plan(prof, ["fast"] * 2, halves, ["fast"] * 2, **kw)
+    two = evaluate_plan(prof, ["fast"] * 4, halves, ["fast"] * 2, tp_degree=2, **kw)
+    assert (two.tp_degree, two.dp_degree, two.devices_used) == (2, 1, 4) and one.tp_degree == 1
+    assert search_plan(prof, ["fast"] * 4, tp_degree=2, pp_degree=2, **kw).tp_degree == 2
+    assert two.ranks == [[0, 1], [2, 3]]  # a replica's tp ranks are neighbours
+    # compute: 0.9 of each block split in two; the forward and the backward each end in 2 all-reduces a block
+    scale = 4 / 4  # micro-batches of the profile's size
+    reduce_ms = 2 * 1 / 2 * 4096 * scale / 10e6 + 2 * 1 * 0.01  # ring over 2 ranks, and its 2 messages' latency
+    share = 0.9 / 2 + 0.1
+    assert two.stages[0].compute_ms == pytest.approx(2 * 6.0 * share + 2 * 2 * 2 * reduce_ms, rel=1e-9)
+    # memory: each rank holds 1/tp of the split bytes and all of the rest (the share 1 / (dp_shard · tp))
+    from lightning_hpp.planning.memory import stage_memory_bytes
+
+    est = two.stages[0]
+    assert est.memory_bytes == pytest.approx(stage_memory_bytes(2 * (1 << 20) * share, 3.0, 1, est.in_flight * 2 * 8192))
+    assert two.plan.meta["predicted"]["tp_degree"] == 2 and "x tp=2" in two.format_table()
+
+
+def test_tp_is_searched_only_among_the_degrees_the_model_divides_and_where_memory_asks_for_it():
+    prof = _blocks(params=8 << 20)
+    # 8 ranks, 25 MB each: every layout without tensor parallel holds at least a whole block's 32 MB of training
+    # state on some rank (one block per position; sharding over replicas gathers it whole while a step runs)
+    limit = {"fast": 25e6}
+    with pytest.raises(PartitionError, match="no cut fits in memory"):
+        search_plan(prof, ["fast"] * 8, batch_size=8, data_parallel=None, memory_bytes=limit)
+    got = search_plan(prof, ["fast"] * 8, batch_size=8, tp_degree=None, data_parallel=None, memory_bytes=limit)
+    assert got.tp_degree in (2, 4) and got.fits, got.format_table()
+    assert max(s.memory_bytes for s in got.stages) <= 25e6
+    assert "tp in [1, 2, 4]" in got.format_table()
+    # a plan that splits nothing (no byte, no compute) only pays the all-reduces: never chosen
+    assert search_plan(_blocks(split=0.0), ["fast"] * 8, batch_size=8, tp_degree=None, data_parallel=None).tp_degree == 1
+    # a model without a tp plan (the profile records [1]) is never split
+    with pytest.raises(PartitionError, match="no cut fits in memory"):
+        search_plan(_blocks(params=8 << 20, degrees=(1,)), ["fast"] * 8, batch_size=8, tp_degree=None,
+                    data_parallel=None, memory_bytes=limit)
+
+
+def test_a_tp_group_stays_on_one_host_unless_told_otherwise():
+    prof = _blocks()
+    hosts = ["a", "b"] * 2  # neighbouring ranks on different hosts
+    with pytest.raises(PartitionError, match=r"tp=2: the group of ranks 0-1 spans hosts \['a', 'b'\]"):
+        search_plan(prof, ["fast"] * 4, batch_size=8, tp_degree=2, hosts=hosts)
+    assert search_plan(prof, ["fast"] * 4, batch_size=8, tp_degree=2, hosts=hosts, tp_across_hosts=True).tp_degree == 2
+    assert search_plan(prof, ["fast"] * 4, batch_size=8, tp_degree=2, hosts=["a", "a", "b", "b"]).tp_degree == 2
+    # mixed kinds within a group, and fp8 stages, are no tensor-parallel groups either
+    mixed = _blocks()
+    mixed.add(ProfileEntry("slow", "32-true", mixed.entries[0].units, overheads=mixed.entries[0].overheads))
+    with pytest.raises(PartitionError, match="mixes device kinds"):
+        search_plan(mixed, ["fast", "slow"] * 2, batch_size=8, tp_degree=2)
+
+
+def test_the_profile_records_what_the_models_tp_plan_splits(tmp_path):
+    from lightning_hpp.pipeline.tensor_parallel import plan_shape, resolve_tp_plan, tp_degrees
+    from tests.real_models import LMWrapper
+
+    model = LMWrapper("llama", layers=2)
+    units = ["model.model.embed_tokens", "model.model.layers.0", "model.model.layers.1", "model.model.norm",
+             "model.lm_head"]
+    split, reduces = plan_shape(model, units, resolve_tp_plan(model, 2))
+    layer = model.model.model.layers[0]
+    whole = sum(p.numel() for p in layer.parameters())
+    norms = sum(p.numel() for n, p in layer.named_parameters() if "norm" in n)
+    assert split[1] == split[2] == pytest.approx((whole - norms) / whole) and split[0] == split[3] == split[4] == 0
+    # q, k, v, gate, up colwise (an all-reduce of their input's gradient each); o, down rowwise (of their output)
+    assert reduces == [[0, 0], [2, 5], [2, 5], [0, 0], [0, 0]]
+    assert tp_degrees(model, 8) == [1, 2]  # 2 key/value heads: 4 and 8 do not divide them
+    prof = _blocks()
+    prof.save(tmp_path / "p.json")
+    again = CostProfile.load(tmp_path / "p.json")
+    assert (again.tp_split, again.tp_allreduces, again.tp_degrees) == (prof.tp_split, prof.tp_allreduces, [1, 2, 4])

@@ -11,18 +11,21 @@ import torch
 from torch import nn
 
 from lightning_hpp.errors import ProfileError, ProfileMismatchError
-from lightning_hpp.planning import profile as profile_module
-from lightning_hpp.planning.partition import partition
-from lightning_hpp.planning.profile import CostProfile, check_profile_matches, load_or_profile, profile_units
+from lightning_hpp.planning import measure as measure_module
+from lightning_hpp.planning.cache import load_or_profile
+from lightning_hpp.planning.measure import profile_units
+from lightning_hpp.planning.profile import CostProfile, Overheads, check_profile_matches
+from lightning_hpp.planning.search import search_plan
+from lightning_hpp.planning.speeds import mean_over_ranks
 
-LIBRARY_WINDOW_S = profile_module.MIN_WINDOW_S
+LIBRARY_WINDOW_S = measure_module.MIN_WINDOW_S
 
 
 @pytest.fixture(autouse=True)
 def _short_window(monkeypatch):
     """Each unit is timed for at least MIN_WINDOW_S (0.3 s, for CPU quotas); these tests check bytes, calls,
     caching and files, not times, so 10 ms will do. The test that compares times keeps the library's window."""
-    monkeypatch.setattr(profile_module, "MIN_WINDOW_S", 0.01)
+    monkeypatch.setattr(measure_module, "MIN_WINDOW_S", 0.01)
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +72,7 @@ def small_units():
 
 
 def test_measures_bytes_exactly_and_time_relatively(monkeypatch):
-    monkeypatch.setattr(profile_module, "MIN_WINDOW_S", LIBRARY_WINDOW_S)
+    monkeypatch.setattr(measure_module, "MIN_WINDOW_S", LIBRARY_WINDOW_S)
     heavy = nn.Linear(512, 512)
     units = [("heavy", heavy), ("light", nn.ReLU()), ("head", nn.Linear(512, 4))]
     x = torch.randn(256, 512)
@@ -141,14 +144,14 @@ def test_identical_units_get_the_mean_of_their_times(monkeypatch):
     units[7][1].register_forward_hook(lambda mod, args, out: out * 2)  # a hook is part of the computation
     times = iter([(1.0, 2.0), (2.0, 3.0), (3.0, 4.0), (9.0, 9.0), (5.0, 6.0), (7.0, 7.0), (4.0, 5.0),
                   (10.0, 10.0), (8.0, 8.0), (6.0, 6.0)])
-    measure = profile_module._measure_unit
+    measure = measure_module._measure_unit
 
     def scripted(*args, **kwargs):
         cost, out = measure(*args, **kwargs)
         cost.fwd_ms, cost.bwd_ms = next(times)
         return cost, out
 
-    monkeypatch.setattr(profile_module, "_measure_unit", scripted)
+    monkeypatch.setattr(measure_module, "_measure_unit", scripted)
     prof = profile_units(units, torch.randn(4, 32), "cpu", repeats=1, warmup=0)
     got = {u.name: (u.fwd_ms, u.bwd_ms) for u in prof.entries[0].units}
     # b0 gets the batch (no grad), b1, b2, b4 and b6 a boundary tensor that requires grad: one group
@@ -290,10 +293,11 @@ def test_profiles_on_the_gpu_in_bf16_autocast():
     assert all(c.fwd_ms > 0 and c.bwd_ms >= 0 for c in costs)
 
 
-def test_measured_profile_drives_the_partitioner():
+def test_measured_profile_drives_the_planner():
     units = [(f"layers.{i}", nn.Linear(64, 64)) for i in range(4)]
     prof = profile_units(units, torch.randn(32, 64), "cpu", repeats=3, warmup=1)
-    res = partition(prof, {"cpu": 2}, pp_degree=2, n_microbatches=4)
+    # micro-batches of the profiled size (32 samples): each stage computes what its units measured
+    res = search_plan(prof, ["cpu", "cpu"], batch_size=128, pp_degree=2, n_microbatches=4, schedule="1f1b")
     measured = [u.step_ms for u in prof.get("cpu", "32-true").units]
     k = len(res.stages[0].units)
     assert res.stages[0].compute_ms == pytest.approx(sum(measured[:k]))
@@ -310,8 +314,8 @@ def test_mean_over_ranks_averages_each_kind_measured_by_several_ranks():
     for i, part in enumerate(parts):
         for j, u in enumerate(part.entries[0].units):
             u.fwd_ms, u.bwd_ms, u.fixed_ms = 1.0 + i + j, 2.0 * (1 + i), 0.1 * i
-        part.entries[0].overheads = profile_module.Overheads(microbatch_ms=1.0 + i, p2p_latency_ms=0.5 * i)
-    mean = profile_module.mean_over_ranks(parts)
+        part.entries[0].overheads = Overheads(microbatch_ms=1.0 + i, p2p_latency_ms=0.5 * i)
+    mean = mean_over_ranks(parts)
     cpu, slow = mean.get("cpu", "32-true"), mean.get("slow", "32-true")
     assert [(u.fwd_ms, u.bwd_ms, u.fixed_ms) for u in cpu.units] == [
         pytest.approx((1.5 + j, 3.0, 0.05)) for j in range(len(units))]
@@ -320,4 +324,4 @@ def test_mean_over_ranks_averages_each_kind_measured_by_several_ranks():
     assert [u.fwd_ms for u in slow.units] == [3.0 + j for j in range(len(units))] and slow.source == "measured"
     other = profile_units(units[:2], x, "cpu", repeats=1, warmup=0)
     with pytest.raises(ProfileMismatchError):
-        profile_module.mean_over_ranks([parts[0], other])
+        mean_over_ranks([parts[0], other])

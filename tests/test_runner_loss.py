@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hpp.errors import PlanError
+from lightning_hpp.pipeline.dims import ParallelDims
 from lightning_hpp.pipeline.mesh import Mesh
 from lightning_hpp.pipeline.runner import PipelineRunner
 from lightning_hpp.pipeline.stage import StageModule
@@ -45,7 +46,7 @@ def mesh():
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    mesh = Mesh.build(1, 1, 0)
+    mesh = Mesh.build(ParallelDims(), 0)
     mesh.init_groups("cpu")
     yield mesh
     if owned:

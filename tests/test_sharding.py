@@ -45,19 +45,50 @@ def test_sharding_is_taken_as_a_section_or_a_dict():
     assert not ShardingOptions().sharded and ShardingOptions(data_parallel="fsdp").sharded
 
 
-@pytest.mark.parametrize("options, dp, dims", [
-    (ShardingOptions(), 4, (4, 1)),
-    (ShardingOptions(data_parallel="fsdp"), 4, (1, 4)),
-    (ShardingOptions(data_parallel="hsdp", dp_replicate=2), 4, (2, 2)),
-    (ShardingOptions(data_parallel="hsdp", dp_replicate=1), 2, (1, 2)),
+@pytest.mark.parametrize("options, world, pp, dims", [
+    (ShardingOptions(), 8, 2, (2, 4, 1, 1)),
+    (ShardingOptions(data_parallel="fsdp"), 8, 2, (2, 1, 4, 1)),
+    (ShardingOptions(data_parallel="hsdp", dp_replicate=2), 8, 2, (2, 2, 2, 1)),
+    (ShardingOptions(data_parallel="hsdp", dp_replicate=1), 4, 2, (2, 1, 2, 1)),
+    (ShardingOptions(data_parallel="fsdp", tp_degree=2), 8, 2, (2, 1, 2, 2)),
+    (ShardingOptions(tp_degree=2), 8, 2, (2, 2, 1, 2)),
 ])
-def test_the_data_parallel_shape_rule(options, dp, dims):
-    assert options.dp_dims(dp) == dims
+def test_the_data_parallel_shape_rule(options, world, pp, dims):
+    got = options.dims(world, pp)
+    assert got.shape == dims and got.world_size == world and got.dp == world // (pp * options.tp_degree)
+
+
+def test_one_value_owns_the_degree_arithmetic():
+    from lightning_hpp.pipeline.dims import ParallelDims
+
+    dims = ParallelDims(pp=2, dp_replicate=1, dp_shard=2, tp=2)
+    assert (dims.dp, dims.width, dims.world_size, dims.data_parallel) == (2, 4, 8, "fsdp")
+    # pipeline-outer: the ranks of a position contiguous, a replica's tp ranks neighbours
+    assert dims.default_grid() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [dims.replica_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    # a grid of tp groups (what the kinds place) expands to neighbouring ranks per group
+    assert dims.expand_tp([[0, 1], [2, 3]]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert ParallelDims(dp_replicate=2, dp_shard=2).data_parallel == "hsdp"
+    with pytest.raises(PlanError, match=r"`ParallelDims\(tp=0\)`: every degree must be an integer >= 1"):
+        ParallelDims(tp=0)
+
+
+@pytest.mark.parametrize("world, pp, options, message", [
+    (4, 8, ShardingOptions(), r"`HPPStrategy\(pp_degree=8\)` needs at least 8 processes, one per pipeline position"),
+    (6, 4, ShardingOptions(), r"World size 6 is not divisible by pp_degree=4; world_size must equal pp_degree × "
+                              r"dp_degree. Use devices × num_nodes = a multiple of 4, or change pp_degree."),
+    (6, 2, ShardingOptions(tp_degree=2), r"World size 6 is not divisible by pp_degree=2 × tp_degree=2.*or tp_degree"),
+])
+def test_degrees_the_world_cannot_form_are_refused_naming_the_sizes(world, pp, options, message):
+    with pytest.raises(PlanError, match=message):
+        options.dims(world, pp)
+    with pytest.raises(PlanError, match=r"The plan has 6 stages \(pp_degree=6\) but the job has 4 processes"):
+        ShardingOptions().dims(4, 6, "The plan has 6 stages")
 
 
 def test_hsdp_replicas_that_do_not_split_evenly_are_refused():
     with pytest.raises(ShardingError, match=r"dp_replicate=2\)`: each stage has 3 replicas.*divides 3 \(\[1, 3\]\)"):
-        ShardingOptions(data_parallel="hsdp", dp_replicate=2).dp_dims(3)
+        ShardingOptions(data_parallel="hsdp", dp_replicate=2).dims(6, 2)
 
 
 # ============================================================================ sharded stages in real processes
@@ -92,7 +123,6 @@ RUNS = {
 DEFAULTS = {"schedule": "1f1b", "pp": 2, "n_micro": 2, "steps": 3, "batch": 4}
 # what sharded stages cannot keep yet, refused at setup on every rank (tried last, by the same ranks)
 REFUSED = {
-    "tp2": {"model": "gpt2", "points": GPT2_CUT, "strategy": {"sharding": {"data_parallel": "fsdp", "tp_degree": 2}}},
     "bias_monitor": {"model": "gpt2", "points": GPT2_CUT, "bias_monitor": True, "strategy": FSDP},
 }
 
@@ -124,7 +154,7 @@ def _ranks(out, name):
     return [load_rank(out / name, r) for r in range(4)]
 
 
-def _reference(model, steps: int, batch: int, n: int = 32, clip: float | None = None):
+def one_process(model, steps: int, batch: int, n: int = 32, clip: float | None = None):
     """``model`` trained in one process under Lightning's own strategy: (its state, the loss of every step)."""
     import lightning as L
     import torch
@@ -144,7 +174,7 @@ def _reference(model, steps: int, batch: int, n: int = 32, clip: float | None = 
     return {k: v.detach() for k, v in model.state_dict().items()}, torch.tensor(losses)
 
 
-def _replica_mean_losses(outs, replicas: list[int]):
+def replica_mean_losses(outs, replicas: list[int]):
     """The global batch's loss per step: the mean of each replica's own (Lightning logs each replica's)."""
     import torch
 
@@ -152,7 +182,7 @@ def _replica_mean_losses(outs, replicas: list[int]):
     return torch.stack([by_replica[r] for r in replicas]).mean(0)
 
 
-def _assert_params(outs, want: dict, tol=TOL):
+def assert_params(outs, want: dict, tol=TOL):
     import torch
 
     got = {}
@@ -194,9 +224,9 @@ def test_pp2_fsdp2_gpt2_with_global_clipping_and_validation_equals_one_process(s
 
     outs = _ranks(sharded_runs, "gpt2_fsdp")
     L.seed_everything(0)
-    want, want_losses = _reference(LMWrapper("gpt2", reference_microbatches=4), 3, 8, clip=0.5)
-    _assert_params(outs, want)
-    torch.testing.assert_close(_replica_mean_losses(outs, [0, 1]), want_losses, **TOL)
+    want, want_losses = one_process(LMWrapper("gpt2", reference_microbatches=4), 3, 8, clip=0.5)
+    assert_params(outs, want)
+    torch.testing.assert_close(replica_mean_losses(outs, [0, 1]), want_losses, **TOL)
     # the clip clipped: the pipeline's norm (at least its largest stage's) was above 0.5 at the last step
     assert all(max(o["metrics"]["grad_norm/stage_0"], o["metrics"]["grad_norm/stage_1"]) > 0.5 for o in outs)
     assert outs[0]["device_mesh_dims"] == ["pp", "dp_replicate", "dp_shard", "tp"]
@@ -215,15 +245,15 @@ def test_pp2_fsdp2_llama_with_per_stage_clipping_and_activation_checkpointing_eq
     stages = _stage_names(outs)
     assert not stages[0] & stages[1]  # untied: each parameter on one stage
     L.seed_everything(0)
-    want, want_losses = _reference(PerStageClipped.make("llama", stages, reference_microbatches=4, tie=False), 3, 8,
+    want, want_losses = one_process(PerStageClipped.make("llama", stages, reference_microbatches=4, tie=False), 3, 8,
                                    clip=0.3)
-    _assert_params(outs, want)
-    torch.testing.assert_close(_replica_mean_losses(outs, [0, 1]), want_losses, **TOL)
+    assert_params(outs, want)
+    torch.testing.assert_close(replica_mean_losses(outs, [0, 1]), want_losses, **TOL)
     # per-stage clipping is not global clipping: the reference clipping the whole model's norm ends elsewhere
     from tests.real_models import LMWrapper
 
     L.seed_everything(0)
-    globally, _ = _reference(LMWrapper("llama", reference_microbatches=4, tie=False), 3, 8, clip=0.3)
+    globally, _ = one_process(LMWrapper("llama", reference_microbatches=4, tie=False), 3, 8, clip=0.3)
     assert max(float((want[k] - globally[k]).abs().max()) for k in want) > 1e-4
 
 
@@ -261,9 +291,9 @@ def test_hsdp_replicate2_x_shard2_equals_one_process(sharded_runs):
     assert sorted((o["dp_replicate"], o["dp_shard"]) for o in outs) == [(2, 2)] * 4
     assert outs[0]["device_mesh_shape"] == [1, 2, 2, 1]
     L.seed_everything(0)
-    want, want_losses = _reference(LMWrapper("gpt2", reference_microbatches=8), 3, 16)
-    _assert_params(outs, want)
-    torch.testing.assert_close(_replica_mean_losses(outs, [0, 1, 2, 3]), want_losses, **TOL)
+    want, want_losses = one_process(LMWrapper("gpt2", reference_microbatches=8), 3, 16)
+    assert_params(outs, want)
+    torch.testing.assert_close(replica_mean_losses(outs, [0, 1, 2, 3]), want_losses, **TOL)
 
 
 @pytest.mark.slow
@@ -277,7 +307,7 @@ def test_an_fp16_overflow_skips_the_step_on_every_rank_of_a_sharded_pipeline(sha
         assert o["skipped_steps"] == 1 and o["loss_scale"] == 2.0**59, (o["position"], o["replica"])
     L.seed_everything(0)
     initial = {k: v.detach() for k, v in LMWrapper("gpt2").state_dict().items()}
-    _assert_params(outs, initial, tol={"rtol": 0, "atol": 0})
+    assert_params(outs, initial, tol={"rtol": 0, "atol": 0})
 
 
 def _replica_ordered_staged_reference(run: dict, replicas: int, bf16: bool = True):
@@ -323,8 +353,8 @@ def test_pp2_fsdp2_with_a_bf16_stage_equals_one_process_with_the_same_stage_prec
     run = {**DEFAULTS, **RUNS["gpt2_bf16"]}
     want, want_losses = _replica_ordered_staged_reference(run, replicas=2)
     # to 1e-5 as in fp32: the one process runs the pipeline's micro-batches, so bf16 rounds the same sums
-    _assert_params(outs, want)
-    torch.testing.assert_close(_replica_mean_losses(outs, [0, 1]), want_losses, **TOL)
+    assert_params(outs, want)
+    torch.testing.assert_close(replica_mean_losses(outs, [0, 1]), want_losses, **TOL)
     for o in outs:
         assert o["plan"]["meta"]["precision"] == ["bf16-mixed", "32-true"]
         assert o["plan"]["meta"]["boundary_dtypes"] == ["bfloat16"]
@@ -339,7 +369,6 @@ def test_what_sharded_stages_cannot_keep_is_refused_at_setup_on_every_rank(job):
     out, proc = job
     assert proc.returncode == 1, proc.stderr[-4000:]  # the refused cases, and nothing else, failed
     expected = {
-        "tp2": ("ShardingError", "`ShardingOptions(tp_degree=2)` with data_parallel='fsdp': sharded stages do not compose"),
         "bias_monitor": ("ShardingError", "`BiasMonitor` compares each replica's gradient norm"),
     }
     for name, (kind, text) in expected.items():
@@ -372,43 +401,8 @@ def test_sharded_stages_count_one_shard_of_params_grads_and_optimizer_state_plus
         1000 + 2000 + 10)
 
 
-def test_a_placement_that_does_not_fit_is_refused_naming_the_stage_and_the_bytes():
-    from lightning_hpp.errors import PartitionError
-    from lightning_hpp.planning.partition import evaluate
-    from tests.test_partition import make_profile
-
-    units = [(1.0, 2.0, 4_000_000, 1000, 1000)] * 4  # 4 MB of parameters per unit
-    profile = make_profile({"a100": units})
-    cluster = "4xa100:0.03"  # 30 MB per device
-    stages = [profile.unit_names[:2], profile.unit_names[2:]]
-    kw = dict(schedule="1f1b", n_microbatches=2, dp_degree=2)
-    ddp = evaluate(profile, cluster, stages, ["a100"] * 2, **kw)
-    # in flight under 1f1b: 2 micro-batches on stage 0, 1 on stage 1, each keeping 2 x 1000 B
-    assert [s.memory_bytes for s in ddp.stages] == [8e6 * 4 + 2 * 2000, 8e6 * 4 + 2000]  # 32 MB: over
-    with pytest.raises(PartitionError, match=r"Stage 0 \(layers.0, layers.1 on a100\) needs 32.0 MB per rank "
-                                             r"\(parameters 8.0 MB x \(1 \+ optimizer_factor 3\) \+ 2 in-flight"
-                                             r".*but the device has 30.0 MB.*ShardingOptions\(data_parallel='fsdp'\)"):
-        ddp.require_fit()
-    # sharded over its 2 replicas with one unit gathered at a time (one micro-batch a step), the same stage
-    # fits: 16 + 8 MB
-    one = dict(kw, n_microbatches=1)
-    fsdp = evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=2, reshard_after_forward=True, **one)
-    assert fsdp.stages[0].memory_bytes == 8e6 * 4 / 2 + 2 * 4e6 + 2000
-    assert fsdp.require_fit() is fsdp and "/ dp_shard 2 + 8.0 MB gathered" in fsdp.stages[0].memory_detail
-    # without reshard_after_forward, one micro-batch holds the stage's parameters and one unit's gradients
-    kept = evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=2, **one)
-    assert kept.stages[0].memory_bytes == 8e6 * 4 / 2 + 8e6 + 4e6 + 2000 and kept.fits
-    # gathered for the whole step (the default, or reshard_after_forward under 2 micro-batches), it does not
-    for options in ({}, {"reshard_after_forward": True}):
-        with pytest.raises(PartitionError, match=r"Stage 0 .* needs 32.0 MB per rank \(parameters 8.0 MB x \(1 \+ "
-                                                 r"optimizer_factor 3\) / dp_shard 2 \+ 16.0 MB gathered"):
-            evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=2, **options, **kw).require_fit()
-    with pytest.raises(PartitionError, match=r"dp_shard=3 must divide dp_degree=2"):
-        evaluate(profile, cluster, stages, ["a100"] * 2, dp_shard=3, **kw)
-
-
 def test_a_bias_monitor_keeps_plan_auto_on_unsharded_stages():
-    from lightning_hpp.assembly.callbacks import sharding_refusals
+    from lightning_hpp.assembly.compose import sharding_refusals
     from lightning_hpp.bias.monitor import BiasMonitor
 
     assert sharding_refusals([]) == []

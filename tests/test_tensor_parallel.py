@@ -88,37 +88,25 @@ def test_styles_are_torch_styles_and_unknown_ones_are_refused():
         torch_style("embedding_rowwise", "linear")
 
 
-def test_what_tensor_parallel_does_not_compose_with_yet_is_refused_at_setup():
+def test_fp8_stages_are_what_tensor_parallel_refuses_and_clipping_composes():
     from types import SimpleNamespace
 
-    from lightning_hpp.assembly.build import _tp_plan
     from lightning_hpp.assembly.callbacks import refuse_unkept_setups
-    from lightning_hpp.assembly.spec import PipelineSpec
+    from lightning_hpp.assembly.compose import refuse_stage_precisions
     from lightning_hpp.errors import ShardingError
     from lightning_hpp.options import ShardingOptions
-    from lightning_hpp.planning.plan import StagePlan
 
+    tp2 = ShardingOptions(tp_degree=2)
+    refuse_stage_precisions(tp2, ["bf16-mixed", "32-true"])
+    with pytest.raises(ShardingError, match=r"`ShardingOptions\(tp_degree=2\)` cannot split fp8 stages yet \(stage\(s\) "
+                                            r"\[1\]\).*whole amax"):
+        refuse_stage_precisions(tp2, ["bf16-mixed", "fp8"])
+    with pytest.raises(ShardingError, match=r"data_parallel='fsdp'\)` cannot shard fp8 stages yet"):
+        refuse_stage_precisions(ShardingOptions(data_parallel="fsdp", tp_degree=2), ["fp8"])
+    # clipping composes: the norms are taken over the shards
     llama = LMWrapper("llama", layers=2)
-    tp2 = SimpleNamespace(sharding=ShardingOptions(tp_degree=2))
-    assert _tp_plan(llama, PipelineSpec(pp_degree=2), tp2, 4).styles  # pp 2 × tp 2 on 4 ranks: the Llama's own plan
-    cases = [
-        (PipelineSpec(plan="auto", pp_degree=2), tp2, 4, r"plan='auto': the planner does not model tensor parallelism"),
-        (PipelineSpec(pp_degree=2), SimpleNamespace(sharding=ShardingOptions(data_parallel="fsdp", tp_degree=2)), 8,
-         r"data_parallel='fsdp': sharded stages do not compose"),
-        (PipelineSpec(), tp2, 4, r"give `HPPStrategy\(pp_degree=...\)` too"),
-        (PipelineSpec(pp_degree=2), tp2, 8, r"8 processes with pp_degree=2 are 2 replicas of each stage"),
-        (PipelineSpec(plan=StagePlan.split_at(["model.model.layers.1"], clip_norm=[None, 1.0]), pp_degree=2), tp2, 4,
-         r"stages \[1\] clip their gradients"),
-    ]
-    for spec, inputs, world, match in cases:
-        with pytest.raises(ShardingError, match=match):
-            _tp_plan(llama, spec, inputs, world)
     llama._trainer = SimpleNamespace(gradient_clip_val=0.5)
-    with pytest.raises(PlanError, match=r"gradient_clip_val=0.5\)` with `ShardingOptions\(tp_degree=2\)`"):
-        refuse_unkept_setups(llama, None, checkpoint_io=None, fitting=True, precision_flag="32-true",
-                             sharding=ShardingOptions(tp_degree=2))
-    refuse_unkept_setups(llama, None, checkpoint_io=None, fitting=True, precision_flag="32-true",
-                         sharding=ShardingOptions(tp_degree=1))
+    refuse_unkept_setups(llama, None, checkpoint_io=None, fitting=True, precision_flag="32-true", sharding=tp2)
 
 
 # ------------------------------------------------------------------------------------------ 2 gloo ranks

@@ -19,7 +19,8 @@ from lightning_hpp.assembly.callbacks import pipeline_callbacks
 from lightning_hpp.checkpoint import list_checkpoints
 from lightning_hpp.errors import PlacementError
 from lightning_hpp.options import PlacementOptions
-from lightning_hpp.planning.profile import CostProfile, Overheads, ProfileEntry, UnitCost, with_rank_speeds
+from lightning_hpp.planning.profile import CostProfile, Overheads, ProfileEntry, UnitCost
+from lightning_hpp.planning.speeds import with_rank_speeds
 from lightning_hpp.planning.search import search_plan
 from lightning_hpp.telemetry.watch import REPLAN_EXIT_CODE, STOP_EXIT_CODE, SlowdownDetector, StragglerWatch, WatchOptions
 from tests.launch import ROOT, run_scripts

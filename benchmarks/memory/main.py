@@ -560,8 +560,10 @@ def supervise(procs: list[subprocess.Popen], timeout: float, grace: float) -> li
     return out  # type: ignore[return-value]
 
 
-def launch(job: dict[str, Any], tag: str, limit: int | None, *, baseline: bool = False) -> dict[str, Any]:
-    """Start ``job['ranks']`` processes of this file, each in its own memory group; return what each did."""
+def launch(job: dict[str, Any], tag: str, limit: int | None, *, baseline: bool = False,
+           script: Path | None = None) -> dict[str, Any]:
+    """Start ``job['ranks']`` processes of ``script`` (default this file; ``--worker JOB``), each in its own memory
+    group; return what each did."""
     n = job["ranks"]
     out = Path(job["out"])
     out.mkdir(parents=True, exist_ok=True)
@@ -575,7 +577,7 @@ def launch(job: dict[str, Any], tag: str, limit: int | None, *, baseline: bool =
                 log = open(out / f"rank{r}.log", "w")  # noqa: SIM115  (closed below, also on failure)
                 logs.append(log)
                 env = _rank_env({**common, **job.get("env", {}), GROUP_ENV: groups.prefix, "RANK": str(r), "LOCAL_RANK": str(r)})
-                procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], env=env,
+                procs.append(subprocess.Popen([sys.executable, str(script or Path(__file__).resolve()), *args], env=env,
                                               stdout=log, stderr=subprocess.STDOUT, cwd=out))
             exits = supervise(procs, job.get("run_timeout", 600), job.get("grace", 30))
         finally:

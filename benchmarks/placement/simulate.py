@@ -157,10 +157,9 @@ def main(argv=None) -> int:
         print(f"wrote {args.write_profile}")
         return 0
     profile = CostProfile.load(args.profile)
-    gm = args.global_batch // profile.microbatch_size
     for title, precision in (("precision follows the device (fp8 on H100)", None), ("bf16 everywhere", "bf16-mixed")):
         for spec in CLUSTERS:
-            sim = simulate_cluster(profile, spec, global_microbatches=gm, precision=precision)
+            sim = simulate_cluster(profile, spec, global_batch=args.global_batch, precision=precision)
             print(f"\n### {spec}, {title}, global batch {args.global_batch}\n")
             print("```")
             print(sim.auto.format_table())

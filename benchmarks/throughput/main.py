@@ -53,9 +53,14 @@ MULTI = {"interleaved1f1b", "zbv", "interleaved_zb", "dualpipev", "looped_bfs"}
 
 
 # ============================================================================================ configs
-def configs(m: int, sweep: list[int], schedules: list[str], paired_only: bool = False) -> list[dict[str, Any]]:
-    """Every configuration one model runs, in order (only the paired HPP/raw runs with ``paired_only``)."""
+def configs(m: int, sweep: list[int], schedules: list[str], paired_only: bool = False,
+            compile_rounds: int = 0) -> list[dict[str, Any]]:
+    """Every configuration one model runs, in order (only the paired HPP/raw runs with ``paired_only``; with
+    ``compile_rounds``, HPPStrategy eager and with ``compile`` (inductor) in turn, that many rounds)."""
     out: list[dict[str, Any]] = []
+    if compile_rounds:
+        return [{"kind": "hpp", "schedule": s, "m": m, "compile": c}
+                for _ in range(compile_rounds) for s in schedules for c in (False, True)]
     if paired_only:
         return [{"kind": "paired", "schedule": s, "m": m} for s in schedules]
     for s in schedules:
@@ -67,7 +72,7 @@ def configs(m: int, sweep: list[int], schedules: list[str], paired_only: bool = 
 
 def label(cfg: dict[str, Any]) -> str:
     if cfg["kind"] in ("hpp", "raw", "paired"):
-        return f"{cfg['kind']} {cfg['schedule']} m={cfg['m']}"
+        return f"{cfg['kind']} {cfg['schedule']} m={cfg['m']}" + (" compiled" if cfg.get("compile") else "")
     return cfg["kind"]
 
 
@@ -243,7 +248,10 @@ def run_hpp(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) ->
     memory.reset()
     telemetry = PipelineTelemetry(every_n_steps=10**9)
     timer = _lightning_timer(job, memory, telemetry)
-    strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["m"], timeout=300, **_hpp_options())
+    # each block compiled by inductor (its C++ code on CPUs) after the cut
+    compiled = {"compile": {"backend": "inductor"}} if cfg.get("compile") else {}
+    strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["m"], timeout=300, **compiled,
+                           **_hpp_options())
     trainer = _trainer(job, strategy, [telemetry, timer])
     trainer.fit(build(job["model"], size), _loader(job, size, size.batch))
     return {**_timing(timer.times, job["warmup"], True), "peak_mb": memory.peak_mb(), **_history(telemetry.history)}
@@ -718,6 +726,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--probe", action="store_true",
                    help="with --paired-only: time each stage action, the loss, the guard and the schedule step on both "
                         "sides of the paired run, per rank (probes.py)")
+    p.add_argument("--compile", type=int, default=0, metavar="ROUNDS",
+                   help="only HPPStrategy eager and HPPStrategy(compile=inductor), in turn, ROUNDS times: "
+                        "compiled ÷ eager")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per rank")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -751,13 +762,17 @@ def main(argv: list[str] | None = None) -> None:
             "warmup": args.warmup, "steps": args.steps, "paired_steps": args.paired_steps, "paired_start": args.paired_start,
             "paired_with": args.paired_with, "probe": args.probe,
             "threads": args.threads, "out": str(out),
-            "configs": configs(args.m, args.sweep, args.schedules, args.paired_only),
+            "configs": configs(args.m, args.sweep, args.schedules, args.paired_only, args.compile),
         }
         env = environment(job)
         rows = merge(launch(job), size.batch)
         all_rows[model] = rows
         print(f"\n{model}: {n_params(build(model, size)) / 1e6:.1f}M parameters, global batch {size.batch}, {vars(size)}")
         print(table(model, rows, args.paired_with), flush=True)
+        for s in args.schedules if args.compile else []:
+            eager, comp = (next(r for r in rows if r["label"] == f"hpp {s} m={args.m}{c}") for c in ("", " compiled"))
+            print(f"HPP compiled ÷ HPP eager, {s} m={args.m}: {comp['samples_s'] / eager['samples_s']:.3f} "
+                  f"({eager['runs']} runs each, alternating)", flush=True)
     env["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     env["wall_s"] = time.time() - started
     env["command"] = " ".join([Path(sys.executable).name, *sys.argv])
@@ -766,9 +781,9 @@ def main(argv: list[str] | None = None) -> None:
     for model, rows in all_rows.items():
         md += [table(model, rows, args.paired_with), ""]
     (out / "results.md").write_text("\n".join(md))
-    if not args.paired_only:
+    if not args.paired_only and not args.compile:
         chart(all_rows, out / "throughput.png")
-    print(f"\nwrote {out / 'results.md'}, {out / 'results.json'}{'' if args.paired_only else ', ' + str(out / 'throughput.png')} "
+    print(f"\nwrote {out / 'results.md'}, {out / 'results.json'}{'' if args.paired_only or args.compile else ', ' + str(out / 'throughput.png')} "
           f"in {env['wall_s']:.0f} s")
 
 

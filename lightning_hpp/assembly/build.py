@@ -33,15 +33,16 @@ from torch import nn
 
 from lightning_hpp import liveness
 from lightning_hpp._dist import all_gather_object, broadcast_tensors
-from lightning_hpp.assembly.callbacks import sharding_refusals
-from lightning_hpp.assembly.placement import auto_plan, gather_kinds, kind_grid, loss_probe
+from lightning_hpp.assembly.compose import refuse_stage_precisions, sharding_refusals
+from lightning_hpp.assembly.placement import auto_plan, gather_hosts, gather_kinds, kind_grid, loss_probe
 from lightning_hpp.assembly.reuse import hold, pipeline_key
 from lightning_hpp.assembly.spec import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PipelineSpec, ResolvedPlan
-from lightning_hpp.errors import PartitionError, PlacementError, PlanError, ShardingError
+from lightning_hpp.errors import PartitionError, PlacementError, PlanError
 from lightning_hpp.model.frontend import balanced_plan, block_names, cut_model, planning_units
 from lightning_hpp.model.materialize import fake_parameters, has_meta_parameters, materialize_stages
 from lightning_hpp.model.units import find_units
 from lightning_hpp.options import InitOptions, PlacementOptions, ShardingOptions
+from lightning_hpp.pipeline.compile import compile_blocks, compile_options, eager
 from lightning_hpp.pipeline.fsdp import ShardedStages, shard_stages
 from lightning_hpp.pipeline.grads import GradHandover, held_by_name, shared_gradient_groups, tied_aliases
 from lightning_hpp.pipeline.mesh import Mesh, stages_of_position
@@ -50,7 +51,14 @@ from lightning_hpp.pipeline.runner import PipelineRunner
 from lightning_hpp.pipeline.schedules import check_schedule
 from lightning_hpp.pipeline.stage import StageModule
 from lightning_hpp.pipeline.steps import capture_input, dry_run, second_call_error
-from lightning_hpp.pipeline.tensor_parallel import TPPlan, at_local_width, check_frontend, resolve_tp_plan, split_stages
+from lightning_hpp.pipeline.tensor_parallel import (
+    at_local_width,
+    check_frontend,
+    plan_shape,
+    resolve_tp_plan,
+    split_stages,
+    tp_degrees,
+)
 from lightning_hpp.planning.plan import StagePlan, StageSpec
 from lightning_hpp.precision.modes import MODES
 from lightning_hpp.precision.plugin import HPPPrecision, StageView
@@ -158,14 +166,10 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     key = pipeline_key(spec, inputs)
     free_sharding = inputs.sharding is None  # plan="auto" may shard the stages where only that fits
     inputs = dataclasses.replace(inputs, sharding=inputs.sharding or ShardingOptions())
-    if spec.pp_degree is not None and spec.pp_degree > world:
-        raise PlanError(f"`HPPStrategy(pp_degree={spec.pp_degree})` needs at least {spec.pp_degree} processes, one per pipeline "
-                        f"position, but the job has {world}. Lower `pp_degree`, or start more processes "
-                        f"(`Trainer(devices=..., num_nodes=...)`).")
+    if spec.pp_degree is not None:  # the sizes, before the plan is resolved
+        inputs.sharding.dims(world, spec.pp_degree)
     inputs.placement.check_world(world)
     rank_kinds = gather_kinds(device, inputs.rank, inputs.placement.device_map)
-    tp = inputs.sharding.tp_degree
-    tp_plan = _tp_plan(module, spec, inputs, world) if tp > 1 else None
     meta = has_meta_parameters(module)
     if not meta:  # as DDP does: every replica (and every stage's copy of a shared weight) starts from rank 0's model
         broadcast_tensors([t for t in (*module.parameters(), *module.buffers()) if t is not None], src=0)
@@ -177,29 +181,32 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         replayed = replayed_steps(module, spec.step_replay, batch, resolved.split * resolved.n_microbatches)
         if resolved.sharding is not None:  # the same on every rank: every rank ran the same search
             inputs = dataclasses.replace(inputs, sharding=resolved.sharding)
+        tp = inputs.sharding.tp_degree
+        tp_plan = resolve_tp_plan(module, tp) if tp > 1 else None
         example = _in_stage_dtype(module, resolved.plan, example, inputs)
         # both modes whatever the entry point: a pipeline built by `validate()` is the one a later `fit()` trains
-        with at_local_width(module, tp_plan, tp) if tp_plan is not None else contextlib.nullcontext():
+        with (at_local_width(module, tp_plan, tp) if tp_plan is not None else contextlib.nullcontext(),
+              eager(module) as compiled_by_user):
             cut = cut_model(module, resolved.plan, example, frontend=spec.frontend, modes=("train", "eval"))
     if tp_plan is not None:
         check_frontend(tp_plan, cut.frontend, type(module).__name__)
     plan = cut.plan
     pp = resolved.pp(plan)
-    if pp > world or (resolved.pp_degree is None and plan.num_stages > world * resolved.kind.stages_per_rank):
-        raise PlanError(
-            f"The plan has {plan.num_stages} stages (pp_degree={pp}) but the job has {world} processes. "
-            f"Use at least {pp} processes (`Trainer(devices=..., num_nodes=...)`), or a plan with fewer stages."
-        )
+    origin = None if resolved.pp_degree is not None else f"The plan has {plan.num_stages} stages"
+    dims = inputs.sharding.dims(world, pp, origin)
     check_schedule(resolved.schedule, plan.num_stages, pp, resolved.n_microbatches)
+    refuse_stage_precisions(inputs.sharding, inputs.precision.stage_precisions(plan, inputs.trainer_precision))
     positions = [stages_of_position(r, pp, plan.num_stages, resolved.kind.style) for r in range(pp)]
-    grid = resolved.grid if resolved.grid is not None else kind_grid(plan, positions, rank_kinds, pp, world // pp)
-    mesh = _mesh(world, pp, inputs, grid)
+    grid = resolved.grid if resolved.grid is not None else kind_grid(plan, positions, rank_kinds, dims)
+    mesh = Mesh.build(dims, inputs.rank, grid)
     plan.meta["device_kinds"] = rank_kinds
     mesh.init_groups(device_type=device.type)
     module._device_mesh = mesh.device_mesh  # what `LightningModule.device_mesh` reads, as under ModelParallelStrategy
     stage_ids = positions[mesh.position]
     liveness.set_role(grid=mesh.grid, stages=positions, tp=mesh.tp, step=inputs.global_step)  # named in heartbeats
-    blocks = block_names(module) if inputs.sharding.sharded else []  # FSDP2's units, named before the cut drops any
+    options = compile_options(spec.compile)
+    # FSDP2's units and what is compiled, named before the cut drops any
+    blocks = block_names(module) if inputs.sharding.sharded or options is not None else []
     aliases = tied_aliases(module, cut.shared)  # before the cut drops the units some of the names live in
     cut.keep_only(module, stage_ids)
     bodies = [b for mode in ("train", "eval") for k in stage_ids for b in cut.bodies[mode][k]]
@@ -230,14 +237,17 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
                      stage_ranks={k: sorted(mesh.replica_ranks(r)) for r, ks in enumerate(positions) for k in ks},
                      recompute=recompute)
     inputs.precision.configure_stages(plan, view, inputs.trainer_precision, device, rank_kinds[inputs.rank])
-    runner.sharded = _shard(module, plan, stages["train"], mesh, inputs, blocks)
+    to_compile = [*(blocks if options is not None else []), *compiled_by_user]
+    if to_compile:  # after tensor parallel and the precisions, before FSDP2 (torchtitan's order)
+        plan.meta["compiled"] = compile_blocks(stages["train"], to_compile, module, options or {})
+    runner.sharded = _shard(module, plan, stages["train"], mesh, inputs, blocks if inputs.sharding.sharded else [])
     if runner.sharded is not None:
         view.shard_group = mesh.dp_shard_group
     # after sharding: the parameters several stages use are the ones the stages hold now (shards, under FSDP2)
     shared = shared_gradient_groups(cut.shared, held_by_name(module, aliases), positions, mesh)
     # FSDP2 reduces a sharded stage's gradients itself (reduce-scatter, and all-reduce over hsdp's replicas)
     grads = GradHandover(stages["train"], None if runner.sharded else mesh.dp_group, 1 if runner.sharded else mesh.dp,
-                         shared=shared)
+                         shared=shared, ties=runner.sharded.ties if runner.sharded else ())
     runner.last_backward_window = grads.last_backward
     runner.replayed_steps = replayed
     rank_zero_info(
@@ -248,58 +258,12 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         + (f" × tp={tp} ({tp_plan.source})" if tp_plan else "")
         + (f", shared parameters {sorted(cut.shared)}" if cut.shared else "")
         + (f", replayed on every rank (they change the module's state): {sorted(replayed)}" if replayed and pp > 1 else "")
-        + f"\n{plan.table()}"
+        + (f", torch.compile on {plan.meta['compiled']}" if plan.meta.get("compiled") else "") + f"\n{plan.table()}"
     )
     return hold(module, Pipeline(module=module, plan=plan, mesh=mesh, stage_ids=tuple(stage_ids), schedule=resolved.schedule,
                     n_microbatches=resolved.n_microbatches, split=resolved.split, frontend=cut.frontend, reason=cut.reason,
                     rank_kinds=tuple(rank_kinds), runner=runner, grads=grads,
                     precision=inputs.precision, key=key, aliases=aliases))
-
-
-def _mesh(world: int, pp: int, inputs: SetupInputs, grid: list[list[int]] | None) -> Mesh:
-    """The rank grid of ``pp`` positions with the sharding options' data-parallel shape.
-
-    Raises:
-        ShardingError: an hsdp ``dp_replicate`` that does not divide the replicas.
-    """
-    sharding, tp = inputs.sharding, inputs.sharding.tp_degree
-    if world % (pp * tp):
-        return Mesh.build(world, pp, inputs.rank, grid=grid, tp=tp)  # refused there, with the sizes
-    _, dp_shard = sharding.dp_dims(world // (pp * tp))
-    return Mesh.build(world, pp, inputs.rank, grid=grid, dp_shard=dp_shard, tp=tp)
-
-
-def _tp_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, world: int) -> TPPlan:
-    """The tensor-parallel plan of ``module``'s stages (``tp_degree > 1``), where this version composes it.
-
-    Raises:
-        ShardingError: tensor parallel with ``plan="auto"``, sharded (fsdp / hsdp) stages, or several replicas
-            of each stage (their gradients' all-reduce does not yet take ``DTensor`` shards).
-        PlanError: no plan for the model, or one that ``tp_degree`` does not divide (:func:`resolve_tp_plan`).
-    """
-    sharding = inputs.sharding
-    tp = sharding.tp_degree
-    opt = f"`ShardingOptions(tp_degree={tp})`"
-    if spec.auto:
-        raise ShardingError(f"{opt} with plan='auto': the planner does not model tensor parallelism. Give the plan "
-                            f"(`StagePlan.split_at([...])` or pp_degree), or use tp_degree=1.")
-    if sharding.sharded:
-        raise ShardingError(f"{opt} with data_parallel={sharding.data_parallel!r}: sharded stages do not compose with "
-                            f"tensor parallelism in this version. Use data_parallel='ddp' with tp_degree={tp}, or "
-                            f"tp_degree=1.")
-    clipped = [k for k, s in enumerate(spec.plan.stages if isinstance(spec.plan, StagePlan) else []) if s.clip_norm is not None]
-    if clipped:
-        raise ShardingError(f"{opt}: stages {clipped} clip their gradients (`StageSpec(clip_norm=...)`), but clipping does not "
-                            f"take the norm over tensor-parallel shards in this version. Drop clip_norm, or use tp_degree=1.")
-    pp = spec.pp_degree
-    if pp is None:
-        raise ShardingError(f"{opt}: give `HPPStrategy(pp_degree=...)` too, so that world_size = pp_degree × tp_degree "
-                            f"(the pipeline degree is otherwise the number of processes).")
-    if world % (pp * tp) == 0 and world // (pp * tp) > 1:
-        raise ShardingError(f"{opt}: {world} processes with pp_degree={pp} are {world // (pp * tp)} replicas of each "
-                            f"stage, whose gradients' all-reduce does not take tensor-parallel shards in this version. "
-                            f"Use world_size = pp_degree × tp_degree ({pp * tp} processes), or tp_degree=1.")
-    return resolve_tp_plan(module, tp)
 
 
 def _shard(root: nn.Module, plan: StagePlan, stages: dict[int, StageModule], mesh: Mesh, inputs: SetupInputs,
@@ -309,19 +273,10 @@ def _shard(root: nn.Module, plan: StagePlan, stages: dict[int, StageModule], mes
     of the model's ``blocks`` and each unit of the plan a stage holds is sharded on its own (FSDP2 gathers one
     group at a time).
 
-    Raises:
-        ShardingError: an fp8 stage (its converted or emulated GEMMs keep per-weight scaling state that
-            FSDP2's sharded parameters do not carry yet).
     """
     sharding = inputs.sharding
     if not sharding.sharded:
         return None
-    precisions = inputs.precision.stage_precisions(plan, inputs.trainer_precision)
-    fp8 = [k for k, p in enumerate(precisions) if p == "fp8"]
-    if fp8:
-        raise ShardingError(
-            f"`ShardingOptions(data_parallel={sharding.data_parallel!r})` cannot shard fp8 stages yet (stage(s) {fp8}). "
-            f"Give those stages another precision (e.g. 'bf16-mixed'), or keep data_parallel='ddp'.")
     return shard_stages(root, stages, {k: [*blocks, *plan.stages[k].modules] for k in stages}, mesh.shard_mesh,
                         sharding.reshard_after_forward)
 
@@ -346,7 +301,7 @@ def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, bat
     if spec.plan is None:
         plan = spec.decorated_plan(module)
         if plan is None:
-            n = (spec.pp_degree or inputs.world_size) * spec.kind.stages_per_rank
+            n = spec.pp_before_setup(inputs.world_size, None, inputs.sharding.tp_degree) * spec.kind.stages_per_rank
             if n == 1:  # one process, or pp_degree=1: the whole model is one stage, data parallel over the ranks
                 plan = StagePlan([StageSpec(modules=[name for name, _ in find_units(module)])])
             else:
@@ -426,7 +381,8 @@ def _auto_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch
                         "cost profile (`HPPStrategy(placement=PlacementOptions(profile=...))`, see "
                         "`python -m lightning_hpp.planning.cli`), or a plan (`StagePlan.split_at([...])`).")
     units, unit_inputs, to_cut = planning_units(module, example)
-    groups = inputs.world_size // spec.pp_degree if spec.pp_degree else 1  # the global batch of the unsearched plan
+    # the global batch of the unsearched plan: the loader's batch on each of its replicas
+    groups = inputs.sharding.dims(inputs.world_size, spec.pp_degree).dp if spec.pp_degree else 1
     probe = loss_probe(module, inputs.step_fn, batch, units, unit_inputs, inputs.device)
     memory, sharding = inputs.placement.memory, inputs.sharding
     absent = sorted(set(memory or {}) - set(rank_kinds))
@@ -435,20 +391,29 @@ def _auto_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch
                              f"are {sorted(set(rank_kinds))}. Name the ranks' kinds (see `device_map`).")
     refused = sharding_refusals(inputs.callbacks) if free_sharding else []
     mode = sharding.data_parallel if not free_sharding else "ddp" if refused else None
+    # tensor parallel: the degree given, or (nothing given) every degree the model's plan divides, searched
+    allowed = tp_degrees(module, inputs.world_size) if free_sharding else [sharding.tp_degree]
+    tp_plan = next((resolve_tp_plan(module, t) for t in allowed if t > 1), None)
+    shape = plan_shape(module, [n for n, _ in units], tp_plan) if tp_plan is not None else None
+    hosts = gather_hosts()
     try:
         plan, grid, table, chosen = auto_plan(
             units, unit_inputs, inputs.rank, rank_kinds, batch_size=batch_size_of(batch), device=inputs.device,
             data_groups=groups, pp_degree=spec.pp_degree, schedule=spec.schedule, n_microbatches=spec.n_microbatches,
             loss_probe=probe, profile_path=inputs.placement.profile, split_batches=inputs.split_batches and inputs.fitting,
             speeds=inputs.recorded_speeds() if inputs.fitting else None, memory_bytes=memory, data_parallel=mode,
-            dp_replicate=sharding.dp_replicate, reshard_after_forward=bool(sharding.reshard_after_forward))
+            dp_replicate=sharding.dp_replicate, reshard_after_forward=bool(sharding.reshard_after_forward),
+            tp_degree=None if free_sharding else sharding.tp_degree, tp_allowed=allowed, tp_shape=shape, hosts=hosts,
+            tp_across_hosts=inputs.placement.tp_across_hosts)
     except PartitionError as err:
         if not refused:
             raise
         raise PartitionError(f"{err} Sharded stages (data_parallel='fsdp'), which hold less per rank, were not tried: "
                              f"{'; '.join(refused)}.") from None
     rank_zero_info(f"HPPStrategy: plan='auto' chose\n{table}")
-    chose = ShardingOptions(data_parallel=chosen.data_parallel) if free_sharding and chosen.data_parallel != "ddp" else None
+    chose = None
+    if free_sharding and (chosen.data_parallel != "ddp" or chosen.tp_degree > 1):
+        chose = ShardingOptions(data_parallel=chosen.data_parallel, tp_degree=chosen.tp_degree)
     return ResolvedPlan(to_cut(plan), chosen.schedule, chosen.n_microbatches, split=chosen.dp_degree // groups, grid=grid,
                         pp_degree=chosen.pp_degree, sharding=chose)
 

@@ -1,5 +1,6 @@
 """What a pipeline adds to a Trainer and what it refuses of one: the callbacks the strategy's options
-ask for, and the setups whose Lightning behaviour a pipeline cannot keep (refused at setup, on every rank).
+ask for, and the setups whose Lightning behaviour a pipeline cannot keep (refused at setup, on every rank;
+what does not compose with sharded or tensor-parallel stages: :mod:`lightning_hpp.assembly.compose`).
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from typing import Any
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_hpp.bias.monitor import BiasMonitor
-from lightning_hpp.errors import PlacementError, PlanError, ShardingError
+from lightning_hpp.assembly.compose import refuse_with_trainer
+from lightning_hpp.errors import PlacementError, PlanError
 from lightning_hpp.options import ShardingOptions, TelemetryOptions
 from lightning_hpp.precision.plugin import HPPPrecision
 from lightning_hpp.telemetry.callback import PipelineTelemetry
@@ -49,31 +50,17 @@ def pipeline_callbacks(callbacks: Sequence[Any], telemetry: TelemetryOptions | N
     return added
 
 
-def sharding_refusals(callbacks: Sequence[Any]) -> list[str]:
-    """What among ``callbacks`` sharded stages refuse (:func:`refuse_unkept_setups`): why ``plan="auto"``, with no
-    ``ShardingOptions`` given, keeps the stages unsharded."""
-    if any(isinstance(cb, BiasMonitor) for cb in callbacks):
-        return ["`BiasMonitor` is among the callbacks, and sharded stages hold no replica's own gradient to audit"]
-    return []
-
-
 def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fitting: bool, precision_flag: str | None,
                          sharding: ShardingOptions | None = None, callbacks: Sequence[Any] = (),
                          layer_sync: Any = None) -> None:
     """Refuse what a pipeline would silently ignore: a CheckpointIO plugin, manual optimization, a ``backward``
-    override, two default precisions;
-    what sharded stages cannot keep yet: a ``BiasMonitor``; and what does not compose with tensor-parallel stages yet:
-    gradient clipping (a norm over their shards).
+    override, two default precisions, ``ModelPruning``, ``sync_batchnorm``; and what does not compose with sharded or
+    tensor-parallel stages in this version (:func:`~lightning_hpp.assembly.compose.refuse_with_trainer`).
 
     Raises:
         PlanError: naming the setting and the fix (``ShardingError`` for what sharded stages cannot keep).
     """
-    if sharding is not None and sharding.sharded and any(isinstance(cb, BiasMonitor) for cb in callbacks):
-        raise ShardingError(
-            f"`BiasMonitor` compares each replica's gradient norm before the data-parallel reduction, but with "
-            f"`ShardingOptions(data_parallel={sharding.data_parallel!r})` FSDP2 reduce-scatters the gradients inside the "
-            f"schedule and no replica holds its own whole gradient afterwards. Remove `BiasMonitor` from "
-            f"`Trainer(callbacks=...)`, or use data_parallel='ddp' while auditing.")
+    refuse_with_trainer(sharding, callbacks)
     if checkpoint_io is not None and type(checkpoint_io) is not TorchCheckpointIO:  # Lightning's default
         raise PlanError(f"HPPStrategy writes sharded checkpoints itself; the CheckpointIO plugin {type(checkpoint_io).__name__} "
                         f"would not be used. Remove it from `Trainer(plugins=...)`.")
@@ -106,12 +93,6 @@ def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fit
             f"override would never run. Move what it does to `on_before_backward` / `on_after_backward`, or to "
             f"`configure_gradient_clipping` for gradient changes."
         )
-    clip = getattr(getattr(module, "_trainer", None), "gradient_clip_val", None)
-    tp_degree = sharding.tp_degree if sharding is not None else 1
-    if tp_degree > 1 and fitting and clip:
-        raise PlanError(f"`Trainer(gradient_clip_val={clip})` with `ShardingOptions(tp_degree={tp_degree})`: clipping does not "
-                        f"take the norm over tensor-parallel shards in this version. Train without gradient clipping, or "
-                        f"with tp_degree=1.")
     if isinstance(precision, HPPPrecision) and precision.default not in (None, precision_flag) and precision_flag != "32-true":
         raise PlanError(f"`Trainer(precision={precision_flag!r})` and `HPPPrecision(default={precision.default!r})` disagree on "
                         f"the stages' default precision. Set it in one place.")

@@ -4,16 +4,18 @@
 Both run on every rank at setup, before the model is cut:
 
 * :func:`gather_kinds` — the device kind of every rank (detected, or overridden by ``device_map`` /
-  ``HPP_DEVICE_KIND``), gathered over the world;
-* :func:`kind_grid` — the rank grid for a plan whose stages ask for device kinds;
+  ``HPP_DEVICE_KIND``), gathered over the world; :func:`gather_hosts` — every rank's host;
+* :func:`kind_grid` — the rank grid for a plan whose stages ask for device kinds (tensor-parallel groups of
+  neighbouring ranks of one kind);
 * :func:`auto_plan` — profile the units and the step's overheads on every rank at once, each on its
   device, share the profiles (a kind's costs: the mean over its ranks), and search the whole plan
-  (pp x dp, micro-batches, schedule, cuts, kinds) for these ranks.
+  (pp x dp_replicate x dp_shard x tp, micro-batches, schedule, cuts, kinds) for these ranks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,27 +26,20 @@ from torch import nn
 from lightning_hpp import _dist
 from lightning_hpp._dist import all_gather_object
 from lightning_hpp.errors import MicroBatchError, PlacementError
+from lightning_hpp.pipeline.dims import ParallelDims
 from lightning_hpp.pipeline.microbatch import batch_size_of, split_batch
 from lightning_hpp.pipeline.steps import extract_loss, no_log, redirected, replay_forward
 from lightning_hpp.planning import calibrate
-from lightning_hpp.planning.devices import assign_ranks, detect_device_kind, precision_preference
-from lightning_hpp.planning.partition import DEFAULT_LINK_GBPS
+from lightning_hpp.planning.cluster import DEFAULT_LINK_GBPS
+from lightning_hpp.planning.devices import assign_ranks, detect_device_kind, precision_preference, tp_group_kinds
+from lightning_hpp.planning.measure import as_args, fit_fixed_costs, profile_units, to_device
 from lightning_hpp.planning.plan import StagePlan
-from lightning_hpp.planning.profile import (
-    CostProfile,
-    Overheads,
-    as_args,
-    check_profile_matches,
-    fit_fixed_costs,
-    mean_over_ranks,
-    profile_units,
-    to_device,
-    with_rank_speeds,
-)
+from lightning_hpp.planning.profile import CostProfile, Overheads, check_profile_matches
 from lightning_hpp.planning.search import search_plan
+from lightning_hpp.planning.speeds import mean_over_ranks, with_rank_speeds
 
 if TYPE_CHECKING:
-    from lightning_hpp.planning.partition import PartitionResult
+    from lightning_hpp.planning.result import PlanResult
 
 
 def gather_kinds(device: torch.device, rank: int, device_map: Any = None) -> list[str]:
@@ -53,21 +48,28 @@ def gather_kinds(device: torch.device, rank: int, device_map: Any = None) -> lis
     return all_gather_object(kind)
 
 
-def kind_grid(plan: StagePlan, positions: list[list[int]], rank_kinds: list[str], pp: int, dp: int) -> list[list[int]] | None:
-    """The ``grid[position][replica]`` of global ranks that honours the stages' ``device`` kinds.
+def gather_hosts() -> list[str]:
+    """Every rank's host name, index = global rank (collective): a tensor-parallel group ``plan="auto"`` chooses
+    stays on one host."""
+    return all_gather_object(socket.gethostname())
+
+
+def kind_grid(plan: StagePlan, positions: list[list[int]], rank_kinds: list[str],
+              dims: ParallelDims) -> list[list[int]] | None:
+    """The ``grid[position][replica · tp + tp_rank]`` of global ranks that honours the stages' ``device`` kinds.
 
     Args:
         plan: The resolved plan.
         positions: The stage indices held by each pipeline position.
         rank_kinds: Every rank's kind.
-        pp, dp: Pipeline and data-parallel degrees.
+        dims: The job's degrees; a replica's ``tp`` ranks are neighbours of one kind.
 
     Returns:
         ``None`` when no stage asks for a kind (the default layout applies).
 
     Raises:
-        PlacementError: kinds that are absent or too few (the message lists every rank's kind), or
-            stages sharing a rank that ask for different kinds.
+        PlacementError: kinds that are absent or too few (the message lists every rank's kind), stages
+            sharing a rank that ask for different kinds, or a tensor-parallel group of mixed kinds.
     """
     if all(s.device is None for s in plan.stages):
         return None
@@ -80,7 +82,8 @@ def kind_grid(plan: StagePlan, positions: list[list[int]], rank_kinds: list[str]
                 f"that run on one rank must ask for the same kind (or none)."
             )
         position_kinds.append(next(iter(wanted), None))
-    return assign_ranks(position_kinds, rank_kinds, pp, dp)
+    groups = tp_group_kinds(rank_kinds, dims.tp)
+    return dims.expand_tp(assign_ranks(position_kinds, groups, dims.pp, dims.dp))
 
 
 def auto_plan(
@@ -104,7 +107,12 @@ def auto_plan(
     data_parallel: str | None = "ddp",
     dp_replicate: int | None = None,
     reshard_after_forward: bool = False,
-) -> tuple[StagePlan, list[list[int]], str, PartitionResult]:
+    tp_degree: int | None = 1,
+    tp_allowed: list[int] | None = None,
+    tp_shape: tuple[list[float], list[list[int]]] | None = None,
+    hosts: list[str] | None = None,
+    tp_across_hosts: bool = False,
+) -> tuple[StagePlan, list[list[int]], str, PlanResult]:
     """Profile, then search the whole plan for the ranks of this job (collective).
 
     Every rank measures at once, on its own ``device``, every unit's forward+backward time
@@ -113,7 +121,7 @@ def auto_plan(
     and a part per sample; plus the overheads of :mod:`~lightning_hpp.planning.calibrate` (the
     schedule's per micro-batch and per step, the optimizer, the loss through ``loss_probe``, a
     send/recv between ranks 0 and 1). A kind's costs are the mean over its ranks
-    (:func:`~lightning_hpp.planning.profile.mean_over_ranks`): measured with every other rank busy, as in
+    (:func:`~lightning_hpp.planning.speeds.mean_over_ranks`): measured with every other rank busy, as in
     training. The profiles are merged on every rank, and every rank runs the same deterministic
     :func:`~lightning_hpp.planning.search.search_plan`, so all ranks agree.
 
@@ -131,11 +139,16 @@ def auto_plan(
         split_batches: Whether the loader's batches can be made smaller (more replicas than loader batches).
         speeds: Per-rank speeds recorded by the straggler watch (``{rank: share of its kind's speed}``): the
             search plans those ranks with their kind's costs divided by the speed
-            (:func:`~lightning_hpp.planning.profile.with_rank_speeds`); the profiling is as without them.
+            (:func:`~lightning_hpp.planning.speeds.with_rank_speeds`); the profiling is as without them.
         memory_bytes: Memory per device by kind (the ranks' own kinds; a rank planned with its own speed
             keeps its kind's); default the datasheet's.
         data_parallel, dp_replicate, reshard_after_forward: As for ``search_plan``: the user's
             ``ShardingOptions``, or ``data_parallel=None`` (ddp, or fsdp where only sharded stages fit).
+        tp_degree: The user's ``tp_degree``, or ``None``: searched among the profile's ``tp_degrees``.
+        tp_allowed, tp_shape: The degrees the model's tensor-parallel plan divides, and what it splits of each
+            unit (:func:`~lightning_hpp.pipeline.tensor_parallel.plan_shape`): recorded in the profile where it
+            does not say (a profile file's own are kept).
+        hosts, tp_across_hosts: Every rank's host, and whether a tensor-parallel group may span hosts.
 
     Returns:
         The plan (with ``meta["predicted"]`` and the profile it was made from in ``meta["profile"]``), the rank grid ``grid[position][replica]``, a table
@@ -161,6 +174,10 @@ def auto_plan(
         mine["entries"][0]["overheads"].update(p2p_latency_ms=lat, p2p_gbps=gbps, allreduce_gbps=ar_gbps,
                                                allreduce_overlap=0.0 if device.type == "cpu" else 1.0)
         profile = mean_over_ranks([CostProfile.from_dict(part) for part in all_gather_object(mine)])
+    if profile.tp_degrees is None:
+        profile.tp_degrees = list(tp_allowed) if tp_allowed is not None else None
+    if profile.tp_split is None and tp_shape is not None:
+        profile.tp_split, profile.tp_allreduces = tp_shape
     planned, plan_kinds = with_rank_speeds(profile, rank_kinds, speeds)
     memory = {p: memory_bytes[k] for p, k in zip(plan_kinds, rank_kinds) if k in memory_bytes} if memory_bytes else None
     result = search_plan(
@@ -168,6 +185,7 @@ def auto_plan(
         n_microbatches=n_microbatches, schedule=schedule, memory_bytes=memory,
         link_gbps=link_gbps if link_gbps is not None else DEFAULT_LINK_GBPS, split_batches=split_batches,
         data_parallel=data_parallel, dp_replicate=dp_replicate, reshard_after_forward=reshard_after_forward,
+        tp_degree=tp_degree, hosts=hosts, tp_across_hosts=tp_across_hosts,
     )
     plan = result.plan
     plan.meta["profile"] = profile.to_dict()  # what the plan was made from: re-plan offline with search_plan

@@ -29,6 +29,7 @@ def pipeline_key(spec: Any, inputs: Any) -> tuple[tuple[str, Any], ...]:
         ("plan", stages), ("schedule", spec.schedule), ("n_microbatches", spec.n_microbatches),
         ("pp_degree", spec.pp_degree), ("frontend", spec.frontend),
         ("activation_checkpointing", spec.activation_checkpointing), ("step_replay", spec.step_replay),
+        ("compile", spec.compile),
         ("world size", inputs.world_size), ("rank", inputs.rank), ("device", str(inputs.device)),
         ("sharding", inputs.sharding), ("placement", inputs.placement), ("init", inputs.init),
         ("Trainer(precision=...)", inputs.trainer_precision),

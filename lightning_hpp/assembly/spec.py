@@ -16,6 +16,9 @@ from torch import nn
 from lightning_hpp.errors import PlanError, ScheduleError
 from lightning_hpp.model.frontend import FRONTENDS
 from lightning_hpp.model.units import find_units
+from lightning_hpp.options import ShardingOptions
+from lightning_hpp.pipeline.compile import compile_options
+from lightning_hpp.pipeline.dims import ParallelDims
 from lightning_hpp.pipeline.schedules import SCHEDULES, ScheduleKind
 from lightning_hpp.planning.plan import StagePlan
 from lightning_hpp.validation import check_bool, check_choice, check_int
@@ -31,11 +34,12 @@ class PipelineSpec:
 
     Args:
         plan: ``None`` (the ``@stage`` decorators, else a cut balanced by parameter count), a
-            :class:`StagePlan`, the path of a ``stage_plan.json``, or ``"auto"`` (profile the units and the step's overheads on the ranks'
-            devices and search the whole plan: pp × dp, pp = 1 included, micro-batches, gpipe or 1f1b,
-            cuts, kinds and precisions; ``schedule``, ``n_microbatches`` and ``pp_degree``, when given,
-            are constraints of the search; the global batch stays the DataLoader's batch times
-            ``world_size / pp_degree`` (1 without ``pp_degree``), split between replicas as needed).
+            :class:`StagePlan`, the path of a ``stage_plan.json``, or ``"auto"`` (profile the units and the step's
+            overheads on the ranks' devices and search the whole plan: pp × dp_replicate × dp_shard × tp, pp = 1
+            included, micro-batches, every schedule, cuts, kinds and precisions; ``schedule``, ``n_microbatches``
+            and ``pp_degree``, when given, are constraints of the search, and so is a given ``ShardingOptions``; the
+            global batch stays the DataLoader's batch times its replicas before setup (1 without ``pp_degree``),
+            split between replicas as needed).
         schedule: One of ``gpipe``, ``1f1b``, ``interleaved1f1b``, ``looped_bfs``,
             ``interleaved_zb``, ``zbv``, ``dualpipev``. Default ``1f1b`` (searched under ``plan="auto"``).
         n_microbatches: Micro-batches per training batch (the batch size must be divisible by it).
@@ -53,6 +57,10 @@ class PipelineSpec:
             there for the hooks every rank runs: ``"auto"`` (default: the steps that change the module's state when
             the setup runs each once on one micro-batch), ``"every_rank"`` (all of them) or ``"last_stage"`` (none;
             the other ranks then hold no state the steps record).
+        compile: ``torch.compile`` each block of the model's block list in its stage (after tensor parallel, before
+            FSDP2, as torchtitan does): ``True`` (torch.compile's defaults) or a dict of its keyword arguments
+            (``{"backend": "inductor", "mode": "max-autotune"}``); ``False``: only the modules the user compiled in
+            place (``nn.Module.compile()``) run compiled (:mod:`lightning_hpp.pipeline.compile`).
     """
 
     plan: Any = None
@@ -62,6 +70,7 @@ class PipelineSpec:
     frontend: str = "auto"
     activation_checkpointing: bool = False
     step_replay: str = "auto"
+    compile: Any = False
 
     def __post_init__(self) -> None:
         if self.schedule is not None and (not isinstance(self.schedule, str) or self.schedule not in SCHEDULES):
@@ -71,6 +80,7 @@ class PipelineSpec:
         check_choice(self.frontend, "HPPStrategy(frontend=...)", FRONTENDS)
         check_bool(self.activation_checkpointing, "HPPStrategy(activation_checkpointing=...)")
         check_choice(self.step_replay, "HPPStrategy(step_replay=...)", STEP_REPLAYS)
+        compile_options(self.compile)
         plan = self.plan
         if isinstance(plan, (str, os.PathLike)) and plan != "auto":
             object.__setattr__(self, "plan", StagePlan.load(os.fspath(plan)))
@@ -96,16 +106,27 @@ class PipelineSpec:
         except PlanError:
             return None
 
-    def pp_before_setup(self, world_size: int, module: nn.Module | None) -> int:
-        """The pipeline degree as far as it is known before the plan is resolved (for Lightning's samplers)."""
+    def pp_before_setup(self, world_size: int, module: nn.Module | None, tp: int = 1) -> int:
+        """The pipeline degree as far as it is known before the plan is resolved: ``pp_degree``, the plan's (or the
+        decorators') stages per position, else one position per tensor-parallel group (``world_size / tp``)."""
         if self.pp_degree is not None:
             return self.pp_degree
         plan = self.plan if isinstance(self.plan, StagePlan) else None
         if plan is None and module is not None:
             plan = self.decorated_plan(module)
         if plan is None:
-            return world_size
+            return max(1, world_size // tp)
         return plan.num_stages // self.kind.stages_per_rank
+
+    def dims_before_setup(self, world_size: int, module: nn.Module | None,
+                          sharding: ShardingOptions | None) -> ParallelDims:
+        """The degrees as far as they are known before the plan is resolved (what Lightning's samplers read
+        before setup); one replica where they do not divide the world (setup refuses that, naming the sizes)."""
+        sharding = sharding or ShardingOptions()
+        try:
+            return sharding.dims(world_size, self.pp_before_setup(world_size, module, sharding.tp_degree))
+        except PlanError:
+            return ParallelDims(pp=max(1, world_size))
 
 
 @dataclass(frozen=True)

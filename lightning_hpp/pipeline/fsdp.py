@@ -83,6 +83,51 @@ def unit_modules(stage_module: nn.Module, names: list[str], root: nn.Module) -> 
     return chosen
 
 
+def _slots(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every parameter under ``module`` (by id) and the slots holding it, ``(owner, name)``."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((m, name))
+    return slots
+
+
+def untie_across_stages(stages: dict[int, nn.Module]) -> list[list[tuple[int, nn.Module, str]]]:
+    """Give every stage but the first of this rank's stages that use one parameter (a tied embedding and head on
+    a V schedule's rank) a copy of its own in its slots (a traced stage's entry linked to the user's module becomes
+    the stage's own): FSDP2 manages a parameter in one group, and each stage is a group of its own (two groups
+    sharding one parameter install their own shard in turn at every reshard). The copies start equal; each step
+    their gradients are summed into the parameter the optimizer steps and the copies take its values before the
+    next (:class:`~lightning_hpp.pipeline.grads.GradHandover`), so they stay equal.
+
+    Returns:
+        Per tied parameter, one slot ``(stage, owner, name)`` of each stage holding it (read again after sharding).
+    """
+    users: dict[int, list[int]] = {}
+    for k, sm in sorted(stages.items()):
+        for pid in {id(p) for p in sm.parameters()}:
+            users.setdefault(pid, []).append(k)
+    ties: list[list[tuple[int, nn.Module, str]]] = []
+    for pid, ks in users.items():
+        if len(ks) < 2:
+            continue
+        tie = []
+        for k in ks:
+            held = _slots(stages[k]).get(pid, [])
+            if k != ks[0]:
+                original = held[0][0]._parameters[held[0][1]]
+                copy = nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad)
+                for owner, name in held:
+                    registry = owner._parameters
+                    if not isinstance(registry, dict):  # a traced stage's link to a user's slot: its own entry now
+                        del registry[name]
+                    registry[name] = copy
+            tie.append((k, *held[0]))
+        ties.append(tie)
+    return ties
+
+
 def shard_stages(root: nn.Module, stages: dict[int, nn.Module], unit_names: dict[int, list[str]], mesh: Any,
                  reshard_after_forward: bool | None) -> ShardedStages:
     """Shard this rank's stages with FSDP2 over ``mesh`` (collective over the shard mesh; every replica of a
@@ -90,7 +135,11 @@ def shard_stages(root: nn.Module, stages: dict[int, nn.Module], unit_names: dict
 
     A parameter the user's model holds under several names (tied weights) is a shard under all of them
     afterwards, also where this rank's stages use it under one name only: FSDP2 replaces the parameter in
-    the slots of the modules it shards, and the others are pointed at the same shard.
+    the slots of the modules it shards, and the others are pointed at the same shard. Where several of this
+    rank's stages use it, each holds a copy of its own (:func:`untie_across_stages`): ``ShardedStages.ties``,
+    each list the one the optimizer steps first.
+    A tensor-parallel stage's ``DTensor`` parameters become 2-D shards (``dp_shard`` × ``tp``): tensor parallel
+    first, then FSDP2, as torchtitan composes them.
 
     Args:
         root: The LightningModule holding the stages' modules.
@@ -108,21 +157,23 @@ def shard_stages(root: nn.Module, stages: dict[int, nn.Module], unit_names: dict
     # bf16/fp16 parameters are reduced in fp32
     policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=REDUCE_DTYPE, output_dtype=None,
                                   cast_forward_inputs=False)
-    slots: dict[int, list[tuple[nn.Module, str]]] = {}
-    for m in root.modules():
-        for name, p in m._parameters.items():
-            if p is not None:
-                slots.setdefault(id(p), []).append((m, name))
+    tied = untie_across_stages(stages)
+    slots = _slots(nn.ModuleList([root, *stages.values()]))  # the user's slots and the stages' own
+    before = {pid: aliases[0][0]._parameters[aliases[0][1]] for pid, aliases in slots.items()}
     for k, sm in sorted(stages.items()):
         for unit in unit_modules(sm, unit_names.get(k, []), root):
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         fully_shard(sm, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    for aliases in slots.values():
-        sharded = next((m._parameters[n] for m, n in aliases if _is_dtensor(m._parameters[n])), None)
+    for pid, aliases in slots.items():  # FSDP2's shard in the slots it did not shard itself
+        sharded = next((m._parameters[n] for m, n in aliases if m._parameters[n] is not before[pid]), None)
         if sharded is not None:
             for m, n in aliases:
-                m._parameters[n] = sharded
-    return ShardedStages(stages)
+                if m._parameters[n] is before[pid]:
+                    m._parameters[n] = sharded
+    stepped = {id(p) for p in root.parameters()}  # the copy the optimizer steps first: the others follow it
+    ties = [sorted((owner._parameters[name] for _, owner, name in tie), key=lambda p: id(p) not in stepped)
+            for tie in tied]
+    return ShardedStages(stages, ties)
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -136,12 +187,14 @@ class ShardedStages:
 
     Args:
         stages: The sharded training stage modules, by stage index.
+        ties: The copies of each parameter several of these stages use (:func:`untie_across_stages`).
     """
 
-    def __init__(self, stages: dict[int, nn.Module]) -> None:
+    def __init__(self, stages: dict[int, nn.Module], ties: list[list[nn.Parameter]] = ()) -> None:
         from torch.distributed.fsdp import FSDPModule
 
         self.stages = dict(stages)
+        self.ties = [list(t) for t in ties]
         # leaves first, each module once: the order every replica gathers and frees in
         self.modules: list[Any] = [m for _, sm in sorted(self.stages.items()) for m in reversed(list(sm.modules()))
                                    if isinstance(m, FSDPModule)]

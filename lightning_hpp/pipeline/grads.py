@@ -57,11 +57,18 @@ class GradHandover:
         shared: Parameters that stages on other ranks use too (tied embeddings and heads), each list
             with the group of the ranks of this replica holding them: their gradients are summed
             over it after the dp average, so every copy takes the same step.
+        ties: Copies of one parameter on several of this rank's stages (sharded stages hold one each,
+            :func:`~lightning_hpp.pipeline.fsdp.shard_stages`), the one the optimizer steps first: their gradients
+            are summed into each (before ``shared``), and at the start of every step the others take its values.
         bucket_numel: Elements per bucket of small gradients.
+
+    A ``DTensor`` parameter (tensor parallel) is reduced by its local shard: the replicas of one tensor-parallel
+    rank hold the same part of it.
     """
 
     def __init__(self, stage_modules: dict[int, nn.Module], dp_group: Any, dp_size: int,
-                 shared: list[tuple[list[nn.Parameter], Any]] = (), bucket_numel: int = _BUCKET_NUMEL) -> None:
+                 shared: list[tuple[list[nn.Parameter], Any]] = (), bucket_numel: int = _BUCKET_NUMEL,
+                 ties: list[list[nn.Parameter]] = ()) -> None:
         seen: dict[int, nn.Parameter] = {}
         stages_of: dict[int, set[int]] = {}
         for k, sm in sorted(stage_modules.items()):
@@ -75,6 +82,7 @@ class GradHandover:
         self._dp_size = dp_size
         self._reducing = dp_group is not None and dp_size > 1
         self._shared = list(shared)
+        self._ties = [list(t) for t in ties]
         self._fresh: list[Tensor | None] | None = None
         self.started_in_backward = 0  # buckets of the last handed-over step whose all-reduce started inside the backward
         self._bucket_numel = bucket_numel
@@ -128,6 +136,7 @@ class GradHandover:
                 before its all-reduce starts.
         """
         self._drain()
+        self._follow_ties()
         self._in_step, self._want_norms = True, local_norms
         held = [p.grad if keep_held else None for p in self.params]
         for p in self.params:
@@ -186,6 +195,7 @@ class GradHandover:
         members = [(j, g) for j, g in zip(self._buckets[bucket], grads) if g is not None]
         if not members:
             return
+        members = [(j, local(g)) for j, g in members]
         if self._want_norms:
             for j, n in zip((j for j, _ in members), _norms([g for _, g in members])):
                 self._norms.setdefault(self._stage_of[j], []).append(n)
@@ -235,8 +245,11 @@ class GradHandover:
         self._reset()
         if self._observing and self._reducing:
             self._settle_observation()
+        index = {id(p): i for i, p in enumerate(self.params)}
+        across = {id(p) for params, _ in self._shared for p in params}
+        # copies on this rank's stages: one sum, in the copy the pipeline's sum reaches (if any)
+        summed = [self._sum_ties(tie, fresh, index, across) for tie in self._ties]
         if self._shared:
-            index = {id(p): i for i, p in enumerate(self.params)}
             for params, group in self._shared:
                 for p in params:  # every holder joins the sum, with zeros where it got no gradient
                     i = index[id(p)]
@@ -244,17 +257,46 @@ class GradHandover:
                         fresh[i] = torch.zeros_like(p)
                 # a sharded stage's copies are shards of one layout on every holder: their local parts add up
                 _all_reduce_sum([local(fresh[index[id(p)]]) for p in params], group)
+        for tie, target in zip(self._ties, summed):
+            for p in tie if target is not None else ():
+                if p is not target:
+                    fresh[index[id(p)]] = fresh[index[id(target)]].clone()
         for p, g in zip(self.params, fresh):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
         return norms
+
+    @torch.no_grad()
+    def _follow_ties(self) -> None:
+        """The copies of a tied parameter take the values of the one the optimizer steps (their local shards: one
+        layout on every copy)."""
+        for first, *others in self._ties:
+            for p in others:
+                local(p).copy_(local(first))
+
+    @staticmethod
+    def _sum_ties(tie: list[nn.Parameter], fresh: list[Tensor | None], index: dict[int, int],
+                  across: set[int]) -> nn.Parameter | None:
+        """Add the gradients of a tied parameter's copies into one copy (returned): the one whose gradient is
+        summed across ranks too (``across``), else the first that has one; ``None`` where none has one."""
+        held = [p for p in tie if fresh[index[id(p)]] is not None]
+        target = next((p for p in tie if id(p) in across), held[0] if held else None)
+        if target is None:
+            return None
+        if fresh[index[id(target)]] is None:
+            fresh[index[id(target)]] = torch.zeros_like(target)
+        into = local(fresh[index[id(target)]])
+        for p in held:
+            if p is not target:
+                into.add_(local(fresh[index[id(p)]]))
+        return target
 
     def _stage_norms(self, grads: list[Tensor | None]) -> dict[int, Tensor]:
         per_stage: dict[int, list[Tensor]] = {k: [] for k in self._stages}
         for k, g in zip(self._stage_of, grads):
             if g is not None:
                 per_stage[k].append(g)
-        return {k: _combine(_norms(gs)) for k, gs in per_stage.items()}
+        return {k: _combine(_norms([local(g) for g in gs])) for k, gs in per_stage.items()}
 
 
 def _norms(grads: list[Tensor]) -> list[Tensor]:
@@ -279,7 +321,7 @@ def _plan_buckets(params: list[nn.Parameter], order: list[int], numel: int) -> l
     current: list[int] = []
     size, dtype = 0, None
     for i in order:
-        p = params[i]
+        p = local(params[i])
         if p.numel() >= _IN_PLACE_NUMEL:
             buckets.append([i])
             continue

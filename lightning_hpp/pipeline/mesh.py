@@ -37,12 +37,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning_hpp.errors import PlanError
+from lightning_hpp.pipeline.dims import DIM_NAMES, ParallelDims
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
-"""The ``DeviceMesh`` dimensions, outermost first."""
 DP_DIM = "dp"
 """The flattened ``("dp_replicate", "dp_shard")`` dimension: every replica of a stage."""
 
@@ -67,12 +66,9 @@ class Mesh:
     """The layout of this job and this rank's place in it.
 
     Attributes:
-        pp: Pipeline degree (positions per pipeline).
-        dp: Data-parallel degree (replicas of each stage): ``dp_replicate × dp_shard``.
+        dims: The degrees (:class:`~lightning_hpp.pipeline.dims.ParallelDims`).
         grid: ``grid[r][c]`` = global rank of position ``r`` in pipeline ``c`` (``dp × tp`` pipelines).
         rank: This process's global rank.
-        dp_shard: Ranks each stage is sharded over (FSDP2; 1: every replica holds the whole stage).
-        tp: Tensor-parallel degree (ranks splitting one replica of a stage).
         dp_mesh: The 1-D flattened ``"dp"`` mesh (every replica of this rank's stages); ``None`` until
             :meth:`init_groups`. ``device_mesh["dp"]`` reaches it too (torch warns that slicing a flattened
             dimension from the root mesh will go).
@@ -80,55 +76,54 @@ class Mesh:
             :class:`~torch.distributed.device_mesh.DeviceMesh` over ``grid``; ``None`` until :meth:`init_groups`.
     """
 
-    pp: int
-    dp: int
+    dims: ParallelDims
     grid: list[list[int]]
     rank: int
     device_mesh: DeviceMesh | None = field(default=None, repr=False)
-    dp_shard: int = 1
-    tp: int = 1
     dp_mesh: DeviceMesh | None = field(default=None, repr=False)
     _groups: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def build(cls, world_size: int, pp: int, rank: int, grid: list[list[int]] | None = None, *,
-              dp_shard: int = 1, tp: int = 1) -> Mesh:
-        """The layout of ``world_size`` ranks in ``pp`` positions (pipeline-outer unless ``grid`` is given).
-
-        Args:
-            dp_shard: Ranks each stage is sharded over; must divide ``dp = world_size / (pp · tp)``.
-            tp: Tensor-parallel degree.
+    def build(cls, dims: ParallelDims, rank: int, grid: list[list[int]] | None = None) -> Mesh:
+        """The layout of ``dims`` (pipeline-outer unless ``grid`` is given) and ``rank``'s place in it.
 
         Raises:
-            PlanError: ``world_size`` not a multiple of ``pp · tp``, ``dp_shard`` not dividing ``dp``, a grid
-                that is no ``pp × (dp · tp)`` arrangement of the ranks, or a pipeline whose ranks do not ascend.
+            PlanError: a grid that is no ``pp × (dp · tp)`` arrangement of the ranks, or a pipeline whose ranks
+                do not ascend.
         """
-        if pp < 1 or tp < 1 or world_size % (pp * tp) != 0:
-            raise PlanError(
-                f"World size {world_size} is not divisible by pp_degree={pp}" + (f" × tp_degree={tp}" if tp > 1 else "")
-                + "; world_size must equal pp_degree × dp_degree" + (" × tp_degree" if tp > 1 else "")
-                + f". Use devices × num_nodes = a multiple of {pp * tp}, or change pp_degree"
-                + (" or tp_degree." if tp > 1 else ".")
-            )
-        dp = world_size // (pp * tp)
-        if dp_shard < 1 or dp % dp_shard:
-            raise PlanError(f"Each stage has {dp} replicas, which cannot be sharded over groups of {dp_shard} ranks; "
-                            f"dp_shard must divide {dp}. Change `ShardingOptions(dp_replicate=...)` or the number of processes.")
-        width = dp * tp
-        if grid is None:
-            grid = [[r * width + c for c in range(width)] for r in range(pp)]
-        grid = [list(row) for row in grid]
+        world, pp, width = dims.world_size, dims.pp, dims.width
+        grid = [list(row) for row in (dims.default_grid() if grid is None else grid)]
         flat = sorted(x for row in grid for x in row)
-        if flat != list(range(world_size)) or len(grid) != pp or any(len(row) != width for row in grid):
-            raise PlanError(f"Rank grid {grid} is not a {pp}×{width} arrangement of ranks 0..{world_size - 1}.")
-        mesh = cls(pp=pp, dp=dp, grid=grid, rank=rank, dp_shard=dp_shard, tp=tp)
+        if flat != list(range(world)) or len(grid) != pp or any(len(row) != width for row in grid):
+            raise PlanError(f"Rank grid {grid} is not a {pp}×{width} arrangement of ranks 0..{world - 1}.")
+        mesh = cls(dims=dims, grid=grid, rank=rank)
         mesh._check_pipelines_ascend()
         return mesh
 
     @property
+    def pp(self) -> int:
+        """Pipeline degree (positions per pipeline)."""
+        return self.dims.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree (replicas of each stage): ``dp_replicate × dp_shard``."""
+        return self.dims.dp
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks each stage is sharded over (FSDP2; 1: every replica holds the whole stage)."""
+        return self.dims.dp_shard
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel degree (ranks splitting one replica of a stage)."""
+        return self.dims.tp
+
+    @property
     def dp_replicate(self) -> int:
         """Replica groups of each stage (``dp / dp_shard``; every replica under DDP)."""
-        return self.dp // self.dp_shard
+        return self.dims.dp_replicate
 
     @property
     def position(self) -> int:
@@ -243,9 +238,9 @@ class Mesh:
         # (new_group / split_group, both collective, both ordering a group's ranks by global rank) and
         # reuses the default group for a dimension that spans the world; every group takes the job's timeout
         # (`HPPStrategy(timeout=...)`), which a group made without one does not inherit from the default group
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         override = mesh_backend_override(len(DIM_NAMES))
-        mesh = DeviceMesh(device_type or default_device_type(), torch.tensor(self.grid, dtype=torch.int).reshape(shape),
+        mesh = DeviceMesh(device_type or default_device_type(),
+                          torch.tensor(self.grid, dtype=torch.int).reshape(self.dims.shape),
                           mesh_dim_names=DIM_NAMES, backend_override=override)
         flat = override[0] if override else None
         self.dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(DP_DIM, backend_override=flat)

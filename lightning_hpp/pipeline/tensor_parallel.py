@@ -206,6 +206,54 @@ def resolve_tp_plan(module: nn.Module, tp: int) -> TPPlan:
     return plan
 
 
+_FORWARD_REDUCES = frozenset({"rowwise", "rowwise_rep", "rowwise_split_input", "embedding_rowwise", "colwise_rep",
+                               "colwise_gather_output", "embedding_colwise"})
+"""Styles whose forward ends in a collective over the tp ranks (a partial sum all-reduced, a split output gathered)."""
+
+_BACKWARD_REDUCES = frozenset({"colwise", "colwise_rep", "colwise_gather_output", "embedding_colwise"})
+"""Styles whose input is replicated: the gradient of their input is all-reduced over the tp ranks in the backward."""
+
+
+def plan_shape(module: nn.Module, unit_names: list[str], plan: TPPlan) -> tuple[list[float], list[list[int]]] | None:
+    """What ``plan`` splits of each planning unit (named as in ``module``): the share of the unit's parameter bytes
+    it splits, and ``[forward, backward]`` collectives over the tp ranks per micro-batch (a rowwise module's
+    output, a colwise module's input gradient) — the cost model's tensor-parallel terms
+    (:class:`~lightning_hpp.planning.profile.CostProfile`). ``None`` for a ``parallelize_stage`` hook, which says
+    nothing of what it splits."""
+    if plan.hook:
+        return None
+    modules = dict(module.named_modules())
+    split = [0.0] * len(unit_names)
+    reduces = [[0, 0] for _ in unit_names]
+    totals = [float(sum(p.numel() * p.element_size() for p in modules[u].parameters())) for u in unit_names]
+    for name, style in plan.styles.items():
+        i = next((k for k, u in enumerate(unit_names) if name == u or name.startswith(u + ".")), None)
+        if i is None:
+            continue
+        mod = modules[name]
+        keys = ["weight"] + (["bias"] if style == "colwise" else [])
+        split[i] += sum(p.numel() * p.element_size() for k in keys if (p := mod._parameters.get(k)) is not None)
+        reduces[i][0] += style in _FORWARD_REDUCES
+        reduces[i][1] += style in _BACKWARD_REDUCES
+    return [min(1.0, b / t) if t else 0.0 for b, t in zip(split, totals)], reduces
+
+
+def tp_degrees(module: nn.Module, world_size: int) -> list[int]:
+    """The tensor-parallel degrees ``module`` can be split by on a job of ``world_size`` ranks: 1, and every
+    divisor of the world its plan (a transformers model's, or the ``parallelize_stage`` hook's) divides
+    (:func:`resolve_tp_plan`)."""
+    out = [1]
+    for t in range(2, world_size + 1):
+        if world_size % t:
+            continue
+        try:
+            resolve_tp_plan(module, t)
+        except PlanError:
+            continue
+        out.append(t)
+    return out
+
+
 def check_frontend(plan: TPPlan, frontend: str, module_name: str) -> None:
     """The hook splits modules as written: refused for traced stages, whose graphs keep the width they were
     captured at (a transformers plan is captured at its local width instead, :func:`at_local_width`).

@@ -387,6 +387,24 @@ def assign_ranks(
     return rows
 
 
+def tp_group_kinds(rank_kinds: Sequence[str], tp: int) -> list[str]:
+    """The kind of every tensor-parallel group of ``tp`` neighbouring ranks (group ``g``: ranks ``g · tp ..
+    g · tp + tp - 1``), what stages are placed on when each replica is split over ``tp`` ranks.
+
+    Raises:
+        PlacementError: a group of ranks of different kinds (a split layer runs at its slowest rank's pace).
+    """
+    groups = [list(rank_kinds[g * tp:(g + 1) * tp]) for g in range(len(rank_kinds) // tp)]
+    mixed = [g for g, kinds in enumerate(groups) if len(set(kinds)) > 1]
+    if mixed:
+        g = mixed[0]
+        raise PlacementError(
+            f"Tensor-parallel group {g} (ranks {g * tp}-{g * tp + tp - 1}) mixes device kinds {groups[g]}; the ranks "
+            f"that split one layer must be of one kind. Order the ranks' kinds so that every {tp} neighbours share "
+            f"one (`device_map` / ${ENV_VAR}), or use another tp_degree.")
+    return [kinds[0] for kinds in groups]
+
+
 def stage_kind_orders(
     rank_kinds: Sequence[str], pp_degree: int, dp_degree: int, limit: int = 4096
 ) -> list[list[str]]:

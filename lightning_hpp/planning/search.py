@@ -1,10 +1,14 @@
-"""One search over the whole plan behind ``plan="auto"``: pp × dp, micro-batches, schedule, cuts, kinds.
+"""One search over the whole plan, behind ``plan="auto"`` and the planning CLI alike: the degrees (pp,
+dp_replicate, dp_shard, tp), the schedule, the micro-batches, the cuts and the kind of every position.
 
-:func:`search_plan` takes the ranks of a job (their device kinds), the batch one step trains on and
-what the user fixed, and returns the plan with the smallest predicted step time among all of
+:func:`search_plan` takes the ranks of a job (their device kinds, and the host each sits on), the batch one
+step trains on and what the user fixed, and returns the plan with the smallest predicted step among all of
 
-* ``pp`` × ``dp`` = world size, ``pp = 1`` included (plain data parallelism: every rank holds the
-  whole model, whatever its kind);
+* ``pp × dp × tp`` = world size, ``pp = 1`` included (plain data parallelism: every rank holds the whole model,
+  whatever its kind);
+* ``tp``: the tensor-parallel degrees the model's plan divides (the profile's ``tp_degrees``; 1 where it has
+  none), each group of ``tp`` neighbouring ranks of one kind and, unless ``tp_across_hosts``, on one host:
+  a layer's all-reduces stay on the host's links;
 * ``n_microbatches`` ``m``: every divisor of the per-replica batch up to ``max_microbatches``;
 * every schedule the runtime runs (:data:`~lightning_hpp.pipeline.schedules.SCHEDULES`): ``gpipe``
   and ``1f1b`` with one stage per rank; ``interleaved1f1b``, ``looped_bfs`` and ``interleaved_zb``
@@ -12,104 +16,52 @@ what the user fixed, and returns the plan with the smallest predicted step time 
   ``zbv`` and ``dualpipev`` with two stages per rank in the V (rank ``r`` holds stages ``r`` and
   ``2 pp - 1 - r``) — each where torch can build it (1F1B and DualPipeV need ``m >= stages``, the
   interleaved ones ``m`` a multiple of their rounds);
-* the contiguous cuts of the units into ``pp * v`` stages, the device kind of every position (each
-  on ``dp`` ranks of one kind when ``pp > 1``; a position's stages share its kind), and the
-  precision where the profile has several for a kind;
+* the contiguous cuts of the units into ``pp * v`` stages (:mod:`~lightning_hpp.planning.solver`), the device
+  kind of every position (each on ``dp · tp`` ranks of one kind when ``pp > 1``; a position's stages share its
+  kind), and the precision where the profile has several for a kind;
 * the data-parallel mode of the stages' replicas (``data_parallel``): fixed by the caller (``"ddp"``,
   the default; ``"fsdp"``: every candidate's stages sharded over its ``dp`` replicas; ``"hsdp"``: over
   ``dp / dp_replicate`` of them, candidates whose ``dp`` ``dp_replicate`` does not divide excluded), or
-  ``None``: memory decides. Then every structure (pp, dp, m, schedule, v, kinds) is searched with
-  ``"ddp"`` first, and only where no cut of it fits with ``dp > 1``, with ``"fsdp"`` over its ``dp``
-  replicas (``reshard_after_forward=False``; ``pp = 1`` is FSDP alone); fsdp is not tried where a
-  kind's costs are fp8 (sharded stages do not take fp8 yet). Between a ddp and an fsdp version of one
-  structure that both fit, ddp is the one kept; across structures, the step time decides.
+  ``None``: memory decides. Then every structure is searched with ``"ddp"`` first, and only where no cut of it
+  fits with ``dp > 1``, with ``"fsdp"`` over its ``dp`` replicas (``reshard_after_forward=False``; ``pp = 1`` is
+  FSDP alone). fsdp and tp are not tried where a kind's costs are fp8 (neither takes fp8 stages yet). Between a
+  ddp and an fsdp version of one structure that both fit, ddp is the one kept; across structures, the step time
+  decides.
 
 The batch: ``batch_size`` is what one *data group* draws per step (the DataLoader's batch), and
 ``data_groups`` how many distinct batches the job draws per step. A plan with ``dp`` replicas
-splits each data group's batch between ``dp / data_groups`` replicas, so every candidate trains on
-the same global batch, ``batch_size * data_groups``.
+splits each data group's batch between ``dp / data_groups`` replicas (a replica's ``tp`` ranks share its
+micro-batches), so every candidate trains on the same global batch, ``batch_size * data_groups``.
 
-The cost model, for micro-batches of ``b = batch_size / (dp / data_groups) / m`` samples. A stage
-holding units ``[i, j)`` on kind ``k`` costs, per micro-batch and action::
+The cost of a cut is :class:`~lightning_hpp.planning.costs.CostModel`'s (compute split over the tp ranks and a
+layer's all-reduces; boundary messages; the gradient all-reduce over the dp replicas, FSDP2's gathers, the
+optimizer on a rank's share of the parameters, ``1 / (dp_shard · tp)`` of the split weights), replayed in the
+schedule's own action order (:mod:`~lightning_hpp.planning.replay`): every action starts when its rank is free
+and what it waits for has finished. Memory: every rank must fit its stages' share of parameters, gradients and
+optimizer state plus the peak, over its order, of the activations its stages keep
+(:mod:`~lightning_hpp.planning.memory`). The search is exact for this model wherever a structure has at most
+:data:`~lightning_hpp.planning.solver.EXACT_CUTS` cuts; tests compare it with brute force over torch's orders.
 
-    F_s = sum_units fwd_share * (F_u + V_u * b) + c_mb / 2 + [last] L / 3 + [output to another rank] msg_out
-    B_s = sum_units bwd_share * (F_u + V_u * b) + c_mb / 2 + [last] 2 L / 3 + [input from another rank] msg_in
-    W_s = half of the units' backward,  I_s = B_s - W_s          (the zero-bubble schedules' split)
-    msg = latency + bytes * b / b0 / bandwidth
-
-and the step is::
-
-    step = replay(schedule's action order, F/B/I/W per stage) + max_rank u_rank + c_step
-    u_rank = max(a(first unit of its first stage), sum over its stages of a_s - o * backward_s) + optimizer_ms_per_byte * params
-    a_s  = 2 (dp - 1) / dp * params_s / allreduce_bandwidth + 2 (dp - 1) * latency
-
-(the gradient all-reduce starts bucket by bucket during each stage's last backward,
-:mod:`~lightning_hpp.pipeline.grads`: the step waits for what the backward of one micro-batch does
-not hide, and at least for the bucket of the rank's first unit, whose gradients come last; ``o`` is the
-kind's ``Overheads.allreduce_overlap``: 1 where the reduction runs beside the backward, as NCCL's on a GPU,
-0 on CPU ranks, where gloo sums on the cores the backward computes on and hides nothing)
-
-``replay`` is the makespan of torch's own per-rank order of the schedule
-(:mod:`~lightning_hpp.planning.replay`, the order :func:`lightning_hpp.telemetry.model.simulate`
-replays): every action starts when its rank is free and what it waits for has finished. ``F_u`` is
-the unit's fixed time per micro-batch (weights re-read, kernels launched), ``V_u`` its time per
-sample, both from the profile at micro-batch size ``b0`` (``UnitCost.fixed_ms``), split between
-forward and backward as the profile's ``fwd_ms`` and ``bwd_ms``; ``c_mb`` / ``c_step`` the
-schedule's fixed cost per micro-batch and per step, ``L`` the loss on the last stage (all from the
-kind's :class:`~lightning_hpp.planning.profile.Overheads`). With ``pp = 1`` (one stage, ``m``
-micro-batches in turn) the step is ``m * (F + B) + u + c_step``, the slowest kind's where the ranks
-have several. Sharded stages (fsdp, hsdp over ``dp_shard`` ranks) add FSDP2's all-gather of their
-parameters to ``u_rank``, not overlapped, with the ring's terms::
-
-    g_s = gathers * ((dp_shard - 1) / dp_shard * params_s / allreduce_bandwidth + (dp_shard - 1) * latency)
-
-(``gathers`` = 1 per step, ``2 m`` with ``reshard_after_forward=True``), and keep the gradient
-reduction's ``a_s`` as ddp's: a sharded version of a structure is never faster than its ddp version.
-
-Memory: every rank must fit its stages' parameters, gradients and optimizer state plus the peak,
-over its order, of the activations its stages keep for micro-batches whose backward has not run
-(``saved_bytes * b / b0`` each), by :func:`~lightning_hpp.planning.memory.stage_memory_bytes` with the
-rank's stages taken together: ``params * (1 + optimizer_factor)`` unsharded, ``params * (1 +
-optimizer_factor) / dp_shard + gathered`` sharded, where ``gathered`` is ``2 * params`` with several
-micro-batches, and with one ``params`` plus the largest unit's (``2 *`` the largest unit's with
-``reshard_after_forward=True``).
-
-The search is exact for this model wherever a structure (pp, dp, m, schedule, v, kinds) has at
-most :data:`EXACT_CUTS` cuts: every one is replayed (in one batch). Beyond, it starts from the cuts
-that minimise the slowest stage (the bottleneck programme of
-:mod:`~lightning_hpp.planning.partition`) and moves one cut by one unit at a time while the replayed
-step falls. Tests compare it with brute force over torch's orders.
+:func:`evaluate_plan` predicts a given cut with the same model (the CLI's baselines, a plan one wants to check).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
 
 from lightning_hpp.errors import PartitionError, PlacementError, ScheduleError
+from lightning_hpp.pipeline.dims import ParallelDims
 from lightning_hpp.pipeline.schedules import SCHEDULES, check_schedule
-from lightning_hpp.planning.devices import assign_ranks, normalize_kind, stage_kind_orders
-from lightning_hpp.planning.memory import stage_memory_bytes
-from lightning_hpp.planning.partition import (
-    _INF,
-    DEFAULT_LINK_GBPS,
-    DeviceGroup,
-    KindCosts,
-    PartitionResult,
-    StageEstimate,
-    _bottleneck,
-    _choose_costs,
-    _in_flight,
-    _precision_map,
-    _Problem,
-    _ring,
-)
-from lightning_hpp.planning.profile import CostProfile, Overheads
-from lightning_hpp.planning.replay import Program, program
+from lightning_hpp.planning.cluster import DEFAULT_LINK_GBPS, DeviceGroup
+from lightning_hpp.planning.costs import CostModel, KindCosts, choose_costs, precision_map
+from lightning_hpp.planning.devices import assign_ranks, normalize_kind, stage_kind_orders, tp_group_kinds
+from lightning_hpp.planning.profile import CostProfile
+from lightning_hpp.planning.replay import program
+from lightning_hpp.planning.result import PlanResult
+from lightning_hpp.planning.solver import StructureSolver, whole_model
 from lightning_hpp.validation import check_int
 
 MAX_MICROBATCHES = 32
@@ -117,9 +69,6 @@ MAX_MICROBATCHES = 32
 
 MAX_STAGES_PER_RANK = 4
 """Most stages per rank the search gives the looped schedules (``interleaved1f1b``, ``looped_bfs``, ``interleaved_zb``)."""
-
-EXACT_CUTS = 4096
-"""Structures with at most this many cuts are searched exhaustively; larger ones by local search."""
 
 DATA_PARALLEL_MODES = ("ddp", "fsdp", "hsdp")
 """The data-parallel modes ``search_plan(data_parallel=...)`` takes (``None``: ddp, or fsdp where memory decides)."""
@@ -132,9 +81,6 @@ _PREFERENCE = ("1f1b", "gpipe", "interleaved1f1b", "zbv", "interleaved_zb", "loo
 # our names, torch's registry names and class names, lower case: "ZBVZeroBubble" and "zbv" are one schedule
 _ALIASES = {alias.lower().replace("_", ""): name for name, kind in SCHEDULES.items()
             for alias in (name, kind.cls.__name__, kind.cls.__name__.removeprefix("Schedule"))}
-
-_NONE = Overheads()
-
 
 def schedule_name(schedule: str) -> str | None:
     """Our name of a schedule given as ours or torch's (any case), ``None`` if unknown."""
@@ -167,307 +113,50 @@ def microbatch_options(per_replica: int, fixed: int | None, pp: int, schedule: s
     return out
 
 
-@dataclasses.dataclass
-class _PlanProblem(_Problem):
-    """:class:`~lightning_hpp.planning.partition._Problem` at micro-batch size ``b = scale * b0``,
-    with the fixed costs, the loss, message latency and the optimizer of the module docstring, for stages
-    sharded over ``dp_shard`` ranks (1: unsharded) with FSDP2's ``reshard_after_forward``."""
+def _schedules(schedule: str | None) -> list[str]:
+    """The schedules to search: the one fixed (ours or torch's name), else every one.
 
-    scale: float = 1.0
-    dp_shard: int = 1
-    reshard_after_forward: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        n = self.n
-        i = np.arange(n + 1)[:, None]
-        j = np.arange(n + 1)[None, :]
-        self._messages = (i > 0).astype(float) + (j < n).astype(float)
-        self._actions = [self._action_parts(k) for k in range(len(self.costs))]
-
-    def _oh(self, k: int) -> Overheads:
-        return self.costs[k].overheads or _NONE
-
-    def _bandwidth(self, k: int) -> float:
-        oh = self._oh(k)
-        return (oh.p2p_gbps or self.groups[k].link_gbps) * 1e6  # bytes per ms
-
-    def _action_parts(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, float, float]:
-        """Forward and backward compute of every segment, the message out at ``j`` and back at ``i``, and
-        the per-micro-batch, loss-forward and loss-backward costs."""
-        costs, oh = self.costs[k], self._oh(k)
-        unit = costs.fixed_ms + (costs.step_ms - costs.fixed_ms) * self.scale
-        share = np.divide(costs.fwd_ms, costs.step_ms, out=np.full(self.n, 1 / 3), where=costs.step_ms > 0)
-        fw = np.concatenate([[0.0], np.cumsum(unit * share)])
-        bw = np.concatenate([[0.0], np.cumsum(unit * (1 - share))])
-        fwd, bwd = fw[None, :] - fw[:, None], bw[None, :] - bw[:, None]
-        act = np.asarray(costs.activation_bytes, dtype=float) * self.scale / self._bandwidth(k)
-        out = np.zeros(self.n + 1)
-        out[1:self.n] = act[: self.n - 1] + oh.p2p_latency_ms
-        back = np.zeros(self.n + 1)
-        back[1:] = act + oh.p2p_latency_ms
-        loss = oh.loss_fixed_ms + (oh.loss_ms - oh.loss_fixed_ms) * self.scale
-        return fwd, bwd, out, back, oh.microbatch_ms, loss / 3, 2 * loss / 3
-
-    def lower_bound(self, position_kinds: Sequence[int], n_stages: int, m: int) -> float:
-        """A bound below the step of every cut of a layout: the busiest rank works at least the mean of all
-        ranks' work (each unit at the fastest of the positions' kinds, every stage's fixed cost per
-        micro-batch, the loss), and the fixed step cost is paid."""
-        used = sorted(set(position_kinds))
-        u = np.arange(self.n)
-        fastest = np.min([self._actions[k][0][u, u + 1] + self._actions[k][1][u, u + 1] for k in used], axis=0).sum()
-        per_mb = min(self._actions[k][4] for k in used) * n_stages + min(self._actions[k][5] + self._actions[k][6] for k in used)
-        fixed = max((self.costs[k].overheads or _NONE).step_ms for k in used)
-        return m * (float(fastest) + per_mb) / len(position_kinds) + fixed
-
-    def parts(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(compute_ms, comm_ms)`` of every segment on kind ``k`` with both boundaries sent (``inf`` where invalid)."""
-        fwd, bwd, out, back, mb, lf, lb = self._actions[k]
-        compute = fwd + bwd + mb
-        compute[:, self.n] += lf + lb
-        talk = back[:, None] + out[None, :]
-        return np.where(self._invalid, _INF, compute), np.where(self._invalid, _INF, talk)
-
-    def time(self, k: int) -> np.ndarray:
-        compute, talk = self.parts(k)
-        return compute + talk
-
-    def held(self, params: np.ndarray, largest: np.ndarray | None, activations: np.ndarray | float, m: int) -> np.ndarray:
-        """What one rank holds for ``params`` bytes of parameters (of which the largest unit's ``largest``)
-        and ``activations`` bytes kept for the backward, under this problem's sharding
-        (:func:`~lightning_hpp.planning.memory.stage_memory_bytes`)."""
-        return stage_memory_bytes(params, self.optimizer_factor, 1, activations, dp_shard=self.dp_shard,
-                                  n_microbatches=m, reshard_after_forward=self.reshard_after_forward,
-                                  largest_unit_bytes=largest)
-
-    def largest(self, k: int) -> np.ndarray:
-        """The largest unit's parameter bytes of every segment ``[i, j)`` on kind ``k``."""
-        units = np.asarray(self.costs[k].param_bytes, dtype=float)
-        out = np.zeros((self.n + 1, self.n + 1))
-        for i in range(self.n):
-            out[i, i + 1:] = np.maximum.accumulate(units[i:])
-        return out
-
-    def memory(self, k: int, s: int, p: int, m: int) -> np.ndarray:
-        _, _, params, stash = self._mats[k]
-        largest = self.largest(k) if self.dp_shard > 1 and m == 1 else None
-        return self.held(params, largest, _in_flight(self.schedule, s, p, m) * stash * self.scale, m)
-
-    def optimizer(self, k: int) -> np.ndarray:
-        return self._mats[k][2] / 1e6 * self._oh(k).optimizer_ms_per_mb
-
-    def ring(self, k: int, dp: int) -> np.ndarray:
-        """The gradient all-reduce of every segment over ``dp`` replicas, not overlapped."""
-        oh = self._oh(k)
-        latency = 2 * (dp - 1) * oh.p2p_latency_ms  # a ring sends 2 (dp - 1) messages
-        bandwidth = oh.allreduce_gbps * 1e6 if oh.allreduce_gbps else self._bandwidth(k)
-        return _ring(dp) * self._mats[k][2] / bandwidth + latency
-
-    def gather(self, k: int, m: int) -> np.ndarray:
-        """FSDP2's all-gathers of every segment's parameters over the ``dp_shard`` ranks it is sharded over, per
-        step and not overlapped (0 unsharded): once, or for every micro-batch's forward and backward with
-        ``reshard_after_forward``; each with the ring's terms, one way."""
-        s = self.dp_shard
-        if s <= 1:
-            return np.zeros_like(self._mats[k][2])
-        oh = self._oh(k)
-        bandwidth = oh.allreduce_gbps * 1e6 if oh.allreduce_gbps else self._bandwidth(k)
-        gathers = 2 * m if self.reshard_after_forward else 1
-        return gathers * ((s - 1) / s * self._mats[k][2] / bandwidth + (s - 1) * oh.p2p_latency_ms)
-
-    def allreduce(self, k: int, dp: int, m: int = 1) -> np.ndarray:
-        return self.ring(k, dp) + self.gather(k, m) + self.optimizer(k)
-
-    def exposed(self, k: int, dp: int, i: int, j: int, m: int = 1) -> float:
-        """What of segment ``[i, j)``'s all-reduce the step waits for: its buckets start during the last
-        micro-batch's backward, the first unit's (final last) after it; and a sharded stage's all-gathers."""
-        ring = self.ring(k, dp)
-        gather = float(self.gather(k, m)[i, j])
-        window = self._oh(k).allreduce_overlap * self._actions[k][1][i, j]
-        return max(float(ring[i, i + 1]), float(ring[i, j] - window)) + gather if dp > 1 else 0.0
-
-    def update_free(self, dp: int) -> bool:
-        return dp == 1 and all(self._oh(k).optimizer_ms_per_mb == 0 for k in range(len(self.costs)))
-
-    def estimate(self, k: int, i: int, j: int, s: int, p: int, m: int, dp: int, names: Sequence[str]) -> StageEstimate:
-        compute, talk = self.parts(k)
-        opt = float(self.optimizer(k)[i, j])
-        return StageEstimate(
-            units=list(names[i:j]),
-            device=self.groups[k].kind,
-            precision=self.costs[k].precision,
-            compute_ms=float(compute[i, j]),
-            comm_ms=float(talk[i, j]),
-            allreduce_ms=float(self.allreduce(k, dp, m)[i, j]) - opt,
-            memory_bytes=float(self.memory(k, s, p, m)[i, j]),
-            memory_limit=self.groups[k].memory_limit,
-            in_flight=_in_flight(self.schedule, s, p, m),
-            cost_source=self.costs[k].source,
-            optimizer_ms=opt,
+    Raises:
+        PartitionError: a name that is no schedule.
+    """
+    if schedule is None:
+        return list(SEARCHED_SCHEDULES)
+    name = schedule_name(schedule)
+    if name is None:
+        raise PartitionError(
+            f"plan='auto' searches the schedules {', '.join(SEARCHED_SCHEDULES)} (or torch's names for them); "
+            f"schedule={schedule!r} was fixed. Leave `schedule` unset to let the search choose, or fix one of those."
         )
+    return [name]
 
 
-def _data_parallel(
-    problem: _PlanProblem, m: int, dp: int, names: Sequence[str], kinds: list[int]
-) -> PartitionResult | None:
-    """``pp = 1``: the whole model on every rank; the slowest kind sets the step."""
-    n = problem.n
-    ests = [problem.estimate(k, 0, n, 0, 1, m, dp, names) for k in kinds]
-    if any(not e.fits for e in ests):
+def tp_options(tp_degree: int | Sequence[int] | None, profile: CostProfile) -> list[int]:
+    """The tensor-parallel degrees to try: the one fixed, the ones listed, or (``None``) those the profile's model
+    divides (``tp_degrees``; 1 alone where it records none)."""
+    if isinstance(tp_degree, int):
+        return [check_int(tp_degree, "search_plan(tp_degree=...)", error=PartitionError)]
+    listed = tp_degree if tp_degree is not None else (profile.tp_degrees or [1])
+    return sorted({check_int(t, "search_plan(tp_degree=...)", error=PartitionError) for t in [1, *listed]})
+
+
+def tp_refusal(tp: int, rank_kinds: Sequence[str], hosts: Sequence[Hashable] | None, across_hosts: bool,
+               fp8: Sequence[str]) -> str | None:
+    """Why groups of ``tp`` neighbouring ranks cannot split the layers (``None``: they can)."""
+    if tp == 1:
         return None
-    for k, e in zip(kinds, ests):  # the all-reduce overlaps the last micro-batch's backward
-        e.allreduce_ms = problem.exposed(k, dp, 0, n, m)
-    slowest = max(ests, key=lambda e: (e.stage_ms, e.allreduce_ms + e.optimizer_ms))
-    est = dataclasses.replace(slowest)
-    update = max(ests, key=lambda e: e.allreduce_ms + e.optimizer_ms)  # the slowest kind's update
-    est.allreduce_ms, est.optimizer_ms = update.allreduce_ms, update.optimizer_ms
-    est.memory_bytes = max(e.memory_bytes for e in ests)
-    est.memory_limit = min(e.memory_limit for e in ests)
-    if len(kinds) > 1:
-        est.replica_kinds = [problem.groups[k].kind for k in kinds]
-        est.device = "|".join(est.replica_kinds)
-    return PartitionResult([est], problem.schedule, m, dp, dp_shard=problem.dp_shard)
-
-
-@dataclasses.dataclass
-class _Scored:
-    """Candidate cuts ``(C, S + 1)`` of one structure and their predicted steps (``inf``: does not fit)."""
-
-    cuts: np.ndarray
-    step: np.ndarray
-    pipeline: np.ndarray
-    update: np.ndarray
-    memory: np.ndarray  # (C, pp)
-    costs: np.ndarray  # (C, 4, S)
-
-
-class _Pipeline:
-    """One structure (schedule program, dp, the kind of every position) of a :class:`_PlanProblem`."""
-
-    def __init__(self, problem: _PlanProblem, prog: Program, position_kinds: Sequence[int], dp: int) -> None:
-        self.problem, self.prog, self.dp = problem, prog, dp
-        self.kinds = [position_kinds[prog.rank_of[s]] for s in range(prog.n_stages)]
-        self.position_kinds = list(position_kinds)
-        self.cross_out, self.cross_in = prog.cross_out(), prog.cross_in()
-        self.updates = {k: problem.allreduce(k, dp, prog.m) for k in set(self.kinds)}
-        self.rings = {k: problem.ring(k, dp) for k in set(self.kinds)}
-        self.gathers = {k: problem.gather(k, prog.m) for k in set(self.kinds)}
-        one = problem.dp_shard > 1 and prog.m == 1  # one micro-batch: the largest unit bounds what is gathered
-        self.largest = {k: problem.largest(k) for k in set(self.kinds)} if one else None
-        self.optimizers = {k: problem.optimizer(k) for k in set(self.kinds)}
-        self.first_of = [min(prog.stages_of(r)) for r in range(prog.pp)]
-        self.fixed = max((problem.costs[k].overheads or _NONE).step_ms for k in set(self.kinds))
-
-    def score(self, cuts: np.ndarray) -> _Scored:
-        pr, prog, n, S = self.problem, self.prog, self.problem.n, self.prog.n_stages
-        C = cuts.shape[0]
-        costs = np.zeros((C, 4, S))
-        params = np.zeros((C, S))
-        stash = np.zeros((C, S))
-        largest = np.zeros((C, S))
-        ring, window, tail, update, gather = (np.zeros((C, prog.pp)) for _ in range(5))
-        for s, k in enumerate(self.kinds):
-            i, j = cuts[:, s], cuts[:, s + 1]
-            fwd, bwd, out, back, mb, lf, lb = pr._actions[k]
-            last = j == n
-            f = fwd[i, j] + mb / 2 + last * lf + (out[j] if self.cross_out[s] else 0.0)
-            b = bwd[i, j] + mb / 2 + last * lb + (back[i] if self.cross_in[s] else 0.0)
-            w = bwd[i, j] / 2
-            costs[:, 0, s], costs[:, 1, s], costs[:, 2, s], costs[:, 3, s] = f, b, b - w, w
-            _, _, par, st = pr._mats[k]
-            params[:, s], stash[:, s] = par[i, j], st[i, j] * pr.scale
-            if self.largest is not None:
-                largest[:, s] = self.largest[k][i, j]
-            r = prog.rank_of[s]
-            ring[:, r] += self.rings[k][i, j]
-            gather[:, r] += self.gathers[k][i, j]
-            window[:, r] += bwd[i, j] * pr._oh(k).allreduce_overlap
-            update[:, r] += self.optimizers[k][i, j]
-            if s == self.first_of[r]:  # its first unit's gradients are the rank's last ones
-                tail[:, r] = self.rings[k][i, i + 1]
-        # the all-reduce overlaps each stage's last backward (pipeline/grads.py): the step waits for what is left
-        update += np.maximum(tail, ring - window) + gather if self.dp > 1 else 0.0
-        memory = prog.peak_memory(stash)
-        fits = np.ones(C, dtype=bool)
-        for r in range(prog.pp):
-            k, own = self.position_kinds[r], list(prog.stages_of(r))
-            memory[:, r] = pr.held(params[:, own].sum(axis=1), largest[:, own].max(axis=1), memory[:, r], prog.m)
-            fits &= memory[:, r] <= pr.groups[k].memory_limit
-        pipeline = prog.makespan(costs)
-        upd = update.max(axis=1)
-        step = np.where(fits, pipeline + upd + self.fixed, _INF)
-        return _Scored(cuts, step, pipeline, upd, memory, costs)
-
-    def seed(self) -> np.ndarray | None:
-        """The cuts that minimise the slowest stage (both boundaries sent), ignoring memory."""
-        pr, S = self.problem, self.prog.n_stages
-        K = len(pr.costs)
-        times = {k: pr.time(k) for k in set(self.kinds)}
-        blocked = np.full((pr.n + 1, pr.n + 1), _INF)
-        sol = _bottleneck(pr.n, S, [S] * K, lambda k, s: times[k] if k == self.kinds[s] else blocked)
-        return None if sol is None else np.array([sol[1]])
-
-    def best(self) -> tuple[int, _Scored] | None:
-        """The best candidate (index into the returned batch), exhaustive or by local search."""
-        n, S = self.problem.n, self.prog.n_stages
-        if math.comb(n - 1, S - 1) <= EXACT_CUTS:
-            inner = np.array(list(itertools.combinations(range(1, n), S - 1)), dtype=int).reshape(-1, S - 1)
-            cuts = np.concatenate([np.zeros((len(inner), 1), int), inner, np.full((len(inner), 1), n)], axis=1)
-            scored = self.score(cuts)
-            i = int(np.argmin(scored.step))
-            return (i, scored) if np.isfinite(scored.step[i]) else None
-        current = self.seed()
-        if current is None:
-            return None
-        scored = self.score(current)
-        while True:
-            moves = []
-            for b in range(1, S):
-                for d in (-1, 1):
-                    c = current[0].copy()
-                    c[b] += d
-                    if c[b - 1] < c[b] < c[b + 1]:
-                        moves.append(c)
-            if not moves:
-                break
-            trial = self.score(np.array(moves))
-            i = int(np.argmin(trial.step))
-            if not trial.step[i] < scored.step[0]:
-                break
-            current, scored = trial.cuts[i : i + 1], _take(trial, i)
-        return (0, scored) if np.isfinite(scored.step[0]) else None
-
-    def result(self, i: int, scored: _Scored, m: int, names: Sequence[str], schedule: str) -> PartitionResult:
-        pr, prog, dp = self.problem, self.prog, self.dp
-        cuts = [int(c) for c in scored.cuts[i]]
-        held = prog.in_flight()
-        stages = []
-        for s, k in enumerate(self.kinds):
-            a, b = cuts[s], cuts[s + 1]
-            f, bk = scored.costs[i, 0, s], scored.costs[i, 1, s]
-            fwd, bwd, out, back, mb, lf, lb = pr._actions[k]
-            compute = float(fwd[a, b] + bwd[a, b] + mb + (lf + lb if b == pr.n else 0.0))
-            opt = float(pr.optimizer(k)[a, b])
-            r = prog.rank_of[s]
-            stages.append(StageEstimate(
-                units=list(names[a:b]), device=pr.groups[k].kind, precision=pr.costs[k].precision,
-                compute_ms=compute, comm_ms=float(f + bk) - compute,
-                allreduce_ms=float(self.updates[k][a, b]) - opt, optimizer_ms=opt,
-                memory_bytes=float(scored.memory[i, r]), memory_limit=pr.groups[k].memory_limit,
-                in_flight=held[s], cost_source=pr.costs[k].source,
-            ))
-        res = PartitionResult(stages, schedule, m, dp, dp_shard=pr.dp_shard, fixed_step_ms=self.fixed,
-                              stages_per_rank=prog.stages_per_rank,
-                              positions=list(prog.rank_of), pipeline_ms=float(scored.pipeline[i]),
-                              update_ms=float(scored.update[i]),
-                              replayed_bubble=float(prog.bubble(scored.costs[i : i + 1])[0]))
-        return res
-
-
-def _take(scored: _Scored, i: int) -> _Scored:
-    sl = slice(i, i + 1)
-    return _Scored(scored.cuts[sl], scored.step[sl], scored.pipeline[sl], scored.update[sl], scored.memory[sl],
-                   scored.costs[sl])
+    if fp8:
+        return f"tensor parallel does not take the fp8 stages of {', '.join(fp8)} yet"
+    try:
+        tp_group_kinds(rank_kinds, tp)
+    except PlacementError:
+        return "a group of neighbouring ranks mixes device kinds"
+    if hosts is not None and not across_hosts:
+        split = [g for g in range(len(rank_kinds) // tp) if len(set(hosts[g * tp:(g + 1) * tp])) > 1]
+        if split:
+            first = hosts[split[0] * tp:(split[0] + 1) * tp]
+            return (f"the group of ranks {split[0] * tp}-{split[0] * tp + tp - 1} spans hosts "
+                    f"{sorted(set(map(str, first)))} (allow it with tp_across_hosts)")
+    return None
 
 
 def search_plan(
@@ -477,6 +166,8 @@ def search_plan(
     batch_size: int,
     data_groups: int = 1,
     pp_degree: int | None = None,
+    dp_degree: int | None = None,
+    tp_degree: int | Sequence[int] | None = 1,
     n_microbatches: int | None = None,
     schedule: str | None = None,
     precision: str | Mapping[str, str] | None = None,
@@ -488,7 +179,9 @@ def search_plan(
     data_parallel: str | None = "ddp",
     dp_replicate: int | None = None,
     reshard_after_forward: bool = False,
-) -> PartitionResult:
+    hosts: Sequence[Hashable] | None = None,
+    tp_across_hosts: bool = False,
+) -> PlanResult:
     """The fastest plan for these ranks under the cost model of the module docstring.
 
     Args:
@@ -497,8 +190,11 @@ def search_plan(
         rank_kinds: The kind of every global rank (index = rank).
         batch_size: Samples each data group draws per step (the DataLoader's batch).
         data_groups: Distinct batches per step; every plan's ``dp`` must be a multiple of it.
-        pp_degree, n_microbatches, schedule: Values the user fixed (``None``: searched).
-        precision: As for :func:`~lightning_hpp.planning.partition.partition`.
+        pp_degree, dp_degree, n_microbatches, schedule: Values the user fixed (``None``: searched).
+        tp_degree: The tensor-parallel degree fixed, the degrees to try, or ``None``: those the profile's model
+            divides (:func:`tp_options`). Default 1: no tensor parallel.
+        precision: One precision for every kind, or one per kind (``{"h100": "bf16-mixed"}``); kinds without
+            one follow the device: fp8 where supported, else bf16, else fp16, else fp32.
         optimizer_factor: Bytes of gradients plus optimizer state per parameter byte.
         memory_bytes: Memory per device by kind (default: datasheet, unlimited for ``cpu``).
         link_gbps: Link speed where the profile has no measured point-to-point bandwidth.
@@ -510,11 +206,13 @@ def search_plan(
             fits with ddp (the module docstring).
         dp_replicate: ``"hsdp"``'s replica groups (each stage sharded over ``dp / dp_replicate`` ranks).
         reshard_after_forward: FSDP2's choice for fixed sharded stages (``None``'s fsdp takes ``False``).
+        hosts: The host of every rank (any label; ``None``: one host): a tensor-parallel group stays on one.
+        tp_across_hosts: Let a tensor-parallel group span hosts.
 
     Returns:
-        The best plan; ``result.ranks`` is its rank grid ``ranks[stage][replica]``, ``result.data_parallel``
-        and ``result.dp_shard`` how its stages' replicas share them. Ties go to fewer stages, then fewer
-        micro-batches, then 1F1B (fewer micro-batches in flight).
+        The best plan; ``result.ranks`` is its rank grid ``ranks[position][replica · tp + tp_rank]``,
+        ``result.data_parallel``, ``result.dp_shard`` and ``result.tp_degree`` how its stages' replicas share
+        and split them. Ties go to fewer stages, then a smaller tp, then fewer micro-batches, then 1F1B.
 
     Raises:
         PartitionError: no candidate satisfies the constraints or fits in memory (the message says
@@ -529,128 +227,231 @@ def search_plan(
     ):
         check_int(value, f"search_plan({name}=...)", error=PartitionError)
     _check_sharding(data_parallel, dp_replicate)
+    if hosts is not None and len(hosts) != world:
+        raise PartitionError(f"search_plan(hosts=...) names {len(hosts)} hosts for {world} ranks; give one per rank.")
     if profile.microbatch_size is None:
         raise PartitionError(
             "The profile records no input shape, so its micro-batch size is unknown; profile the model on a real batch."
         )
-    if schedule is not None:
-        name = schedule_name(schedule)
-        if name is None:
-            raise PartitionError(
-                f"plan='auto' searches the schedules {', '.join(SEARCHED_SCHEDULES)} (or torch's names for them); "
-                f"schedule={schedule!r} was fixed. Leave `schedule` unset to let the search choose, or fix one of those."
-            )
-        schedules = [name]
-    else:
-        schedules = list(SEARCHED_SCHEDULES)
+    schedules = _schedules(schedule)
     have = [normalize_kind(k, f"rank {r} kind") for r, k in enumerate(rank_kinds)]
     kinds = sorted(set(have))
     mem = dict(memory_bytes or {})
     groups = [DeviceGroup(k, have.count(k), mem.get(k), link_gbps) for k in kinds]
-    fixed = _precision_map(precision, kinds)
-    costs: list[KindCosts] = [_choose_costs(profile, k, fixed[k]) for k in kinds]
+    fixed = precision_map(precision, kinds)
+    costs: list[KindCosts] = [choose_costs(profile, k, fixed[k]) for k in kinds]
     n = len(names)
     pps = [pp_degree] if pp_degree is not None else [p for p in range(1, min(n, world) + 1) if world % p == 0]
+    tps = tp_options(tp_degree, profile)
     b0 = profile.microbatch_size
     fp8 = sorted(c.kind for c in costs if c.precision == "fp8")
     tried = _modes_text(data_parallel, dp_replicate, fp8)
+    split, reduces = profile.tp_shape()
 
-    best: tuple[tuple, PartitionResult] | None = None
+    best: tuple[tuple, PlanResult] | None = None
     excluded: list[str] = []
     for p in pps:
-        if world % p or p > n:
-            excluded.append(f"pp={p}: needs pp <= {n} units and a divisor of the world size {world}")
-            continue
-        dp = world // p
-        if not split_batches and dp != data_groups:
-            excluded.append(f"pp={p}: dp={dp} replicas would split the loader's batches, which cannot be rebatched")
-            continue
-        if dp % data_groups or batch_size % (dp // data_groups):
-            excluded.append(f"pp={p}: dp={dp} replicas cannot split {data_groups} batch(es) of {batch_size} evenly")
-            continue
-        per_replica = batch_size // (dp // data_groups)
-        modes = _sharding_modes(data_parallel, dp, dp_replicate, fp8)
-        if isinstance(modes, str):
-            excluded.append(f"pp={p}: {modes}")
-            continue
-        if p == 1:
-            orders: list[list[str]] = [kinds]
-        else:
-            try:
-                orders = stage_kind_orders(have, p, dp)
-            except PlacementError:
-                orders = []
-            if not orders:
-                excluded.append(f"pp={p}: the ranks' kinds cannot form {dp} replicas with one kind per stage")
+        for t in tps:
+            where = f"pp={p}" + (f", tp={t}" if t > 1 else "")
+            if world % (p * t) or p > n:
+                excluded.append(f"{where}: needs pp <= {n} units and pp{' × tp' if t > 1 else ''} a divisor of "
+                                f"the world size {world}")
                 continue
-        if p == 1 and all(SCHEDULES[x].multi for x in schedules):
-            excluded.append(f"pp=1: one stage cannot run {schedules[0]!r}, which holds several stages per rank")
-        for sched in schedules if p > 1 else [x for x in schedules if not SCHEDULES[x].multi]:
-            vs = stages_per_rank_options(sched, p, n)
-            if not vs:
-                excluded.append(f"pp={p}, {sched}: needs at least {2 * p} stages, more than the model's {n} units")
-            for v in vs:
-                ms = microbatch_options(per_replica, n_microbatches, p, sched, max_microbatches, v)
-                if not ms:
-                    excluded.append(
-                        f"pp={p}, {sched}, {v} stage(s) per rank: no micro-batch count (fixed {n_microbatches!r}) "
-                        f"divides {per_replica} samples per replica and runs under the schedule"
-                    )
-                for m in ms:
-                    problem = _PlanProblem(costs, groups, sched, optimizer_factor, None, scale=per_replica / m / b0)
-                    sharded = {shard: problem if shard == 1 else dataclasses.replace(
-                        problem, dp_shard=shard, reshard_after_forward=reshard_after_forward) for _, shard in modes}
-                    label = ", ".join(mode if shard == 1 else f"{mode} over {shard}" for mode, shard in modes)
-                    cands = []
-                    if p == 1:
-                        for mode, shard in modes:  # the first mode whose whole model fits
-                            res = _data_parallel(sharded[shard], m, dp, names, [kinds.index(k) for k in orders[0]])
-                            if res is not None:
-                                res.data_parallel = mode
-                                break
-                        if res is None:
-                            excluded.append(f"pp=1, m={m}: the whole model does not fit one device ({label})")
-                            continue
-                        res.ranks = [list(range(world))]
-                        res.fixed_step_ms = max((costs[kinds.index(k)].overheads or _NONE).step_ms for k in orders[0])
-                        cands = [res]
-                    else:
-                        prog = None
-                        for order in orders:
-                            ks = [kinds.index(k) for k in order]
-                            if best is not None and problem.lower_bound(ks, p * v, m) > best[1].step_ms:
-                                continue  # no cut of this layout can beat the best plan so far
-                            prog = prog or program(sched, p, p * v, m)
-                            for mode, shard in modes:  # the first mode in which a cut of this layout fits
-                                pipe = _Pipeline(sharded[shard], prog, ks, dp)
-                                found = pipe.best()
-                                if found is not None:
-                                    res = pipe.result(*found, m, names, sched)
+            refusal = tp_refusal(t, have, hosts, tp_across_hosts, fp8)
+            if refusal is not None:
+                excluded.append(f"{where}: {refusal}")
+                continue
+            group_kinds = have[::t]
+            dp = world // (p * t)
+            if dp_degree is not None and dp != dp_degree:
+                excluded.append(f"{where}: dp={dp} replicas, not the dp_degree={dp_degree} fixed")
+                continue
+            if not split_batches and dp != data_groups:
+                excluded.append(f"{where}: dp={dp} replicas would split the loader's batches, which cannot be "
+                                f"rebatched")
+                continue
+            if dp % data_groups or batch_size % (dp // data_groups):
+                excluded.append(f"{where}: dp={dp} replicas cannot split {data_groups} batch(es) of {batch_size} "
+                                f"evenly")
+                continue
+            per_replica = batch_size // (dp // data_groups)
+            modes = _sharding_modes(data_parallel, dp, dp_replicate, fp8)
+            if isinstance(modes, str):
+                excluded.append(f"{where}: {modes}")
+                continue
+            if p == 1:
+                orders: list[list[str]] = [kinds]
+            else:
+                try:
+                    orders = stage_kind_orders(group_kinds, p, dp)
+                except PlacementError:
+                    orders = []
+                if not orders:
+                    excluded.append(f"{where}: the ranks' kinds cannot form {dp} replicas with one kind per stage")
+                    continue
+            if p == 1 and all(SCHEDULES[x].multi for x in schedules):
+                excluded.append(f"pp=1: one stage cannot run {schedules[0]!r}, which holds several stages per rank")
+            for sched in schedules if p > 1 else [x for x in schedules if not SCHEDULES[x].multi]:
+                vs = stages_per_rank_options(sched, p, n)
+                if not vs:
+                    excluded.append(f"{where}, {sched}: needs at least {2 * p} stages, more than the model's {n} units")
+                for v in vs:
+                    ms = microbatch_options(per_replica, n_microbatches, p, sched, max_microbatches, v)
+                    if not ms:
+                        excluded.append(
+                            f"{where}, {sched}, {v} stage(s) per rank: no micro-batch count (fixed {n_microbatches!r}) "
+                            f"divides {per_replica} samples per replica and runs under the schedule"
+                        )
+                    for m in ms:
+                        base = CostModel(costs, groups, sched, optimizer_factor, scale=per_replica / m / b0, tp=t,
+                                         tp_split=split, tp_allreduces=reduces)
+                        models = {shard: base if shard == 1 else dataclasses.replace(
+                            base, dp_shard=shard, reshard_after_forward=reshard_after_forward) for _, shard in modes}
+                        label = ", ".join(mode if shard == 1 else f"{mode} over {shard}" for mode, shard in modes)
+                        cands = []
+                        if p == 1:
+                            res = None
+                            for mode, shard in modes:  # the first mode whose whole model fits
+                                res = whole_model(models[shard], m, dp, names, [kinds.index(k) for k in orders[0]])
+                                if res is not None:
                                     res.data_parallel = mode
-                                    res.ranks = assign_ranks(list(order), have, p, dp)
-                                    cands.append(res)
                                     break
-                        if not cands:
-                            excluded.append(f"pp={p}, {sched}, v={v}, m={m}: no cut fits in memory ({label})")
-                    for res in cands:
-                        res.microbatch_size = per_replica // m
-                        res.label = "auto"
-                        key = (round(res.step_ms, 9), p, v, m, _PREFERENCE.index(res.schedule))
-                        if best is None or key < best[0]:
-                            best = (key, res)
+                            if res is None:
+                                excluded.append(f"{where}, m={m}: the whole model does not fit one device ({label})")
+                                continue
+                            res.ranks = [list(range(world))]
+                            res.fixed_step_ms = max(base.overheads(kinds.index(k)).step_ms for k in orders[0])
+                            cands = [res]
+                        else:
+                            prog = None
+                            for order in orders:
+                                ks = [kinds.index(k) for k in order]
+                                if best is not None and base.lower_bound(ks, p * v, m) > best[1].step_ms:
+                                    continue  # no cut of this layout can beat the best plan so far
+                                prog = prog or program(sched, p, p * v, m)
+                                for mode, shard in modes:  # the first mode in which a cut of this layout fits
+                                    solver = StructureSolver(models[shard], prog, ks, dp)
+                                    found = solver.best()
+                                    if found is not None:
+                                        res = solver.result(*found, m, names, sched)
+                                        res.data_parallel = mode
+                                        dims = ParallelDims(p, dp // shard, shard, t)
+                                        res.ranks = dims.expand_tp(assign_ranks(list(order), group_kinds, p, dp))
+                                        cands.append(res)
+                                        break
+                            if not cands:
+                                excluded.append(f"{where}, {sched}, v={v}, m={m}: no cut fits in memory ({label})")
+                        for res in cands:
+                            res.microbatch_size = per_replica // m
+                            res.label = "auto"
+                            key = (round(res.step_ms, 9), p, t, v, m, _PREFERENCE.index(res.schedule))
+                            if best is None or key < best[0]:
+                                best = (key, res)
     if best is None:
         why = "; ".join(excluded) or "no candidates"
         raise PartitionError(
             f"plan='auto' found no plan for {world} rank(s) ({', '.join(have)}) with batch_size={batch_size}, "
             f"pp_degree={pp_degree!r}, n_microbatches={n_microbatches!r}, schedule={schedule!r}, data parallel "
-            f"{tried}: {why}. Relax a fixed value, or change the batch size."
+            f"{tried}"
+            + (f", tp in {tps}" if tps != [1] else "") + f": {why}. Relax a fixed value, or change the batch size."
         )
     result = best[1]
     result.notes.append(
-        f"searched: pp in {pps}, schedules {schedules} (up to {MAX_STAGES_PER_RANK} stages per rank), m up to "
+        f"searched: pp in {pps}" + (f", tp in {tps}" if tps != [1] else "")
+        + f", schedules {schedules} (up to {MAX_STAGES_PER_RANK} stages per rank), m up to "
         f"{n_microbatches or max_microbatches}, data parallel {tried}, "
         f"global batch {batch_size * data_groups}; chose data_parallel={result.data_parallel}"
+        + (f", tp={result.tp_degree}" if tps != [1] else "")
     )
+    return result
+
+
+def evaluate_plan(
+    profile: CostProfile,
+    rank_kinds: Sequence[str],
+    stages: Sequence[Sequence[str]],
+    position_kinds: Sequence[str],
+    *,
+    schedule: str,
+    n_microbatches: int,
+    batch_size: int,
+    data_groups: int = 1,
+    tp_degree: int = 1,
+    data_parallel: str = "ddp",
+    dp_replicate: int | None = None,
+    reshard_after_forward: bool = False,
+    precision: str | Mapping[str, str] | None = None,
+    optimizer_factor: float = 3.0,
+    memory_bytes: Mapping[str, float] | None = None,
+    link_gbps: float = DEFAULT_LINK_GBPS,
+    label: str = "given",
+) -> PlanResult:
+    """The predicted numbers of a given plan on these ranks, by the cost model :func:`search_plan` minimises (a
+    constrained call of it: everything fixed, the cut included).
+
+    Args:
+        profile, rank_kinds, batch_size, data_groups, precision, optimizer_factor, memory_bytes, link_gbps: As for
+            :func:`search_plan`.
+        stages: The unit names of every stage, contiguous and in order, covering every unit.
+        position_kinds: The kind of every pipeline position (``pp`` of them; ``len(stages) / pp`` stages each).
+        schedule, n_microbatches, tp_degree, data_parallel, dp_replicate, reshard_after_forward: The plan's.
+        label: Its name in the table.
+
+    Returns:
+        The estimates, also where a stage does not fit (``result.fits``; :meth:`PlanResult.require_fit` refuses).
+
+    Raises:
+        PartitionError: stages that do not cover the units in order, a layout the ranks cannot form.
+    """
+    name = schedule_name(schedule)
+    if name is None:
+        raise PartitionError(f"evaluate_plan(schedule={schedule!r}) is no schedule; use one of {', '.join(SCHEDULES)}.")
+    stages = [list(s) for s in stages]
+    if [u for s in stages for u in s] != list(profile.unit_names) or any(not s for s in stages):
+        raise PartitionError(
+            f"Stages {stages} must be non-empty and cover the profile's units in order: {profile.unit_names}."
+        )
+    _check_sharding(data_parallel, dp_replicate)
+    pp, world = len(position_kinds), len(rank_kinds)
+    if not pp or len(stages) % pp:
+        raise PartitionError(f"{len(stages)} stages cannot sit on {pp} pipeline positions; give one kind per position "
+                             f"and a multiple of it in stages.")
+    try:
+        dims = ParallelDims.resolve(world, pp, tp=tp_degree, data_parallel=data_parallel, dp_replicate=dp_replicate)
+    except ValueError as err:
+        raise PartitionError(str(err)) from None
+    have = [normalize_kind(k, f"rank {r} kind") for r, k in enumerate(rank_kinds)]
+    wanted = [normalize_kind(k, f"position {r} kind") for r, k in enumerate(position_kinds)]
+    kinds = sorted(set(have))
+    absent = sorted(set(wanted) - set(kinds))
+    if absent:
+        raise PartitionError(f"The plan asks for kind(s) {absent}, but the ranks are {', '.join(kinds)}.")
+    try:
+        grid = dims.expand_tp(assign_ranks(wanted, tp_group_kinds(have, dims.tp), pp, dims.dp))
+    except PlacementError as err:
+        raise PartitionError(str(err)) from None
+    if dims.dp % data_groups or batch_size % (dims.dp // data_groups):
+        raise PartitionError(f"dp={dims.dp} replicas cannot split {data_groups} batch(es) of {batch_size} evenly.")
+    per_replica = batch_size // (dims.dp // data_groups)
+    m = check_int(n_microbatches, "evaluate_plan(n_microbatches=...)", error=PartitionError)
+    if per_replica % m:
+        raise PartitionError(f"{m} micro-batches do not divide the {per_replica} samples of each replica.")
+    try:
+        check_schedule(name, len(stages), pp, m)
+    except ScheduleError as err:
+        raise PartitionError(str(err)) from None
+    mem = dict(memory_bytes or {})
+    groups = [DeviceGroup(k, have.count(k), mem.get(k), link_gbps) for k in kinds]
+    fixed = precision_map(precision, kinds)
+    split, reduces = profile.tp_shape()
+    model = CostModel([choose_costs(profile, k, fixed[k]) for k in kinds], groups, name, optimizer_factor,
+                      scale=per_replica / m / profile.microbatch_size, dp_shard=dims.dp_shard,
+                      reshard_after_forward=reshard_after_forward, tp=dims.tp, tp_split=split, tp_allreduces=reduces)
+    solver = StructureSolver(model, program(name, pp, len(stages), m), [kinds.index(k) for k in wanted], dims.dp)
+    cuts = np.cumsum([0] + [len(s) for s in stages])[None, :]
+    result = solver.result(0, solver.score(cuts), m, profile.unit_names, name)
+    result.data_parallel, result.ranks = dims.data_parallel, grid
+    result.microbatch_size, result.label = per_replica // m, label
     return result
 
 

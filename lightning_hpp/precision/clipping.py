@@ -6,7 +6,11 @@ strategy. :class:`~lightning_hpp.HPPPrecision` calls the hook once per stage thi
 ``self.clip_gradients(optimizer, ...)`` clips that stage (with its ``clip_norm`` when the plan sets one,
 else the value passed), and torch's own ``clip_grad_norm_`` over ``optimizer.param_groups`` sees the
 same parameters. The gradients are those after the data-parallel all-reduce, so every replica takes
-the same decision.
+the same decision. A parameter split over ranks (FSDP2's shards, tensor parallel's ``DTensor`` shards, both)
+counts with its whole gradient: each rank's squares are summed over the mesh dimensions it is split over
+(:func:`sq_norms`), then over the pipeline. With tensor-parallel or sharded stages, a
+``configure_gradient_clipping`` hook clips with ``self.clip_gradients(optimizer, ...)``, which takes those
+norms; torch's ``clip_grad_norm_`` refuses a stage whose parameters live on different meshes.
 """
 
 from __future__ import annotations
@@ -50,34 +54,80 @@ class StageOptimizer:
 
 
 def stage_grads(params: Iterable[Tensor]) -> list[Tensor]:
-    """The gradients of ``params`` this rank holds: a sharded (FSDP2) parameter's local shard of its gradient
-    (a view: clipping it in place clips the ``DTensor``)."""
+    """The gradients of ``params`` this rank holds: a ``DTensor`` parameter's (FSDP2, tensor parallel) local
+    shard of its gradient (a view: clipping it in place clips the ``DTensor``)."""
     return [local(p.grad) for p in params if p.grad is not None]
 
 
-def stage_norm(grads: list[Tensor], shard_group: Any = None) -> Tensor:
-    """The 2-norm of a stage's gradients (float64 accumulation, on their device), 0 without gradients.
+def split_dims(t: Tensor) -> tuple[str, ...]:
+    """The names of the mesh dimensions a ``DTensor`` is split over (its ``Shard`` placements: FSDP2's
+    ``dp_shard``, tensor parallel's ``tp``); ``()`` for a plain tensor or a replicated ``DTensor``."""
+    mesh = getattr(t, "device_mesh", None)
+    if mesh is None:
+        return ()
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    # a shard of any kind (FSDP2 over a tensor-parallel shard places a strided one): neither replicated nor partial
+    return tuple(sorted(names[i] for i, pl in enumerate(t.placements) if not (pl.is_replicate() or pl.is_partial())))
 
-    With ``shard_group`` (a sharded stage: ``grads`` are this rank's shards) the squared norms of every
-    shard of the group are summed first (collective over the group)."""
-    if shard_group is not None:
-        return sharded_sq_norms([grads], shard_group)[0].sqrt()
-    if not grads:
-        return torch.zeros((), dtype=torch.float64)
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
+
+def sq_norms(groups_of_params: list[list[Tensor]], device: Any = None) -> Tensor:
+    """For each list of parameters, the squared 2-norm of their whole gradients (float64), on every rank.
+
+    Each rank takes the squares of what it holds; a ``DTensor``'s are summed over the mesh dimensions it is split
+    over (a sharded parameter's over its ``dp_shard`` ranks, a tensor-parallel one's over its ``tp`` ranks, a
+    2-D one's over both), a replicated or plain tensor's are its own (every rank holds the whole). One
+    all-reduce per mesh dimension any of them is split over, collective over that dimension's group: every rank
+    of a group passes the same lists (ranks of one pipeline position hold the same stages). A parameter without
+    a gradient counts 0.
+    """
+    rows: dict[tuple[str, ...], Tensor] = {}
+    groups: dict[str, Any] = {}
+    held = next((p.grad.device for ps in groups_of_params for p in ps if p.grad is not None), torch.device("cpu"))
+    n = len(groups_of_params)
+    for i, params in enumerate(groups_of_params):
+        parts: dict[tuple[str, ...], list[Tensor]] = {}
+        for p in params:
+            dims = split_dims(p)
+            for d in dims:
+                if d not in groups:
+                    groups[d] = p.device_mesh.get_group(list(p.device_mesh.mesh_dim_names).index(d))
+            row = rows.setdefault(dims, torch.zeros(n, dtype=torch.float64, device=held))
+            if p.grad is not None:
+                parts.setdefault(dims, []).append(local(p.grad))
+        for dims, grads in parts.items():
+            rows[dims][i] = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double()).pow(2)
+    for d in sorted(groups):
+        keys = [k for k in sorted(rows) if d in k]
+        if dist.get_world_size(groups[d]) > 1:
+            stacked = torch.stack([rows[k] for k in keys])
+            dist.all_reduce(stacked, group=groups[d])
+            for k, row in zip(keys, stacked):
+                rows[k] = row
+    total = torch.stack(list(rows.values())).sum(0) if rows else torch.zeros(n, dtype=torch.float64, device=held)
+    return total.to(device or held)
 
 
-def sharded_sq_norms(groups_of_grads: list[list[Tensor]], shard_group: Any, device: Any = None) -> Tensor:
-    """For each list of gradient shards, the squared 2-norm of the whole (float64): each rank's local squares,
-    summed over ``shard_group`` in one all-reduce (collective: every rank of the group passes as many lists)."""
-    held = next((gs[0].device for gs in groups_of_grads if gs), torch.device("cpu"))
-    device = device or held
+def stage_norm(params: Iterable[Tensor]) -> Tensor:
+    """The 2-norm of one stage's gradients over all their shards (:func:`sq_norms`; collective where they are
+    split), 0 without gradients."""
+    return sq_norms([list(params)])[0].sqrt()
+
+
+def pipeline_sq_norms(stage_params: Mapping[int, list[Tensor]], repeated: Mapping[int, list[Tensor]], num: int,
+                      pp_group: Any, device: Any) -> tuple[Tensor, Tensor]:
+    """``[norm of stage k's gradients]`` for every stage of the pipeline, and ``[squared norm of stage k's copies of
+    tied weights an earlier stage holds]``, on every rank: this rank's stages by :func:`sq_norms` (over their
+    shards), then one all-reduce over the pipeline group (each stage's entries come from one rank of it)."""
+    ks = sorted(stage_params)
+    sq = sq_norms([stage_params[k] for k in ks] + [list(repeated.get(k, [])) for k in ks], device=device)
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    sq = torch.stack([torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double()).pow(2).to(device)
-                      if gs else zero for gs in groups_of_grads]) if groups_of_grads else zero.reshape(0)
-    if shard_group is not None and dist.get_world_size(shard_group) > 1:
-        dist.all_reduce(sq, group=shard_group)
-    return sq
+    local_norms = {k: sq[i].sqrt() for i, k in enumerate(ks)}
+    local_rep = {k: sq[len(ks) + i] for i, k in enumerate(ks)}
+    both = torch.stack([torch.stack([local_norms.get(k, zero) for k in range(num)]),
+                        torch.stack([local_rep.get(k, zero) for k in range(num)])])
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(both, group=pp_group)
+    return both[0], both[1]
 
 
 def clip_stages(
@@ -109,6 +159,11 @@ def clip_stages(
         repeated_sq: For ``mode="global"``: each stage's squared norm of its copies of tied weights an earlier
             stage holds too, taken out of the pipeline's norm (one process counts such a weight once).
     """
+    # a tensor several stages of this rank hold (a tied weight on a V schedule's rank, unsharded) is scaled once,
+    # by the first of them
+    seen: set[int] = set()
+    per_stage = {k: [g for g in per_stage[k] if not (g.data_ptr() in seen or seen.add(g.data_ptr()))]
+                 for k in sorted(per_stage)}
     if algorithm == "value":
         for k, grads in per_stage.items():
             limit = stage_limits.get(k) or clip_val

@@ -45,7 +45,7 @@ from lightning_hpp.precision.clipping import (
     algorithm_name,
     clip_stages,
     overrides_clipping,
-    sharded_sq_norms,
+    pipeline_sq_norms,
     stage_grads,
     stage_norm,
 )
@@ -338,24 +338,9 @@ class HPPPrecision(Precision):
         pp_group = view.pp_group
         reduce = pp_group is not None and dist.get_world_size(pp_group) > 1
         held = next((gs[0].device for gs in per_stage.values() if gs), torch.device("cpu"))
-        device = group_device(pp_group) if reduce else held
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        if view.shard_group is not None:  # sharded stages: each rank's shards' squares, summed over the shard group
-            ks = sorted(per_stage)
-            sq = sharded_sq_norms([per_stage[k] for k in ks] + [stage_grads(view.repeated_params.get(k, [])) for k in ks],
-                                  view.shard_group, device=group_device(view.shard_group)).to(device)
-            local = {k: sq[i].sqrt() for i, k in enumerate(ks)}
-            repeated = {k: sq[len(ks) + i] for i, k in enumerate(ks)}
-        else:
-            local = {k: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double()).to(device)
-                     for k, gs in per_stage.items() if gs}
-            repeated = {k: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double()).pow(2).to(device)
-                        for k, ps in view.repeated_params.items() if (gs := stage_grads(ps))}
-        both = torch.stack([torch.stack([local.get(k, zero) for k in range(num)]),
-                            torch.stack([repeated.get(k, zero) for k in range(num)])])
-        if reduce:  # each stage's entries come from one rank of the pipeline
-            dist.all_reduce(both, group=pp_group)
-        return both[0], both[1]
+        # every gradient with its shards (FSDP2, tensor parallel), then over the pipeline
+        return pipeline_sq_norms(view.stage_params, view.repeated_params, num, pp_group,
+                                 group_device(pp_group) if reduce else held)
 
     def clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
         """What ``LightningModule.clip_gradients`` calls (from a ``configure_gradient_clipping`` override).
@@ -383,7 +368,7 @@ class HPPPrecision(Precision):
             repeated = self._repeated_sq
         else:
             repeated = None
-            norms = {k: stage_norm(g, view.shard_group) for k, g in per_stage.items()}
+            norms = {k: stage_norm(view.stage_params[k]) for k in per_stage}
         clip_stages(per_stage, norms, limits, algorithm_name(gradient_clip_algorithm), self.clip, clip_val, repeated)
 
     def state_dict(self) -> dict[str, Any]:

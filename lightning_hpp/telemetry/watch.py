@@ -48,7 +48,7 @@ Acting (``WatchOptions.action``):
   the recorded speeds; a slow link stops the job the same way, and re-planning then keeps the speeds. Started again (the same
   command with ``CheckpointOptions(resume="auto")``, or torchrun ``--max-restarts``), ``plan="auto"``
   plans with the recorded speeds (a slowed rank's costs are its kind's measured costs divided by its
-  speed: :func:`~lightning_hpp.planning.profile.with_rank_speeds`) and the run resumes from that
+  speed: :func:`~lightning_hpp.planning.speeds.with_rank_speeds`) and the run resumes from that
   checkpoint on the new cut. Re-planning inside the running processes is not done: the cut, the
   optimizers and Lightning's loops would all have to be rebuilt in place.
 """

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from lightning_hpp.errors import PlanError  # noqa: E402
+from lightning_hpp.pipeline.dims import ParallelDims  # noqa: E402
 from lightning_hpp.pipeline.exchange import StepExchange  # noqa: E402
 from lightning_hpp.pipeline.mesh import Mesh  # noqa: E402
 from lightning_hpp.pipeline.steps import StepLogs  # noqa: E402
@@ -69,7 +70,9 @@ def reached(group, world: int) -> list[int]:
 
 def one(case: dict, rank: int, world: int) -> dict:
     try:
-        mesh = Mesh.build(world, case["pp"], rank, grid=case.get("grid"), dp_shard=case.get("dp_shard", 1))
+        dp = world // case["pp"]
+        shard = case.get("dp_shard", 1)
+        mesh = Mesh.build(ParallelDims(case["pp"], dp // shard, shard), rank, grid=case.get("grid"))
         mesh.init_groups(**({"device_type": case["device_type"]} if "device_type" in case else {}))
     except PlanError as e:
         return {"error": type(e).__name__, "message": str(e)}

@@ -52,15 +52,20 @@ def _whole(t):
 
 class _SplitMLP(MLP):
     """``MLP`` that a tensor-parallel run splits in its own hook: each stage's Linear units in pairs, colwise
-    then rowwise (the Tanh between acts on each rank's columns; the rowwise all-reduce makes the output whole)."""
+    then rowwise (the Tanh between acts on each rank's columns; the rowwise all-reduce makes the output whole), and
+    a last unpaired one colwise with its output gathered."""
 
     def parallelize_stage(self, module, mesh):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        from torch.distributed.tensor import Replicate
 
         linears = [u for u in module.units if isinstance(u, torch.nn.Linear)]
         for a, b in zip(linears[0::2], linears[1::2]):
             parallelize_module(a, mesh, ColwiseParallel())
             parallelize_module(b, mesh, RowwiseParallel())
+        if len(linears) % 2:  # a stage of one Linear: its rows split, its output gathered
+            parallelize_module(linears[-1], mesh, ColwiseParallel(output_layouts=Replicate()))
 
 
 class _FirstStepStamp(Callback):

@@ -9,7 +9,8 @@ Usage: python -m tests.workers.run_sharded '<json: {"devices": N, "runs": [confi
 
 Config keys as :mod:`tests.workers.run_real` (``model``, ``points``, ``precision``, ``schedule``, ``n_micro``,
 ``pp``, ``steps``, ``batch``, ``n``, ``out``, ``model_kw``, ``strategy``, ``gradient_clip_val``), ``clip`` and
-``init_scale`` (``HPPPrecision(clip=..., init_scale=...)``), ``limit_val_batches`` and ``val_check_interval``,
+``init_scale`` (``HPPPrecision(clip=..., init_scale=...)``), ``fp8_backend``, ``points`` (or ``"auto"``), ``wrapper``
+(:data:`WRAPPERS`), ``limit_val_batches`` and ``val_check_interval``,
 ``bias_monitor`` (``true``: a ``BiasMonitor`` among the callbacks) and ``checkpointing`` (``true``: Lightning's
 ``ModelCheckpoint``). The FSDP2 all-gathers and reduce-scatters of every step are counted (``collectives``). A
 config with ``"refused": true`` records each rank's error (:mod:`tests.workers.refusals`) and the job goes on.
@@ -64,18 +65,29 @@ class Collectives(L.Callback):
         self.grads = {n: None if p.grad is None else _local_numel(p.grad) for n, p in pl_module.named_parameters()}
 
 
+WRAPPERS = {"decorated": "DecoratedMLP", "per_half_clipped": "PerHalfClipped"}
+"""``wrapper``: a LightningModule of tests.real_models other than ``LMWrapper``."""
+
+
 def run(cfg: dict, devices: int) -> None:
+    import tests.real_models as real_models
+
     L.seed_everything(0)
-    model = LMWrapper(cfg["model"], **cfg.get("model_kw", {}))
+    if cfg.get("wrapper"):
+        model = getattr(real_models, WRAPPERS[cfg["wrapper"]])(**cfg.get("model_kw", {}))
+    else:
+        model = LMWrapper(cfg["model"], **cfg.get("model_kw", {}))
     train = loader(cfg["model"], cfg["batch"], n=cfg.get("n", 32))
     fields = {"precision": cfg["precision"]} if cfg.get("precision") else {}
-    plan = StagePlan.split_at(cfg["points"], **fields) if cfg.get("points") else None
+    points = cfg.get("points")
+    plan = "auto" if points == "auto" else StagePlan.split_at(points, **fields) if points else None
     strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["n_micro"], pp_degree=cfg.get("pp"),
                            timeout=120, **cfg.get("strategy", {}))
     losses, collectives = StepLosses(), Collectives()
     extra = [BiasMonitor()] if cfg.get("bias_monitor") else []
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg["steps"], logger=False,
-                        plugins=[HPPPrecision(clip=cfg.get("clip", "global"), init_scale=cfg.get("init_scale", 2.0**16))], callbacks=[losses, collectives, *extra],
+                        plugins=[HPPPrecision(clip=cfg.get("clip", "global"), init_scale=cfg.get("init_scale", 2.0**16),
+                                             **({"fp8_backend": cfg["fp8_backend"]} if cfg.get("fp8_backend") else {}))], callbacks=[losses, collectives, *extra],
                         enable_checkpointing=bool(cfg.get("checkpointing")), enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=cfg.get("limit_val_batches", 0),
                         val_check_interval=cfg.get("val_check_interval"), default_root_dir=cfg["out"],
@@ -109,6 +121,10 @@ def run(cfg: dict, devices: int) -> None:
         "stage_ids": strategy.stage_ids,
         "plan": strategy.plan.to_dict(),
         "position": mesh.position, "replica": mesh.replica, "dp_shard": mesh.dp_shard, "dp_replicate": mesh.dp_replicate,
+        "tp": mesh.tp, "tp_rank": mesh.tp_rank,
+        "split": {n: (p.to_local().numel(), p.numel(), [str(x) for x in p.placements], list(p.device_mesh.mesh_dim_names))
+                  for n, p in model.named_parameters() if hasattr(p, "to_local")},
+        "schedule": strategy.schedule if hasattr(strategy, "schedule") else None,
         "device_mesh_dims": list(model.device_mesh.mesh_dim_names),
         "device_mesh_shape": list(model.device_mesh.mesh.shape),
     }
