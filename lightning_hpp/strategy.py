@@ -19,10 +19,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -34,10 +32,10 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hpp import _dist
 from lightning_hpp.assembly import Pipeline, PipelineSpec, SetupInputs, build_pipeline
 from lightning_hpp.assembly.callbacks import pipeline_callbacks, refuse_unkept_setups
 from lightning_hpp.assembly.reuse import held_pipeline, pipeline_key
+from lightning_hpp.assembly.strategy_hooks import ReplicaCollectives, ShardedCheckpointHooks
 from lightning_hpp.assembly.view import PipelineProperties
 from lightning_hpp.assembly.whole_module import adapt_callbacks
 from lightning_hpp.bias.controls import BiasControls
@@ -57,7 +55,6 @@ from lightning_hpp.options import (
     moved_option_hint,
     section,
 )
-from lightning_hpp.pipeline.collectives import decide_together, gather_over_replicas, reduce_over_replicas
 from lightning_hpp.pipeline.data import (
     can_rebatch,
     first_loader,
@@ -69,9 +66,8 @@ from lightning_hpp.pipeline.data import (
     shard_over_replicas,
 )
 from lightning_hpp.pipeline.optimizers import stage_local_optimizers
-from lightning_hpp.pipeline.steps import REDUCED, replay_logs
+from lightning_hpp.pipeline.steps import replay_logs
 from lightning_hpp.planning.plan import PLAN_FILENAME, StagePlan
-from lightning_hpp.precision.fp8_slots import fp8_slots
 from lightning_hpp.precision.plugin import HPPPrecision
 from lightning_hpp.redaction import redact_loggers
 
@@ -79,7 +75,7 @@ _ENTRY_POINTS = {TrainerFn.FITTING: ("fit_loop", "training_step"), TrainerFn.VAL
                  TrainerFn.TESTING: ("test_loop", "test_step"), TrainerFn.PREDICTING: ("predict_loop", "predict_step")}
 
 
-class HPPStrategy(PipelineProperties, ParallelStrategy):
+class HPPStrategy(PipelineProperties, ReplicaCollectives, ShardedCheckpointHooks, ParallelStrategy):
     """Pipeline-parallel (× data-parallel) training of an unchanged LightningModule.
 
     Args:
@@ -113,7 +109,8 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         n_microbatches: int | None = None,
         pp_degree: int | None = None,
         frontend: str = "auto",
-        activation_checkpointing: bool = False, compile: bool | dict = False,
+        activation_checkpointing: bool = False,
+        compile: bool | dict = False,
         *,
         step_replay: str = "auto",
         checkpoint: CheckpointOptions | dict | None = None,
@@ -354,77 +351,6 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
             if batches:
                 resume_mid_epoch(dataloader, batches, epoch)
         return dataloader
-
-    # ------------------------------------------------------------------ collectives
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _dist.initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return _dist.broadcast_object(obj, src, group=_group.WORLD)
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if not isinstance(tensor, Tensor) or group is REDUCED:  # REDUCED: a replayed value, equal on every replica
-            return tensor
-        return reduce_over_replicas(tensor, self._pipeline.mesh if self._pipeline else None, group, reduce_op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        return gather_over_replicas(tensor, self._pipeline.mesh if self._pipeline else None, group, sync_grads)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return decide_together(decision, all, self.root_device, self.world_size)
-
-    # ------------------------------------------------------------------ checkpoints (sharded)
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the model must be cut and the optimizers built before a checkpoint knows what to load
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.lightning_module.state_dict()  # this rank's stages only: every rank writes its own part
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Write one sharded checkpoint directory at ``filepath`` (collective: every rank calls it)."""
-        p = self._pipeline
-        extra = self._session.metadata(plan=p.plan.to_dict(), metrics=dict(self.lightning_module.trainer.callback_metrics),
-                                       hyper_parameters=checkpoint.get("hyper_parameters"),
-                                       fingerprint=self._controls.checkpoint_metadata())
-        self._session.save(checkpoint, filepath, self.lightning_module, self.optimizers, global_rank=self.global_rank,
-                           position=p.mesh.position, replica=p.mesh.replica, extra=extra, storage_options=storage_options,
-                           fp8=self._fp8_slots())
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        self._session.remove(filepath, is_global_zero=self.is_global_zero,
-                             resuming=self.lightning_module.trainer.ckpt_path is not None)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load this rank's part of a sharded checkpoint, whatever layout saved it (collective)."""
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        return self._session.load(checkpoint_path, self._load_sharded, fitting=fitting)
-
-    def _load_sharded(self, url: str) -> dict[str, Any]:
-        mesh = self._pipeline.mesh if self._pipeline else None
-        return self._session.load_shards(url, self.lightning_module, self.optimizers, global_rank=self.global_rank,
-                                         position=mesh.position if mesh else 0, replica=mesh.replica if mesh else 0,
-                                         fp8=self._fp8_slots())
-
-    def _fp8_slots(self) -> dict[str, Any]:
-        """This rank's fp8 scaling state, which checkpoints save and restore as data."""
-        p = self.precision_plugin
-        return fp8_slots(self.lightning_module, p.fp8_recipe, p.fp8_emulations) if isinstance(p, HPPPrecision) else {}
-
-    @override
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     @override
     def on_train_start(self) -> None:
