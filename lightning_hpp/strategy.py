@@ -63,12 +63,11 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
     """Pipeline-parallel (× data-parallel) training of an unchanged LightningModule.
 
     Args:
-        plan, schedule, n_microbatches, pp_degree, frontend, activation_checkpointing: The pipeline's own
-            options, documented with :class:`~lightning_hpp.assembly.spec.PipelineSpec`: ``plan`` is ``None``
-            (the ``@stage`` decorators), a :class:`StagePlan`, a ``stage_plan.json`` path or ``"auto"``;
-            ``schedule`` one of ``gpipe``, ``1f1b`` (default), ``interleaved1f1b``, ``looped_bfs``,
-            ``interleaved_zb``, ``zbv``, ``dualpipev``; ``n_microbatches`` default 4; ``frontend`` ``"auto"``,
-            ``"sequential"`` or ``"traced"``.
+        plan, schedule, n_microbatches, pp_degree, frontend, activation_checkpointing, loss_weight: The pipeline's
+            own options (:class:`~lightning_hpp.assembly.spec.PipelineSpec`): ``plan`` ``None`` (``@stage``), a
+            :class:`StagePlan`, a ``stage_plan.json`` path or ``"auto"``; ``schedule`` ``1f1b`` (default), ``gpipe``,
+            ``interleaved1f1b``, ``looped_bfs``, ``interleaved_zb``, ``zbv`` or ``dualpipev``; ``n_microbatches`` 4;
+            ``loss_weight`` ``None`` (micro-batch losses count equally) or ``batch -> tokens`` its loss averages over.
         checkpoint: :class:`~lightning_hpp.options.CheckpointOptions` (or a dict of its fields): the
             strategy's own ``step-<N>`` checkpoints and where to resume from.
         bias: :class:`~lightning_hpp.options.BiasOptions`: the coded-bias audit, fingerprints, determinism.
@@ -90,7 +89,7 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
         n_microbatches: int | None = None,
         pp_degree: int | None = None,
         frontend: str = "auto",
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool = False, loss_weight: Any = None,
         *,
         checkpoint: CheckpointOptions | dict | None = None,
         bias: BiasOptions | dict | None = None,
@@ -113,7 +112,8 @@ class HPPStrategy(PipelineProperties, ParallelStrategy):
             raise PlanError(f"`HPPStrategy(precision_plugin=...)` must be an `HPPPrecision`, got {type(precision_plugin).__name__}.")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
-        self._spec = PipelineSpec(plan, schedule, n_microbatches, pp_degree, frontend, activation_checkpointing)
+        self._spec = PipelineSpec(plan, schedule, n_microbatches, pp_degree, frontend, activation_checkpointing,
+                                  loss_weight)
         self._timeout = check_timeout(timeout)
         self._process_group_backend = check_backend(process_group_backend)
         self._checkpoint = section(CheckpointOptions, checkpoint, "checkpoint")

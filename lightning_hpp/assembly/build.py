@@ -42,6 +42,7 @@ from lightning_hpp.options import InitOptions, PlacementOptions, ShardingOptions
 from lightning_hpp.pipeline.epoch_end import replay_epoch_ends
 from lightning_hpp.pipeline.fsdp import ShardedStages, shard_stages
 from lightning_hpp.pipeline.grads import GradHandover, shared_gradient_groups
+from lightning_hpp.pipeline.loss import LossWeights
 from lightning_hpp.pipeline.mesh import Mesh, stages_of_position
 from lightning_hpp.pipeline.microbatch import batch_size_of, split_batch
 from lightning_hpp.pipeline.runner import PipelineRunner
@@ -196,8 +197,10 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     for body in bodies:
         if hasattr(body, "place"):  # traced stages: their own constants, and the ops that create tensors, on this device
             body.place(device)
+    weights = None if spec.loss_weight is None else LossWeights(spec.loss_weight, mesh.dp_group, mesh.dp)
     runner = PipelineRunner(module, stages["train"], plan.num_stages, mesh, resolved.schedule, resolved.n_microbatches,
-                            device, eval_stage_modules=stages["eval"], flatten=cut.flatten, unflatten=cut.unflatten)
+                            device, eval_stage_modules=stages["eval"], flatten=cut.flatten, unflatten=cut.unflatten,
+                            loss_weights=weights)
     repeated = {k: {n for n, ks in cut.shared.items() if k in ks and min(ks) < k} for k in stage_ids}
     view = StageView(stages["train"], eval_stages=stages["eval"], pp_group=mesh.pp_group if pp > 1 else None,
                      dp_group=mesh.dp_group, microbatch=runner.current_microbatch, step=inputs.global_step,
