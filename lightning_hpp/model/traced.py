@@ -40,7 +40,7 @@ from __future__ import annotations
 import inspect
 import operator
 import traceback
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,6 +178,8 @@ class InputDims:
             symbol (a ``str``: free; dimensions sharing a symbol must be equal); ``None`` for other inputs.
         ranges: A symbol's smallest and largest size (``None``: unbounded).
         note: Why no dimension but the batch is free (the capture with every dimension free failed), or ``""``.
+        guards: torch.export's checks of the flat inputs (the unlifted program's ``_guards_fn``: the conditions on
+            sizes the model's code took a path by, ``ids.size()[1] % 3 == 0``), one per capture.
     """
 
     names: list[str]
@@ -185,6 +187,7 @@ class InputDims:
     dims: list[tuple[int | str, ...] | None]
     ranges: dict[str, tuple[int, int | None]]
     note: str = ""
+    guards: list[Callable[..., None]] = field(default_factory=list, repr=False)
     _seen: set = field(default_factory=set, repr=False)
 
     @classmethod
@@ -204,7 +207,8 @@ class InputDims:
                 continue
             captured.append(tuple(value.shape))
             dims.append(tuple(_dim(d) for d in val.shape))
-        return cls(names, captured, dims, ranges, note)
+        guards = getattr(ep.module(), "_guards_fn", None)
+        return cls(names, captured, dims, ranges, note, [guards] if guards is not None else [])
 
     def merged(self, other: InputDims | None) -> InputDims:
         """A dimension fixed in either capture (training and evaluation mode) is fixed."""
@@ -212,7 +216,8 @@ class InputDims:
             return self
         dims = [a if b is None or a is None else tuple(x if isinstance(x, int) else y for x, y in zip(a, b))
                 for a, b in zip(self.dims, other.dims)]
-        return InputDims(self.names, self.captured, dims, {**other.ranges, **self.ranges}, self.note or other.note)
+        return InputDims(self.names, self.captured, dims, {**other.ranges, **self.ranges}, self.note or other.note,
+                         [*self.guards, *other.guards])
 
     def check(self, flat: list[Any] | tuple) -> None:
         """Refuse inputs the capture cannot run (once per set of shapes).
@@ -254,7 +259,23 @@ class InputDims:
                         f"Dim {d} of input `{name}` is {size} but dim {first[1]} of `{first[0]}` is {first[2]} in this "
                         f"batch; the traced model ties them (it combines the two), so they must be equal. Fix: give "
                         f"both inputs the same size there (pad them together in the collate).")
+        self._check_guards(flat, key)
         self._seen.add(key)
+
+    def _check_guards(self, flat: list[Any] | tuple, shapes: tuple) -> None:
+        # the guards see the inputs with the captured micro-batch's rows (dimension 0 is split later)
+        rows = [v[: want[0]] if isinstance(v, torch.Tensor) and want else v for v, want in zip(flat, self.captured)]
+        for guards in self.guards:
+            try:
+                guards(*rows)
+            except AssertionError as err:
+                condition = str(err).removeprefix("Guard failed: ")
+                raise ShapeError(
+                    f"The traced model was captured under the condition `{condition}` (torch.export's guard: the "
+                    f"model's code took a path that depends on those sizes); this batch's inputs {list(shapes)} break "
+                    f"it (the capture saw {self.captured}). Fix: give every batch sizes that keep the condition (pad "
+                    f"in the collate, e.g. `pad_to_multiple_of`), or write that code so it does not depend on them."
+                ) from None
 
     def _fixed(self, name: str, d: int, size: int, shape: tuple, want: tuple | None) -> str:
         why = (f" (the capture with every dimension free failed: {self.note}; the batch dimension alone is free)"
