@@ -93,10 +93,14 @@ def _shapes(metas: tuple | None) -> list[tuple[int, ...]]:
 
 class StageBoundary:
     """The shape side of one pipeline stage (``stage.shapes``): its receive storages and the in-band hand-over
-    of new shapes, driven by the stage's ``get_fwd_recv_ops``, ``forward_one_chunk`` and ``get_fwd_send_ops``."""
+    of new shapes, driven by the stage's ``get_fwd_recv_ops``, ``forward_one_chunk`` and ``get_fwd_send_ops``.
 
-    def __init__(self, stage: Any) -> None:
+    ``seen`` maps a stage index to the input shapes of the last step it ran (shared by a runner's schedules:
+    training and evaluation), what a refusal compares the new shapes with."""
+
+    def __init__(self, stage: Any, seen: dict[int, list[tuple[int, ...]]] | None = None) -> None:
         self.stage = stage
+        self.seen = {} if seen is None else seen
         self.storage: dict[tuple, torch.Tensor] = {}
         self.fresh = False
         self.stats = ShapeStats()
@@ -248,10 +252,11 @@ class StageBoundary:
         outs, metas = s.fwd_cache[chunk][0], s._stage_meta.outputs
         for i, (out, meta) in enumerate(zip(outs, metas)):
             if out.shape != meta.shape:
-                source = "micro-batch 0 of this batch" if self.fresh else "earlier batches with these input shapes"
+                source = ("micro-batch 0 of this batch gave it" if self.fresh
+                          else "what the pipeline recorded for this batch's input shapes")
                 raise ShapeError(
                     f"Stage {s.stage_index} would pass on output {i} of shape {tuple(out.shape)} for micro-batch "
-                    f"{chunk}, but the next stage expects {tuple(meta.shape)} ({source} gave it). Boundary shapes must "
+                    f"{chunk}, but the next stage expects {tuple(meta.shape)} ({source}). Boundary shapes must "
                     f"be the same for every micro-batch of a batch and follow from the shapes of the pipeline's input: "
                     f"pad each batch as a whole in the collate (micro-batches are equal slices of it), and keep shapes "
                     f"that depend on values (padding dropped inside the model) within one stage.")
@@ -264,19 +269,25 @@ class StageBoundary:
             self.stats.ns += time.perf_counter_ns() - t0
 
     def failed(self, err: BaseException) -> ShapeError | None:
-        """The error to raise for a forward that failed on new shapes (``None``: not a shape's doing)."""
+        """The error to raise for a forward that failed on shapes it had not run before (``None``: not a shape's
+        doing). The stage's first forward is torch's metadata inference at a schedule's first step."""
         cause = err.__cause__ if isinstance(err.__cause__, BaseException) else err
         if type(cause).__module__.startswith("lightning_hpp"):
             return None  # our own verdicts (a NaN guard, a refusal) say what they are
-        before, now = _shapes(self._before.inputs if self._before else ()), _shapes(self.stage._stage_meta.inputs)
-        changed = [f"dim {d} of input {i}: {a[d]} -> {b[d]}" for i, (a, b) in enumerate(zip(before, now))
-                   if len(a) == len(b) for d in range(len(a)) if a[d] != b[d]]
+        k = self.stage.stage_index
+        now = _shapes(self.stage._stage_meta.inputs)
+        before = _shapes(self._before.inputs) if self.fresh and self._before is not None else self.seen.get(k)
         text = str(cause).strip().splitlines()
+        if before is None or before == now:
+            last = "the first batch it runs"
+        else:
+            changed = [f"dim {d} of input {i}: {a[d]} -> {b[d]}" for i, (a, b) in enumerate(zip(before, now))
+                       if len(a) == len(b) for d in range(len(a)) if a[d] != b[d]]
+            last = f"the last batch it ran had {before}: {'; '.join(changed) or 'other sizes'}"
         return ShapeError(
-            f"Stage {self.stage.stage_index} cannot run on this batch's shapes: its inputs {now} differ from those of "
-            f"the last batch it ran, {before} ({'; '.join(changed) or 'sizes changed'}), and its forward fails on them "
-            f"({type(cause).__name__}: {text[0] if text else ''}). The model fixes that dimension. Fix: give every "
-            f"batch the size the model was built for there (pad in the collate to one length, e.g. "
+            f"Stage {k} cannot run on this batch's shapes: its inputs are {now} ({last}), and its forward fails on "
+            f"them ({type(cause).__name__}: {text[0] if text else ''}). The model fixes that dimension to the size it "
+            f"was built for. Fix: give every batch that size there (pad in the collate to one length, e.g. "
             f"`padding='max_length'`), or change the model so that the dimension may vary.")
 
     def finish(self) -> None:
@@ -290,10 +301,10 @@ class StageBoundary:
 class _ScheduleShapes:
     """One schedule's stages and the metadata they recorded per id of input shapes."""
 
-    def __init__(self, stages: list[Any]) -> None:
+    def __init__(self, stages: list[Any], seen: dict[int, list[tuple[int, ...]]]) -> None:
         self.boundaries = []
         for stage in stages:
-            stage.shapes = StageBoundary(stage)
+            stage.shapes = StageBoundary(stage, seen)
             self.boundaries.append(stage.shapes)
         self.cache: OrderedDict[int, dict[int, StageShapes]] = OrderedDict()
         self.current: int | None = None
@@ -323,6 +334,7 @@ class _ScheduleShapes:
         for b in self.boundaries:
             if b.fresh:
                 b.finish()
+            b.seen[b.stage.stage_index] = _shapes(b.stage._stage_meta.inputs)
         if key not in self.cache:
             self.cache[key] = {b.stage.stage_index: StageShapes.of(b.stage) for b in self.boundaries}
             while len(self.cache) > CACHE_SIZE:
@@ -345,13 +357,14 @@ class BoundaryShapes:
         self.holds_first = holds_first
         self.enabled = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
         self._ids: dict[tuple, int] = {}
+        self._seen: dict[int, list[tuple[int, ...]]] = {}
 
     def instrument(self, schedule: Any) -> None:
         """Give the schedule's stages their :class:`StageBoundary` and its ``step`` the id of each step's shapes."""
         if not self.enabled or getattr(schedule, "_hpp_shapes", None) is not None:
             return
         stages = list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
-        state = schedule._hpp_shapes = _ScheduleShapes(stages)
+        state = schedule._hpp_shapes = _ScheduleShapes(stages, self._seen)
         step = schedule.step
 
         def step_with_shapes(*args: Any, **kwargs: Any) -> Any:

@@ -344,6 +344,11 @@ class _Stage(PipelineStage):
         self.submod.inferring = True
         try:
             return super()._forward_metadata_inference(*args, **kwargs)
+        except Exception as err:  # the schedule's first step: the first forward on this batch's shapes
+            refusal = self.shapes.failed(err) if self.shapes is not None else None
+            if refusal is None:
+                raise
+            raise refusal from err
         finally:
             self.submod.inferring = False
 
