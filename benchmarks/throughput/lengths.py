@@ -127,8 +127,8 @@ def capture_costs(size: Any, lengths: list[int], m: int) -> dict[str, Any]:
 
 
 def lengths_table(rows: list[dict[str, Any]], costs: dict[str, Any] | None) -> str:
-    header = ("| LM, 1f1b | step ms (median) | tokens/s | mean length (distinct) | steps with a new length | median ms: "
-              "new / seen | hand-over ms per new length | receive MB allocated | captures (s) |")
+    header = ("| LM, 1f1b | step ms (median) | tokens/s | mean length (distinct) | steps with a new length | "
+              "median ms: new / seen | hand-over ms per new length | receive MB allocated | captures (s) |")
     lines = [header, "|---|---:|---:|---|---:|---|---:|---:|---|"]
     for r in rows:
         new_seen = (f"{r['new_ms']:.0f} / {r['seen_ms']:.0f}" if r["new_ms"] is not None and r["seen_ms"] is not None
@@ -138,8 +138,8 @@ def lengths_table(rows: list[dict[str, Any]], costs: dict[str, Any] | None) -> s
             f"{r['new_steps']} | {new_seen} | {r['shape_ms']:.2f} | {r['alloc_mb']:.2f} | "
             f"{r['captures']} ({r['capture_s']:.1f}) |")
     if costs:
-        note = (f"`torch.export` of the LM on one micro-batch, in one process (medians over lengths {costs['lengths']}): "
-                f"with free lengths {costs['free_s']:.2f} s, once; static {costs['static_s']:.2f} s, at every new length "
-                f"under a per-length capture cache.")
+        note = (f"`torch.export` of the LM on one micro-batch, in one process (medians over lengths "
+                f"{costs['lengths']}): with free lengths {costs['free_s']:.2f} s, once; static {costs['static_s']:.2f} "
+                f"s, at every new length under a per-length capture cache.")
         lines += ["", note]
     return "\n".join(lines)
