@@ -136,6 +136,10 @@ class PlacementOptions:
     """Memory per device, in bytes, by device kind, that ``plan="auto"`` must fit every rank's stages in
     (``{"a100": 40e9}``): kinds not named have their datasheet's (``cpu``: unlimited). Where no ddp plan
     fits and ``sharding`` is not given, the plan may shard the stages (``data_parallel="fsdp"``)."""
+    profile_batch: Any = None
+    """The batch ``plan="auto"`` profiles the model on, as the training loader gives it (same batch size): by
+    default the loader's first batch. Where sequence lengths change from batch to batch, give one at the length
+    the plan should be balanced and sized for (the longest, so that every batch fits the memory it assumed)."""
 
     error: ClassVar[type[ValueError]] = PlacementError
     """The error class of this section's checks."""

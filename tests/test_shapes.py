@@ -233,3 +233,21 @@ def test_a_batch_the_model_cannot_take_ends_every_rank_naming_the_dimension_and_
     assert last[peer].startswith(f"[rank{peer}]: lightning_hpp.errors.RankFailedError: rank {failing} failed first: "
                                  f"ShapeError: "), proc.stderr[-3000:]
     assert last[failing].split("ShapeError: ", 1)[1][:200] in last[peer], (last[failing], last[peer])
+
+
+# ---------------------------------------------------------------------------------------------- plan="auto"
+def test_plan_auto_profiles_on_the_batch_the_user_gives(caplog):
+    from lightning_hpp.assembly.build import _profile_batch
+    from lightning_hpp.errors import PlacementError
+    from lightning_hpp.options import PlacementOptions
+
+    first = {"input_ids": torch.zeros(8, 9, dtype=torch.long)}
+    longest = {"input_ids": torch.zeros(8, 64, dtype=torch.long)}
+    default = SimpleNamespace(placement=PlacementOptions(), device=torch.device("cpu"))
+    assert _profile_batch(default, first) is first  # the loader's first batch
+    given = SimpleNamespace(placement=PlacementOptions(profile_batch=longest), device=torch.device("cpu"))
+    assert _profile_batch(given, first)["input_ids"].shape == (8, 64)
+    bigger = SimpleNamespace(placement=PlacementOptions(profile_batch={"input_ids": torch.zeros(16, 64)}),
+                             device=torch.device("cpu"))
+    with pytest.raises(PlacementError, match=r"holds 16 samples, but the training loader's batches hold 8"):
+        _profile_batch(bigger, first)

@@ -312,8 +312,9 @@ def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, bat
     schedule = spec.schedule or DEFAULT_SCHEDULE
     m = spec.n_microbatches or DEFAULT_MICROBATCHES
     if spec.auto:
-        example = example_call(module, inputs.step_fn, batch, spec.n_microbatches or 1, at_least_two=False)  # profiled as is
-        resolved = _auto_plan(module, spec, inputs, batch, example, rank_kinds, free_sharding)
+        profiled = _profile_batch(inputs, batch)
+        example = example_call(module, inputs.step_fn, profiled, spec.n_microbatches or 1, at_least_two=False)  # as is
+        resolved = _auto_plan(module, spec, inputs, profiled, example, rank_kinds, free_sharding)
         if example is not None:  # the cut sees one micro-batch of the chosen size
             example = example_call(module, inputs.step_fn, batch, resolved.split * resolved.n_microbatches)
         return resolved, example
@@ -330,6 +331,31 @@ def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, bat
     else:
         plan = spec.plan
     return ResolvedPlan(plan, schedule, m, pp_degree=spec.pp_degree), example
+
+
+def _profile_batch(inputs: SetupInputs, batch: Any) -> Any:
+    """The batch ``plan="auto"`` profiles on: ``PlacementOptions(profile_batch=...)`` (on ``batch``'s device), else
+    ``batch``, the loader's first; the shapes it has are logged.
+
+    Raises:
+        PlacementError: a profile batch of another batch size than the loader's.
+    """
+    given = inputs.placement.profile_batch
+    if given is None or batch is None:
+        chosen = batch
+    else:
+        home = next(iter(t.device for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)), inputs.device)
+        chosen = move_data_to_device(given, home)
+        if batch_size_of(chosen) != batch_size_of(batch):
+            raise PlacementError(
+                f"`PlacementOptions(profile_batch=...)` holds {batch_size_of(chosen)} samples, but the training "
+                f"loader's batches hold {batch_size_of(batch)}: plan='auto' splits the batch it profiles as it splits "
+                f"the loader's. Give a batch of {batch_size_of(batch)} samples at the length to plan for.")
+    if chosen is not None:
+        shapes = [tuple(t.shape) for t in pytree.tree_leaves(chosen) if isinstance(t, torch.Tensor)]
+        source = "PlacementOptions(profile_batch=...)" if given is not None else "the training loader's first batch"
+        rank_zero_info(f"HPPStrategy: plan='auto' profiles on a batch of shapes {shapes} ({source}).")
+    return chosen
 
 
 def example_call(module: nn.Module, step_fn: Callable[..., Any], batch: Any, parts: int,
