@@ -190,15 +190,40 @@ def test_telemetry_counts_a_step_of_new_shapes_and_what_it_cost():
     assert logged["pipeline/new_shape"] == 0.5 and logged["pipeline/shape_ms"] == 1.5
 
 
-# ---------------------------------------------------------------------------------------------- 2-rank refusals
+# ---------------------------------------------------------------------------------------------- 2-rank jobs
 @pytest.fixture(scope="module")
-def refusals(tmp_path_factory):
-    """The jobs of tests/workers/run_shapes.py, side by side: {case: finished process}."""
+def shape_jobs(tmp_path_factory):
+    """The jobs of tests/workers/run_shapes.py, side by side: {case: finished process (``out``: its directory)}."""
     from tests.launch import run_scripts
 
-    cases = ("sequential_bounded", "traced_bounded", "microbatches_differ")
-    jobs = [("tests.workers.run_shapes", {"case": c, "out": str(tmp_path_factory.mktemp(c))}) for c in cases]
-    return dict(zip(cases, run_scripts(jobs, timeout=300, check=False)))
+    cases = ("sequential_bounded", "traced_bounded", "microbatches_differ", "schedules")
+    outs = {c: tmp_path_factory.mktemp(c) for c in cases}
+    done = run_scripts([("tests.workers.run_shapes", {"case": c, "out": str(outs[c])}) for c in cases], timeout=400,
+                       check=False)
+    for c, proc in zip(cases, done):
+        proc.out = outs[c]
+    return dict(zip(cases, done))
+
+
+def test_every_schedule_hands_the_shapes_over_and_trains_alike(shape_jobs):
+    # 6 steps of batches 11, 15, 10, ... long and a validation on batches of 12, on 2 ranks; 1F1B equals one process
+    # (tests/conformance/test_shapes.py), and every schedule, each receiving in its own order, equals 1F1B
+    from tests.workers.run_shapes import SCHEDULES
+
+    proc = shape_jobs["schedules"]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    def merged(name: str) -> tuple[dict, float]:
+        parts = [torch.load(proc.out / f"{name}_rank{r}.pt") for r in (0, 1)]
+        return {k: v for p in parts for k, v in p["state"].items()}, parts[0]["val_loss"]
+
+    want, want_val = merged("1f1b")
+    for name in SCHEDULES[1:]:
+        got, val = merged(name)
+        assert sorted(got) == sorted(want), name
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=f"{name}: {k}")
+        assert val == pytest.approx(want_val, rel=1e-5), name
 
 
 def _last_lines(proc) -> dict[int, str]:
@@ -222,9 +247,9 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
-def test_a_batch_the_model_cannot_take_ends_every_rank_naming_the_dimension_and_the_fix(refusals, case):
+def test_a_batch_the_model_cannot_take_ends_every_rank_naming_the_dimension_and_the_fix(shape_jobs, case):
     failing, message = REFUSED[case]
-    proc = refusals[case]
+    proc = shape_jobs[case]
     assert proc.returncode != 0, proc.stderr[-3000:]
     last = _last_lines(proc)
     peer = 1 - failing

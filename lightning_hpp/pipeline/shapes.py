@@ -118,8 +118,14 @@ class StageBoundary:
 
     # ------------------------------------------------------------------ buffers
     def adopt(self) -> None:
-        """Take the receive buffers torch allocated at the schedule's first step as this stage's storages."""
-        for kind, table in (("F", self.stage.args_recv_info), ("B", self.stage.grad_recv_info)):
+        """Take the receive buffers torch allocated at the schedule's first step as this stage's storages (a stage fed
+        on this rank holds the previous stage's tensors there instead: nothing to take)."""
+        s = self.stage
+        local_in = s.is_first or self._local(s.stage_index - 1)
+        local_out = s.is_last or self._local(s.stage_index + 1)
+        for kind, table, local in (("F", s.args_recv_info, local_in), ("B", s.grad_recv_info, local_out)):
+            if local:
+                continue
             for chunk, infos in table.items():
                 for i, info in enumerate(infos):
                     buf = getattr(info, "buffer", None)

@@ -13,6 +13,10 @@ Cases (each ends every rank at the first batch it cannot take):
   batch pass on different lengths.
 
 Every rank writes ``DIR/rank{r}.json`` with the global step it reached before the run ended.
+
+``{"case": "schedules", "out": DIR}`` instead trains SeqNet on the same batches under every schedule in turn (the
+multi-stage ones on 4 stages, 2 a rank), 6 steps and a validation each, and saves each rank's parameters to
+``DIR/<schedule>_rank{r}.pt``: every schedule hands the shapes over in its own order of sends and receives.
 """
 
 from __future__ import annotations
@@ -77,8 +81,35 @@ class Progress(Callback):
             json.dump({"global_step": trainer.global_step}, f)
 
 
+SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+
+
+def schedules(out: str) -> None:
+    from lightning_hpp.pipeline.schedules import SCHEDULES as KINDS
+
+    for name in SCHEDULES:
+        L.seed_everything(0)
+        model = SeqNet()
+        cut = (["layers.0"], ["layers.1"], ["layers.2-3"], ["layers.4"]) if KINDS[name].multi else (
+            ["layers.0-1"], ["layers.2-4"])
+        strategy = HPPStrategy(plan=StagePlan([StageSpec(modules=m) for m in cut]), schedule=name, n_microbatches=4,
+                               timeout=120)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=6, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            val_check_interval=6, num_sanity_val_steps=0)
+        loader = DataLoader(TokenSeqs(96, (3, 15), 0), batch_size=8, drop_last=True, collate_fn=pad_batch)
+        val = DataLoader(TokenSeqs(24, (5, 16), 1), batch_size=12, collate_fn=pad_batch)
+        trainer.fit(model, loader, val)
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        torch.save({"state": state, "val_loss": float(trainer.callback_metrics["val_loss"])},
+                   os.path.join(out, f"{name}_rank{trainer.global_rank}.pt"))
+
+
 def main(cfg: dict) -> None:
     case = cfg["case"]
+    if case == "schedules":
+        schedules(cfg["out"])
+        return
     L.seed_everything(0)
     model = Trimmed() if case == "microbatches_differ" else Bounded()
     cut = ["layers.0-1"], ["layers.2-4"]
