@@ -205,9 +205,10 @@ def shape_jobs(tmp_path_factory):
     return dict(zip(cases, done))
 
 
+@pytest.mark.slow
 def test_every_schedule_hands_the_shapes_over_and_trains_alike(shape_jobs):
     # 6 steps of batches 11, 15, 10, ... long and a validation on batches of 12, on 2 ranks; 1F1B equals one process
-    # (tests/conformance/test_shapes.py), and every schedule, each receiving in its own order, equals 1F1B
+    # (tests/conformance/test_shapes.py), and each way torch drives a schedule, receiving in its own order, equals 1F1B
     from tests.workers.run_shapes import SCHEDULES
 
     proc = shape_jobs["schedules"]
@@ -246,6 +247,7 @@ REFUSED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_a_batch_the_model_cannot_take_ends_every_rank_naming_the_dimension_and_the_fix(shape_jobs, case):
     failing, message = REFUSED[case]

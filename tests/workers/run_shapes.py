@@ -81,7 +81,9 @@ class Progress(Callback):
             json.dump({"global_step": trainer.global_step}, f)
 
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b", "zbv", "dualpipev")
+"""One of each way torch drives a schedule: one stage a rank (1F1B, GPipe), the runtime's lowered orders (interleaved),
+the V with its tip passed on the rank (ZBV), and overlapped forward-backward pairs (DualPipeV)."""
 
 
 def schedules(out: str) -> None:
