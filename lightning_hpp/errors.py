@@ -29,6 +29,11 @@ class TraceError(PlanError):
     """``torch.export`` cannot capture the model, so the traced frontend cannot cut it."""
 
 
+class ShapeError(PlanError):
+    """A batch whose shapes the pipeline cannot take (a dimension the model fixes, shapes that differ
+    between the micro-batches of one batch): the message names the dimension, both shapes and the fix."""
+
+
 class PartitionError(ValueError):
     """No valid partition: impossible memory limits, missing devices or costs, bad arguments."""
 

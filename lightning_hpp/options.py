@@ -140,6 +140,10 @@ class PlacementOptions:
     tp_across_hosts: bool = False
     """Let ``plan="auto"`` split a stage's layers over ranks of several hosts (tensor parallel's per-layer
     all-reduces then cross the hosts' network); by default a tensor-parallel group stays on one host."""
+    profile_batch: Any = None
+    """The batch ``plan="auto"`` profiles the model on, as the training loader gives it (same batch size): by
+    default the loader's first batch. Where sequence lengths change from batch to batch, give one at the length
+    the plan should be balanced and sized for (the longest, so that every batch fits the memory it assumed)."""
 
     error: ClassVar[type[ValueError]] = PlacementError
     """The error class of this section's checks."""

@@ -79,12 +79,13 @@ class HPPStrategy(PipelineProperties, ReplicaCollectives, ShardedCheckpointHooks
     """Pipeline-parallel (× data-parallel) training of an unchanged LightningModule.
 
     Args:
-        plan, schedule, n_microbatches, pp_degree, frontend, activation_checkpointing, compile: The pipeline's own
-            options, documented with :class:`~lightning_hpp.assembly.spec.PipelineSpec`: ``plan`` is ``None``
+        plan, schedule, n_microbatches, pp_degree, frontend, activation_checkpointing, compile, loss_weight:
+            The pipeline's own options, documented with :class:`~lightning_hpp.assembly.spec.PipelineSpec`: ``plan`` is ``None``
             (the ``@stage`` decorators), a :class:`StagePlan`, a ``stage_plan.json`` path or ``"auto"``;
             ``schedule`` one of ``gpipe``, ``1f1b`` (default), ``interleaved1f1b``, ``looped_bfs``,
             ``interleaved_zb``, ``zbv``, ``dualpipev``; ``n_microbatches`` default 4; ``frontend`` ``"auto"``,
-            ``"sequential"`` or ``"traced"``.
+            ``"sequential"`` or ``"traced"``; ``loss_weight`` ``None`` (micro-batch losses count equally) or
+            ``batch -> tokens`` its loss averages over.
         step_replay: Which steps every rank of a pipeline runs with the last stage's outputs, so that what they
             record on the module is there for the hooks every rank runs: ``"auto"`` (those that change the
             module's state), ``"every_rank"`` or ``"last_stage"`` (:class:`~lightning_hpp.assembly.spec.PipelineSpec`).
@@ -111,6 +112,7 @@ class HPPStrategy(PipelineProperties, ReplicaCollectives, ShardedCheckpointHooks
         frontend: str = "auto",
         activation_checkpointing: bool = False,
         compile: bool | dict = False,
+        loss_weight: Any = None,
         *,
         step_replay: str = "auto",
         checkpoint: CheckpointOptions | dict | None = None,
@@ -135,7 +137,7 @@ class HPPStrategy(PipelineProperties, ReplicaCollectives, ShardedCheckpointHooks
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
         self._spec = PipelineSpec(plan, schedule, n_microbatches, pp_degree, frontend, activation_checkpointing,
-                                  step_replay=step_replay, compile=compile)
+                                  loss_weight=loss_weight, step_replay=step_replay, compile=compile)
         self._timeout = check_timeout(timeout)
         self._process_group_backend = check_backend(process_group_backend)
         self._checkpoint = section(CheckpointOptions, checkpoint, "checkpoint")

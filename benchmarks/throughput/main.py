@@ -144,7 +144,8 @@ def worker(job: dict[str, Any]) -> None:
     baseline_mb = _vm("VmRSS") / 2**20 if os.path.exists("/proc/self/status") else 0.0
     results = []
     for cfg in job["configs"]:
-        run = {"hpp": run_hpp, "raw": run_raw, "paired": run_paired, "ddp": run_ddp, "fsdp": run_fsdp}[cfg["kind"]]
+        run = {"hpp": run_hpp, "raw": run_raw, "paired": run_paired, "ddp": run_ddp, "fsdp": run_fsdp,
+               "lengths": run_lengths}[cfg["kind"]]
         t0 = time.perf_counter()
         res = run(job, cfg, size, device)
         res.update(cfg=cfg, label=label(cfg), rank=rank, wall_s=time.perf_counter() - t0, baseline_mb=baseline_mb)
@@ -255,6 +256,53 @@ def run_hpp(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) ->
     trainer = _trainer(job, strategy, [telemetry, timer])
     trainer.fit(build(job["model"], size), _loader(job, size, size.batch))
     return {**_timing(timer.times, job["warmup"], True), "peak_mb": memory.peak_mb(), **_history(telemetry.history)}
+
+
+def run_lengths(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) -> dict[str, Any]:
+    """The LM under HPPStrategy on batches of ``cfg["lengths"]`` (lengths.py), every step recorded by the telemetry;
+    the traced frontend's captures (``torch.export`` at setup) counted and timed."""
+    from lengths import Cut, Indexed
+    from lightning.pytorch import Callback
+    from models import build, dataset, split
+    from torch.utils.data import DataLoader
+
+    from lightning_hpp import HPPStrategy, StagePlan, StageSpec
+    from lightning_hpp.model import traced
+    from lightning_hpp.telemetry.callback import PipelineTelemetry
+
+    captures: list[float] = []
+    trace = traced.trace
+
+    def timed_trace(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return trace(*args, **kwargs)
+        finally:
+            captures.append(time.perf_counter() - t0)
+
+    class Lengths(Callback):
+        def __init__(self) -> None:
+            self.lengths: list[int] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.lengths.append(int(batch[0].shape[1]))
+
+    plan = StagePlan([StageSpec(modules=u) for u in split(job["model"], size, job["devices"] // job.get("dp", 1))])
+    telemetry = PipelineTelemetry(every_n_steps=10**9)  # every step recorded, exchanged once at the end
+    timer, lengths = _lightning_timer(job, PeakMemory(device)), Lengths()
+    strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["m"], frontend=cfg["frontend"],
+                           timeout=300, **_hpp_options())
+    trainer = _trainer(job, strategy, [telemetry, lengths, timer])
+    n = (job["warmup"] + job["steps"]) * job.get("dp", 1)
+    loader = DataLoader(Indexed(dataset(job["model"], size, n).tensors), batch_size=size.batch, drop_last=True,
+                        collate_fn=Cut(cfg["lengths"], size.seq))
+    traced.trace = timed_trace
+    try:
+        trainer.fit(build(job["model"], size), loader)
+    finally:
+        traced.trace = trace
+    shapes = [(m.new_shape, m.shape_ms, m.shape_alloc_mb) for m in telemetry.history]
+    return {"times": timer.times, "lengths": lengths.lengths, "shapes": shapes, "captures": captures, "peak_mb": 0.0}
 
 
 def _hpp_options(**precision: Any) -> dict[str, Any]:
@@ -730,12 +778,17 @@ def main(argv: list[str] | None = None) -> None:
                    help="only HPPStrategy eager and HPPStrategy(compile=inductor), in turn, ROUNDS times: "
                         "compiled ÷ eager")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per rank")
+    p.add_argument("--lengths", action="store_true",
+                   help="only the LM on batches of one length and of lengths drawn anew each step, 1f1b, sequential "
+                        "and traced frontends (lengths.py), and what a capture costs")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker))
         return
+    if args.lengths and (args.models != ["lm"] or args.paired_only or args.dp != 1):
+        p.error("--lengths runs the LM alone on one pipeline: give --models lm, without --paired-only or --dp")
     if args.paired_with == "ddp" and (not args.paired_only or args.devices != args.dp):
         p.error(f"--paired-with ddp compares a pp = 1 run with DDP: it needs --paired-only and --devices equal to --dp "
                 f"(got --devices {args.devices} --dp {args.dp})")
@@ -765,6 +818,16 @@ def main(argv: list[str] | None = None) -> None:
             "configs": configs(args.m, args.sweep, args.schedules, args.paired_only, args.compile),
         }
         env = environment(job)
+        if args.lengths:
+            from lengths import bounds, capture_costs, length_configs, lengths_table, mean_length, merge_lengths
+
+            job["configs"] = length_configs(args.m)
+            rows = merge_lengths(launch(job), size.batch, args.warmup)
+            lo, hi = bounds(size.seq)
+            costs = capture_costs(size, [lo, mean_length(size.seq), hi], args.m)
+            all_rows[model] = rows + [{"label": "capture", "cfg": {"kind": "capture"}, **costs}]
+            print(f"\n{model}: {vars(size)}, variable lengths {lo}..{hi}\n{lengths_table(rows, costs)}", flush=True)
+            continue
         rows = merge(launch(job), size.batch)
         all_rows[model] = rows
         print(f"\n{model}: {n_params(build(model, size)) / 1e6:.1f}M parameters, global batch {size.batch}, {vars(size)}")
@@ -779,11 +842,17 @@ def main(argv: list[str] | None = None) -> None:
     (out / "results.json").write_text(json.dumps({"environment": env, "size": args.size, "models": all_rows}, indent=1))
     md = [f"Environment: {json.dumps(env)}", ""]
     for model, rows in all_rows.items():
+        if args.lengths:
+            from lengths import lengths_table
+
+            md += [lengths_table(rows[:-1], rows[-1]), ""]
+            continue
         md += [table(model, rows, args.paired_with), ""]
     (out / "results.md").write_text("\n".join(md))
-    if not args.paired_only and not args.compile:
+    if not args.paired_only and not args.compile and not args.lengths:
         chart(all_rows, out / "throughput.png")
-    print(f"\nwrote {out / 'results.md'}, {out / 'results.json'}{'' if args.paired_only or args.compile else ', ' + str(out / 'throughput.png')} "
+    png = "" if args.paired_only or args.compile or args.lengths else ", " + str(out / "throughput.png")
+    print(f"\nwrote {out / 'results.md'}, {out / 'results.json'}{png} "
           f"in {env['wall_s']:.0f} s")
 
 

@@ -5,8 +5,11 @@ step) on the same batch. With ``--probe`` each rank also times, on both sides ap
 make alike: each stage's forward, backward (a zero-bubble schedule's input pass) and weight pass, the
 schedule's ``step`` and the loss (raw: the model's loss function; HPPStrategy: the user's
 ``training_step`` replayed on the micro-batch's output, ``self.log`` recorded, the loss function inside
-it timed on its own row); and the non-finite guard's check before each backward, which HPPStrategy's
-backward includes (it is timed at its own stage class, hooks included).
+it timed on its own row); the non-finite guard's check before each backward, which HPPStrategy's
+backward includes (it is timed at its own stage class, hooks included); and what handing shapes over adds to
+HPPStrategy's step (``lightning_hpp.pipeline.shapes``): the step's shape id sent before the schedule,
+the shape check before each forward send and the hand-over before a stage's first receive (nothing to do while
+the shapes repeat).
 
 The table gives, per rank and call, the median wall time on each side, the difference, the calls a
 step makes and what the difference costs a step (difference × calls); a call made on one side only runs
@@ -43,6 +46,7 @@ class Probes:
         from torch.distributed.pipelining.stage import _PipelineStageBase
 
         from lightning_hpp.pipeline.runner import PipelineRunner
+        from lightning_hpp.pipeline.shapes import BoundaryShapes, StageBoundary
         from lightning_hpp.pipeline.stage import _Stage
         from lightning_hpp.precision.guards import BoundaryGuard
 
@@ -65,6 +69,10 @@ class Probes:
         self._wrap(S.PipelineScheduleSingle, "step", lambda a, k: "schedule step")
         self._wrap(S.PipelineScheduleMulti, "step", lambda a, k: "schedule step")
         self._wrap(PipelineRunner, "_loss_fn", lambda a, k: "loss")
+        self._wrap(BoundaryShapes, "_step_id", lambda a, k: "the step's shape id (sent before the schedule)")
+        self._wrap(StageBoundary, "send", lambda a, k: f"shape check before a send, stage {a[0].stage.stage_index}")
+        self._wrap(StageBoundary, "receive",
+                   lambda a, k: f"shape hand-over before a receive, stage {a[0].stage.stage_index}")
         self._wrap(BoundaryGuard, "before_backward",
                    lambda a, k: f"guard before backward, stage {a[1]} (in its backward)")
         # the model's loss function: raw's loss, and what the user's training_step calls inside HPP's loss (a module

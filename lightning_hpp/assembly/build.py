@@ -45,6 +45,7 @@ from lightning_hpp.options import InitOptions, PlacementOptions, ShardingOptions
 from lightning_hpp.pipeline.compile import compile_blocks, compile_options, eager
 from lightning_hpp.pipeline.fsdp import ShardedStages, shard_stages
 from lightning_hpp.pipeline.grads import GradHandover, held_by_name, shared_gradient_groups, tied_aliases
+from lightning_hpp.pipeline.loss import LossWeights
 from lightning_hpp.pipeline.mesh import Mesh, stages_of_position
 from lightning_hpp.pipeline.microbatch import batch_size_of, split_batch
 from lightning_hpp.pipeline.runner import PipelineRunner
@@ -227,8 +228,10 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     for body in bodies:
         if hasattr(body, "place"):  # traced stages: their own constants, and the ops that create tensors, on this device
             body.place(device)
+    weights = None if spec.loss_weight is None else LossWeights(spec.loss_weight, mesh.dp_group, mesh.dp)
     runner = PipelineRunner(module, stages["train"], plan.num_stages, mesh, resolved.schedule, resolved.n_microbatches,
-                            device, eval_stage_modules=stages["eval"], flatten=cut.flatten, unflatten=cut.unflatten)
+                            device, eval_stage_modules=stages["eval"], flatten=cut.flatten, unflatten=cut.unflatten,
+                            loss_weights=weights)
     repeated = {k: {n for n, ks in cut.shared.items() if k in ks and min(ks) < k} for k in stage_ids}
     view = StageView(stages["train"], eval_stages=stages["eval"], pp_group=mesh.pp_group if pp > 1 else None,
                      dp_group=mesh.dp_group, microbatch=runner.current_microbatch, step=inputs.global_step,
@@ -292,8 +295,9 @@ def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, bat
     schedule = spec.schedule or DEFAULT_SCHEDULE
     m = spec.n_microbatches or DEFAULT_MICROBATCHES
     if spec.auto:
-        example = example_call(module, inputs.step_fn, batch, spec.n_microbatches or 1, at_least_two=False)  # profiled as is
-        resolved = _auto_plan(module, spec, inputs, batch, example, rank_kinds, free_sharding)
+        profiled = _profile_batch(inputs, batch)
+        example = example_call(module, inputs.step_fn, profiled, spec.n_microbatches or 1, at_least_two=False)  # as is
+        resolved = _auto_plan(module, spec, inputs, profiled, example, rank_kinds, free_sharding)
         if example is not None:  # the cut sees one micro-batch of the chosen size
             example = example_call(module, inputs.step_fn, batch, resolved.split * resolved.n_microbatches)
         return resolved, example
@@ -310,6 +314,31 @@ def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, bat
     else:
         plan = spec.plan
     return ResolvedPlan(plan, schedule, m, pp_degree=spec.pp_degree), example
+
+
+def _profile_batch(inputs: SetupInputs, batch: Any) -> Any:
+    """The batch ``plan="auto"`` profiles on: ``PlacementOptions(profile_batch=...)`` (on ``batch``'s device), else
+    ``batch``, the loader's first; the shapes it has are logged.
+
+    Raises:
+        PlacementError: a profile batch of another batch size than the loader's.
+    """
+    given = inputs.placement.profile_batch
+    if given is None or batch is None:
+        chosen = batch
+    else:
+        home = next(iter(t.device for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)), inputs.device)
+        chosen = move_data_to_device(given, home)
+        if batch_size_of(chosen) != batch_size_of(batch):
+            raise PlacementError(
+                f"`PlacementOptions(profile_batch=...)` holds {batch_size_of(chosen)} samples, but the training "
+                f"loader's batches hold {batch_size_of(batch)}: plan='auto' splits the batch it profiles as it splits "
+                f"the loader's. Give a batch of {batch_size_of(batch)} samples at the length to plan for.")
+    if chosen is not None:
+        shapes = [tuple(t.shape) for t in pytree.tree_leaves(chosen) if isinstance(t, torch.Tensor)]
+        source = "PlacementOptions(profile_batch=...)" if given is not None else "the training loader's first batch"
+        rank_zero_info(f"HPPStrategy: plan='auto' profiles on a batch of shapes {shapes} ({source}).")
+    return chosen
 
 
 def example_call(module: nn.Module, step_fn: Callable[..., Any], batch: Any, parts: int,

@@ -52,6 +52,12 @@ class PipelineSpec:
             cuts at modules of any depth) or ``"auto"`` (sequential where it applies, else traced).
         activation_checkpointing: Recompute each unit's activations in the backward instead of keeping
             them (per stage: ``StageSpec(activation_checkpointing=...)`` overrides this default).
+        loss_weight: How a training step's micro-batch losses combine: ``None`` (default) counts them equally
+            (the step's loss is the mean of the micro-batches' losses, one process's for a loss averaged over
+            samples); a function ``batch -> number of units`` the step's loss averages over in that batch (tokens:
+            ``lambda batch: (batch["labels"] != -100).sum()``) weighs them by it, so that a loss averaged over
+            the batch's tokens is the mean over the whole (global) batch's tokens, as one process computes it
+            (:mod:`lightning_hpp.pipeline.loss`).
         step_replay: Which of the user's steps every rank of a pipeline runs with the last stage's outputs, so that
             what a step records on the module (outputs appended to a list, a counter, a torchmetrics update) is
             there for the hooks every rank runs: ``"auto"`` (default: the steps that change the module's state when
@@ -69,6 +75,7 @@ class PipelineSpec:
     pp_degree: int | None = None
     frontend: str = "auto"
     activation_checkpointing: bool = False
+    loss_weight: Any = None
     step_replay: str = "auto"
     compile: Any = False
 
@@ -81,6 +88,10 @@ class PipelineSpec:
         check_bool(self.activation_checkpointing, "HPPStrategy(activation_checkpointing=...)")
         check_choice(self.step_replay, "HPPStrategy(step_replay=...)", STEP_REPLAYS)
         compile_options(self.compile)
+        if self.loss_weight is not None and not callable(self.loss_weight):
+            raise PlanError(f"`HPPStrategy(loss_weight={self.loss_weight!r})` must be None or a function of a batch "
+                            f"giving the number of units (tokens) its loss averages over, e.g. "
+                            f"`lambda batch: (batch['labels'] != -100).sum()`.")
         plan = self.plan
         if isinstance(plan, (str, os.PathLike)) and plan != "auto":
             object.__setattr__(self, "plan", StagePlan.load(os.fspath(plan)))

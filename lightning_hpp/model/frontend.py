@@ -175,6 +175,8 @@ def _traced_cut(module: nn.Module, plan: StagePlan, example: tuple[tuple, dict],
         args, kwargs = example if mode == "train" else eval_example
         traces[mode] = _traced.trace(module, args, kwargs, points, train=(mode == "train"))
     first = next(iter(traces.values()))
+    for other in list(traces.values())[1:]:  # one check of the step's inputs serves both modes
+        first.dims = first.dims.merged(other.dims) if first.dims is not None else other.dims
     _check_listed_modules(module, plan, first.stage_params)
     owners = _owners(module, first.stage_params, first.stage_buffers)
     out = plan.with_modules(owners)

@@ -33,9 +33,11 @@ from lightning_hpp.errors import PlanError
 from lightning_hpp.pipeline.collectives import OutputBroadcast
 from lightning_hpp.pipeline.exchange import StepExchange
 from lightning_hpp.pipeline.fsdp import ShardedStages
+from lightning_hpp.pipeline.loss import LossWeights, step_loss
 from lightning_hpp.pipeline.mesh import Mesh
 from lightning_hpp.pipeline.microbatch import batch_size_of, largest_divisor_at_most, split_batch
 from lightning_hpp.pipeline.schedules import ForwardOnlyV, schedule_kind
+from lightning_hpp.pipeline.shapes import BoundaryShapes
 from lightning_hpp.pipeline.stage import StageModule, _Stage
 from lightning_hpp.pipeline.step_effects import ModuleState, merge_outputs, step_extras
 from lightning_hpp.pipeline.steps import (
@@ -79,6 +81,7 @@ class PipelineRunner:
         flatten: ``(args, kwargs)`` of the step's ``self(...)`` call → the first stage's positional
             inputs. Default: the positional arguments (keyword arguments refused).
         unflatten: The last stage's output → what ``self(...)`` returns to the step. Default: itself.
+        loss_weights: How the micro-batches' losses weigh in the step's loss (default: equally).
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class PipelineRunner:
         eval_stage_modules: dict[int, StageModule] | None = None,
         flatten: Callable[[tuple, dict], tuple] | None = None,
         unflatten: Callable[[Any], Any] | None = None,
+        loss_weights: LossWeights | None = None,
     ) -> None:
         self.module = module
         self.stage_modules = dict(sorted(stage_modules.items()))
@@ -107,7 +111,10 @@ class PipelineRunner:
         self.device = device
         self._loss_scale = 1.0
         self._loss_grad: torch.Tensor | None = None  # the step's d(scaled loss)/d(loss), by the loss's dtype and device
-        self.schedule_observers: list[Callable[[Any], None]] = []
+        self.loss_weights = loss_weights
+        # the first observer: each step's boundary shapes handed over (lightning_hpp.pipeline.shapes)
+        shapes = BoundaryShapes(mesh.pp_group, 0 in stage_modules)
+        self.schedule_observers: list[Callable[[Any], None]] = [shapes.instrument]
         # wraps each stage's last backward of a training step (the gradient hand-over's overlap window)
         self.last_backward_window: Callable[[int], Any] | None = None
         self._schedules: dict[tuple, Any] = {}
@@ -224,9 +231,12 @@ class PipelineRunner:
         # backward, twice for a parameter two stages on this rank share (tied weights)
         return loss
 
-    def _loss_grad_of(self, loss: torch.Tensor) -> torch.Tensor:
+    def _loss_grad_of(self, loss: torch.Tensor, microbatch: int) -> torch.Tensor:
         """The gradient the last stage's backward starts from: ``loss_scale / n_microbatches`` in the loss's dtype (what
-        a backward of ``loss * scale`` hands the loss), one tensor a step for every micro-batch's loss."""
+        a backward of ``loss * scale`` hands the loss), one tensor a step for every micro-batch's loss; with
+        ``loss_weights`` the micro-batch's weighted share instead."""
+        if self.loss_weights is not None:
+            return self.loss_weights.seed(loss, microbatch)
         grad = self._loss_grad
         if grad is None or grad.dtype != loss.dtype or grad.device != loss.device:
             grad = self._loss_grad = torch.full((), self._loss_scale / self.n_microbatches, dtype=loss.dtype,
@@ -264,6 +274,8 @@ class PipelineRunner:
         self._step_fn, self._step_args, self._loss_scale = step_fn, step_args, loss_scale
         self._replay = self._replayed(step_fn)
         self._loss_grad = None
+        if self.loss_weights is not None and self.holds_last:
+            self.loss_weights.start(self._mb, loss_scale, self.device)
         self._recorders, self._losses, self._extras = [None] * n, [None] * n, [None] * n
         self._outputs = [None] * n if self._replay and self.holds_last else []
         self._backwards = 0
@@ -392,7 +404,7 @@ class PipelineRunner:
         if self.holds_last:
             if any(x is None for x in self._losses):
                 raise RuntimeError(f"internal: the schedule computed the loss of micro-batches {self._losses} only")
-            loss = torch.stack([x.float() for x in self._losses]).mean()
+            loss = step_loss(self._losses, self.loss_weights)
             try:
                 logs = reduce_logs(self._recorders, self.device, self._metric_batches)
                 self._step_metrics = logs.metrics

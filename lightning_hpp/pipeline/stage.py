@@ -17,6 +17,7 @@ from torch.distributed.pipelining._backward import stage_backward
 from torch.utils.checkpoint import checkpoint
 
 from lightning_hpp.errors import PlanError
+from lightning_hpp.pipeline.shapes import StageBoundary
 
 
 class StageModule(nn.Module):
@@ -243,8 +244,11 @@ class _Stage(PipelineStage):
     StageModule's ``grad_hooks`` and then calls ``on_backward(stage_index)``, and before each separate
     weight pass (zero-bubble schedules) ``on_backward_weight(stage_index)``: the runner counts them, to
     post the step's exchange as soon as this rank's part of it is final. The last stage's backward of a
-    micro-batch starts from ``loss_grad(loss)`` (the runner's scale of the loss: the micro-batches' mean and
-    the fp16 loss scale) where torch would start it from ones.
+    micro-batch starts from ``loss_grad(loss, micro-batch)`` (the runner's scale of the loss: the micro-batch's
+    share of the step's loss and the fp16 loss scale) where torch would start it from ones. With ``shapes``
+    (:class:`~lightning_hpp.pipeline.shapes.StageBoundary`) its boundary shapes follow the batch: new ones are
+    handed over before the step's first activation, and a forward that fails on them raises a
+    :class:`~lightning_hpp.errors.ShapeError`.
 
     An FSDP2 stage's last full backward runs as FSDP2 runs outside a pipeline: each unit is resharded
     and its gradients reduce-scattered as soon as its backward is done. torch 2.13 runs every backward of
@@ -258,10 +262,39 @@ class _Stage(PipelineStage):
     on_last_backward: Callable[[int], contextlib.AbstractContextManager] | None = None
     on_backward: Callable[[int], None] | None = None
     on_backward_weight: Callable[[int], None] | None = None
-    loss_grad: Callable[[torch.Tensor], torch.Tensor] | None = None
+    loss_grad: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    shapes: StageBoundary | None = None  # boundary shapes that change between steps (lightning_hpp.pipeline.shapes)
+    _bwd_chunk = 0  # the micro-batch whose backward runs (the last stage's loss gradient depends on it)
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[Any]:
+        if self.shapes is not None:
+            self.shapes.receive(fwd_chunk_id)
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[Any]:
+        if self.shapes is not None:
+            self.shapes.send(fwd_chunk_id)
+        return super().get_fwd_send_ops(fwd_chunk_id)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+                          save_forward_output: bool = True) -> Any:
+        shapes = self.shapes
+        if shapes is None or not shapes.fresh:
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        shapes.local_inputs(fwd_chunk_id, args)
+        try:
+            out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        except Exception as err:
+            refusal = shapes.failed(err)
+            if refusal is None:
+                raise
+            raise refusal from err
+        shapes.learn_outputs(fwd_chunk_id)
+        return out
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> Any:
+        self._bwd_chunk = bwd_chunk_id
         # every schedule's backward of a micro-batch comes through here, once (a zero-bubble schedule's input
         # pass; the weight pass follows in backward_weight_one_chunk), after its gradients were received
         if self.has_backward:
@@ -286,9 +319,9 @@ class _Stage(PipelineStage):
             # (the dict is the one torch keeps for a zero-bubble schedule's weight pass)
             out = bwd_kwargs["stage_output"]
             if isinstance(out, torch.Tensor):
-                bwd_kwargs["output_grads"] = self.loss_grad(out)
+                bwd_kwargs["output_grads"] = self.loss_grad(out, self._bwd_chunk)
             elif isinstance(out, (tuple, list)) and len(out) == 1 and isinstance(out[0], torch.Tensor):
-                bwd_kwargs["output_grads"] = (self.loss_grad(out[0]),)
+                bwd_kwargs["output_grads"] = (self.loss_grad(out[0], self._bwd_chunk),)
             else:  # never trained on an unscaled loss
                 raise RuntimeError(f"internal: stage {self.stage_index}'s backward starts from a "
                                    f"{type(out).__name__}, not from the loss")
@@ -311,6 +344,11 @@ class _Stage(PipelineStage):
         self.submod.inferring = True
         try:
             return super()._forward_metadata_inference(*args, **kwargs)
+        except Exception as err:  # the schedule's first step: the first forward on this batch's shapes
+            refusal = self.shapes.failed(err) if self.shapes is not None else None
+            if refusal is None:
+                raise
+            raise refusal from err
         finally:
             self.submod.inferring = False
 

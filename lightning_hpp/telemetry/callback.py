@@ -54,8 +54,10 @@ class PipelineTelemetry(Callback):
 
     Logged every ``every_n_steps`` optimizer steps (the mean over the steps since the last log),
     the same values on every rank: ``pipeline/bubble``, ``pipeline/bubble_theory``,
-    ``pipeline/bubble_expected``, ``pipeline/bubble_replayed``, ``pipeline/comm_share``, ``pipeline/step_ms`` and
-    ``pipeline/stage_{k}/{fwd,bwd,comm,idle}_ms``. See the module docstring for the accounting.
+    ``pipeline/bubble_expected``, ``pipeline/bubble_replayed``, ``pipeline/comm_share``, ``pipeline/step_ms``,
+    ``pipeline/stage_{k}/{fwd,bwd,comm,idle}_ms`` and what batches of new shapes cost: ``pipeline/new_shape`` (the
+    share of steps whose boundary shapes were new), ``pipeline/shape_ms`` (host time handing them over) and
+    ``pipeline/shape_alloc_mb`` (receive buffers grown). See the module docstring for the accounting.
 
     Args:
         every_n_steps: Steps between two exchanges of the records (one ``all_gather_object`` over

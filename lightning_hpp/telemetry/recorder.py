@@ -43,6 +43,7 @@ from torch.distributed.pipelining import schedules as _S
 
 from lightning_hpp.errors import TelemetryError
 from lightning_hpp.pipeline.schedules import SCHEDULES
+from lightning_hpp.pipeline.shapes import step_shape_stats
 from lightning_hpp.telemetry.model import COMM_KINDS, Act, Span, _now, _orders_of, simulate, theoretical_bubble
 
 
@@ -57,6 +58,7 @@ class RankStep:
     start: int
     end: int
     spans: list[tuple] = field(default_factory=list)
+    shape: tuple[bool, int, int] = (False, 0, 0)  # new shapes handed over, their host ns, receive bytes allocated
 
 
 @dataclass
@@ -257,6 +259,9 @@ class PipelineRecorder:
                 self._sync()
                 rec, self._open = self._open, None
                 rec.end = _now()
+                shape = step_shape_stats(schedule)
+                if shape is not None:
+                    rec.shape = (shape.new, shape.ns, shape.alloc_bytes)
                 self._done.append(rec)
                 for registry in (_OPS, _WORKS):
                     for key in [k for k, v in registry.items() if v[0] is self]:
@@ -321,6 +326,11 @@ class StepMetrics:
         comm_share: Communication time / step time, over all ranks.
         stages: Per-stage :class:`StageTimes`.
         spans: Every rank's spans with ``comm`` filled (kept only where a picture is asked for).
+        new_shape: 1 where the step's boundary shapes were new to the pipeline (handed over in band,
+            :mod:`lightning_hpp.pipeline.shapes`), else 0: averaged over logged steps, the share of such steps.
+        shape_ms: Host time the ranks spent handing shapes over in the step (the slowest rank's): headers,
+            metadata, receive buffers viewed or allocated.
+        shape_alloc_mb: Receive storage the step allocated for shapes larger than any before, over all ranks.
     """
 
     step: int
@@ -332,6 +342,9 @@ class StepMetrics:
     stages: dict[int, StageTimes]
     bubble_replayed: float = float("nan")
     spans: list[Span] = field(default_factory=list, repr=False)
+    new_shape: float = 0.0
+    shape_ms: float = 0.0
+    shape_alloc_mb: float = 0.0
 
     def as_log_dict(self, prefix: str = "pipeline") -> dict[str, float]:
         out = {
@@ -341,6 +354,9 @@ class StepMetrics:
             f"{prefix}/bubble_replayed": self.bubble_replayed,
             f"{prefix}/comm_share": self.comm_share,
             f"{prefix}/step_ms": self.step_ms,
+            f"{prefix}/new_shape": self.new_shape,
+            f"{prefix}/shape_ms": self.shape_ms,
+            f"{prefix}/shape_alloc_mb": self.shape_alloc_mb,
         }
         for k, t in sorted(self.stages.items()):
             for name in ("fwd_ms", "bwd_ms", "comm_ms", "idle_ms"):
@@ -448,6 +464,9 @@ def analyze(records: list[RankStep], info: ScheduleInfo) -> StepMetrics:
         stages=stages,
         bubble_replayed=_replayed_bubble(info, costs, extra),
         spans=sorted(spans, key=lambda s: (s.rank, s.start)),
+        new_shape=float(any(rec.shape[0] for rec in records)),
+        shape_ms=max(rec.shape[1] for rec in records) / 1e6,
+        shape_alloc_mb=sum(rec.shape[2] for rec in records) / 2**20,
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tests.conformance import scenarios, scenarios_coverage, scenarios_usage  # noqa: F401 - fill SCENARIOS
+from tests.conformance import shape_scenarios  # noqa: F401 - and the scenarios of changing shapes
 from tests.conformance.harness import LAYOUTS, SCENARIOS, Layout, replica_of, result_path
 
 REL, ABS = 1e-5, 1e-6

@@ -12,6 +12,7 @@ import json
 import sys
 
 from tests.conformance import scenarios, scenarios_coverage, scenarios_usage  # noqa: F401 - registers the scenarios
+from tests.conformance import shape_scenarios  # noqa: F401 - and the scenarios of changing shapes
 from tests.conformance.harness import run_layout
 
 
