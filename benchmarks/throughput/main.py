@@ -252,6 +252,7 @@ def run_hpp(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any) ->
     # each block compiled by inductor (its C++ code on CPUs) after the cut
     compiled = {"compile": {"backend": "inductor"}} if cfg.get("compile") else {}
     strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["m"], timeout=300, **compiled,
+                           frontend=job.get("frontend", "auto"),
                            **_hpp_options())
     trainer = _trainer(job, strategy, [telemetry, timer])
     trainer.fit(build(job["model"], size), _loader(job, size, size.batch))
@@ -545,7 +546,8 @@ def run_paired(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any)
                 probes.side = "hpp"
 
     paired = RawAfterEach()
-    strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["m"], timeout=300, **_hpp_options())
+    strategy = HPPStrategy(plan=plan, schedule=cfg["schedule"], n_microbatches=cfg["m"], timeout=300,
+                           frontend=job.get("frontend", "auto"), **_hpp_options())
     trainer = _trainer(job, strategy, [timer, paired])
     try:
         trainer.fit(build(job["model"], size), _loader(job, size, size.batch))
@@ -778,6 +780,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="only HPPStrategy eager and HPPStrategy(compile=inductor), in turn, ROUNDS times: "
                         "compiled ÷ eager")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per rank")
+    p.add_argument("--frontend", default="auto", choices=["auto", "sequential", "traced"],
+                   help="HPPStrategy(frontend=...) of the hpp and paired runs (auto: sequential for both models)")
     p.add_argument("--lengths", action="store_true",
                    help="only the LM on batches of one length and of lengths drawn anew each step, 1f1b, sequential "
                         "and traced frontends (lengths.py), and what a capture costs")
@@ -813,7 +817,7 @@ def main(argv: list[str] | None = None) -> None:
         job = {
             "model": model, "size": args.size, "accelerator": args.accelerator, "devices": args.devices, "dp": args.dp,
             "warmup": args.warmup, "steps": args.steps, "paired_steps": args.paired_steps, "paired_start": args.paired_start,
-            "paired_with": args.paired_with, "probe": args.probe,
+            "paired_with": args.paired_with, "probe": args.probe, "frontend": args.frontend,
             "threads": args.threads, "out": str(out),
             "configs": configs(args.m, args.sweep, args.schedules, args.paired_only, args.compile),
         }
