@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import schedules as _S
 
 from lightning_hpp.errors import TelemetryError
 from lightning_hpp.pipeline.schedules import SCHEDULES
 from lightning_hpp.pipeline.shapes import step_shape_stats
+from lightning_hpp.pipeline.transfers import TransferListener, add_listener, remove_listener
 from lightning_hpp.telemetry.model import COMM_KINDS, Act, Span, _now, _orders_of, simulate, theoretical_bubble
 
 
@@ -78,61 +78,53 @@ class ScheduleInfo:
 
 _OPS: dict[int, tuple] = {}  # id(P2POp) -> (recorder, kind, stage, mb)
 _WORKS: dict[int, tuple] = {}  # id(Work) -> (recorder, kind, stage, mb, post_ns)
-_ORIGINAL: dict[str, Callable] = {}
 _RECORDERS: set[int] = set()
 
 
-def _batch_p2p(p2p_ops: list, desc: str | None = None) -> list:
-    if not _OPS:
-        return _ORIGINAL["_batch_p2p"](p2p_ops, desc)
-    tags = [_OPS.pop(id(op), None) for op in p2p_ops]
-    t0 = _now()
-    works = _ORIGINAL["_batch_p2p"](p2p_ops, desc)
-    t1 = _now()
-    tagged = [t for t in tags if t is not None]
-    if tagged:
+class _RecordedTransfers(TransferListener):
+    """The recorders' view of torch's transfers: a POST span per tagged batch, a wait span per tagged work."""
+
+    def posted(self, ops: list, works: list, t0_ns: int, t1_ns: int) -> None:
+        if not _OPS:
+            return
+        tags = [_OPS.pop(id(op), None) for op in ops]
+        tagged = [t for t in tags if t is not None]
+        if not tagged:
+            return
         rec, _, stage, _ = tagged[0]
         if rec._open is not None:
-            rec._open.spans.append(("POST", stage, -1, t0, t1, None))
+            rec._open.spans.append(("POST", stage, -1, t0_ns, t1_ns, None))
         if len(works) == len(tags):
             for w, t in zip(works, tags):
                 if t is not None:
-                    _WORKS[id(w)] = (*t, t0)
+                    _WORKS[id(w)] = (*t, t0_ns)
         elif works:  # a coalesced batch (NCCL): one work stands for the whole batch
             recv = [t for t in tagged if t[1].startswith("RECV")]
-            _WORKS[id(works[-1])] = (*(recv or tagged)[0], t0)
-    return works
+            _WORKS[id(works[-1])] = (*(recv or tagged)[0], t0_ns)
 
+    def waiting(self, work: Any) -> Any:
+        tag = _WORKS.pop(id(work), None) if _WORKS else None
+        return None if tag is None else (tag, _now())
 
-def _wait_batch_p2p(work: list) -> None:
-    if not _WORKS:
-        return _ORIGINAL["_wait_batch_p2p"](work)
-    for w in work:
-        tag = _WORKS.pop(id(w), None)
-        if tag is None:
-            w.wait()
-            continue
-        rec, kind, stage, mb, post = tag
-        t0 = _now()
-        w.wait()
+    def waited(self, work: Any, token: Any, error: BaseException | None) -> None:
+        if token is None or error is not None:
+            return
+        (rec, kind, stage, mb, post), t0 = token
         rec._sync()
         if rec._open is not None:
             rec._open.spans.append((kind, stage, mb, t0, _now(), post))
-    return None
+
+
+_LISTENER = _RecordedTransfers()
 
 
 def _install_p2p_hooks() -> None:
-    if not _ORIGINAL:
-        _ORIGINAL["_batch_p2p"] = _S._batch_p2p
-        _ORIGINAL["_wait_batch_p2p"] = _S._wait_batch_p2p
-        _S._batch_p2p = _batch_p2p
-        _S._wait_batch_p2p = _wait_batch_p2p
+    add_listener(_LISTENER)
 
 
 def _remove_p2p_hooks() -> None:
-    if _ORIGINAL and not _RECORDERS:
-        _S._batch_p2p = _ORIGINAL.pop("_batch_p2p")
-        _S._wait_batch_p2p = _ORIGINAL.pop("_wait_batch_p2p")
+    if not _RECORDERS:
+        remove_listener(_LISTENER)
         _OPS.clear()
         _WORKS.clear()
 

@@ -67,12 +67,12 @@ from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch import Callback
-from torch.distributed.pipelining import schedules as _S
 
 from lightning_hpp._dist import all_gather_object
 from lightning_hpp._timing import HostClock, device_clock
 from lightning_hpp.errors import PlacementError, TransferError
 from lightning_hpp.pipeline.mesh import stages_of_position
+from lightning_hpp.pipeline.transfers import TransferListener, add_listener, remove_listener
 from lightning_hpp.pipeline.view import pipeline_view
 from lightning_hpp.validation import check_choice, check_int, check_number
 
@@ -389,54 +389,51 @@ class _StepTimer:
 
 
 _TIMERS: list[_StepTimer] = []  # the timers of the running fits of this process (the newest is used)
-_PREV: dict[str, Callable] = {}
 _TAGS: dict[int, tuple[str, int]] = {}  # id(Work) -> ("receive from" | "send to", peer global rank)
 
 
-def _watch_batch_p2p(p2p_ops: list, desc: str | None = None) -> list:
-    works = _PREV["_batch_p2p"](p2p_ops, desc)
-    if _TIMERS and p2p_ops:
-        tags = [("receive from" if "recv" in getattr(op.op, "__name__", "") else "send to", int(op.peer)) for op in p2p_ops]
+class _WatchedTransfers(TransferListener):
+    """The watch's view of torch's transfers: which peer each wait is on, how long it took, which one failed."""
+
+    def posted(self, ops: list, works: list, t0_ns: int, t1_ns: int) -> None:
+        if not _TIMERS or not ops:
+            return
+        tags = [("receive from" if "recv" in getattr(op.op, "__name__", "") else "send to", int(op.peer)) for op in ops]
         if len(works) == len(tags):
             for w, tag in zip(works, tags):
                 _TAGS[id(w)] = tag
         elif works:  # one work for a coalesced batch: its receive is what the rank waits for
             _TAGS[id(works[-1])] = next((t for t in tags if t[0] == "receive from"), tags[0])
-    return works
 
+    def waiting(self, work: Any) -> Any:
+        if not _TIMERS:
+            return None
+        timer = _TIMERS[-1]
+        return timer, _TAGS.pop(id(work), None), timer.clock.mark()
 
-def _watch_wait_batch_p2p(work: list) -> None:
-    if not _TIMERS:
-        return _PREV["_wait_batch_p2p"](work)
-    timer = _TIMERS[-1]
-    for w in work:
-        tag = _TAGS.pop(id(w), None)
-        t0 = timer.clock.mark()
-        try:
-            _PREV["_wait_batch_p2p"]([w])
-        except RuntimeError:
-            if tag is not None:
-                timer.note_failure(*tag)
-            raise
-        if tag is not None:
+    def waited(self, work: Any, token: Any, error: BaseException | None) -> None:
+        if token is None:
+            return
+        timer, tag, t0 = token
+        if tag is None:
+            return
+        if error is None:
             timer.note_wait(t0, timer.clock.mark(), tag[1])
-    return None
+        elif isinstance(error, RuntimeError):
+            timer.note_failure(*tag)
+
+
+_LISTENER = _WatchedTransfers()
 
 
 def _install_p2p_hooks() -> None:
-    if _S._batch_p2p is not _watch_batch_p2p:
-        _PREV["_batch_p2p"], _S._batch_p2p = _S._batch_p2p, _watch_batch_p2p
-    if _S._wait_batch_p2p is not _watch_wait_batch_p2p:
-        _PREV["_wait_batch_p2p"], _S._wait_batch_p2p = _S._wait_batch_p2p, _watch_wait_batch_p2p
+    add_listener(_LISTENER)
 
 
 def _remove_p2p_hooks() -> None:
     if _TIMERS:
         return
-    if _S._batch_p2p is _watch_batch_p2p:
-        _S._batch_p2p = _PREV.pop("_batch_p2p")
-    if _S._wait_batch_p2p is _watch_wait_batch_p2p:
-        _S._wait_batch_p2p = _PREV.pop("_wait_batch_p2p")
+    remove_listener(_LISTENER)
     _TAGS.clear()
 
 
