@@ -17,6 +17,9 @@ do. What the reference records besides the run (:class:`TokenProbe`): each repli
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -56,10 +59,11 @@ class TokenSeqs(Dataset):
         return self.seqs[i]
 
 
-def pad_batch(seqs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Right-pad to the batch's longest: ``input_ids`` (0 at padding), ``attention_mask``, ``labels`` (the next
-    token; -100 at padding and at each sequence's last token)."""
-    longest = max(len(s) for s in seqs)
+def pad_batch(seqs: list[torch.Tensor], multiple_of: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pad to the batch's longest, rounded up to ``multiple_of`` (transformers' ``pad_to_multiple_of``):
+    ``input_ids`` (0 at padding), ``attention_mask``, ``labels`` (the next token; -100 at padding and at each
+    sequence's last token)."""
+    longest = -(-max(len(s) for s in seqs) // multiple_of) * multiple_of
     ids = torch.zeros(len(seqs), longest, dtype=torch.long)
     mask = torch.zeros(len(seqs), longest, dtype=torch.long)
     labels = torch.full((len(seqs), longest), -100, dtype=torch.long)
@@ -68,18 +72,18 @@ def pad_batch(seqs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def train_loader(ctx: Ctx) -> DataLoader:
+def train_loader(ctx: Ctx, collate: Callable = pad_batch) -> DataLoader:
     """As :meth:`Ctx.train_loader`: Lightning's shuffling sampler sharded over the replicas; the reference draws
     the same order with the global batch."""
     ds = TokenSeqs(**TRAIN)
     if ctx.hpp:
-        return DataLoader(ds, batch_size=GLOBAL_BATCH // ctx.dp, drop_last=True, collate_fn=pad_batch)
+        return DataLoader(ds, batch_size=GLOBAL_BATCH // ctx.dp, drop_last=True, collate_fn=collate)
     sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0)
-    return DataLoader(ds, batch_size=GLOBAL_BATCH, sampler=sampler, drop_last=True, collate_fn=pad_batch)
+    return DataLoader(ds, batch_size=GLOBAL_BATCH, sampler=sampler, drop_last=True, collate_fn=collate)
 
 
-def eval_loader(ctx: Ctx, spec: dict = EVAL) -> DataLoader:
-    return DataLoader(TokenSeqs(**spec), batch_size=EVAL_BATCH // ctx.dp, collate_fn=pad_batch)
+def eval_loader(ctx: Ctx, spec: dict = EVAL, collate: Callable = pad_batch) -> DataLoader:
+    return DataLoader(TokenSeqs(**spec), batch_size=EVAL_BATCH // ctx.dp, collate_fn=collate)
 
 
 def per_sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -190,7 +194,7 @@ class TokenProbe(Callback):
 
 
 def _fit(ctx: Ctx, model: _Steps, strategy_kw: dict, epochs: int = 2, entry_points: bool = False,
-         telemetry: bool = False) -> dict:
+         telemetry: bool = False, collate: Callable = pad_batch) -> dict:
     """Fit with validation every epoch (then, with ``entry_points``, ``test`` and ``predict``) and record; with
     ``telemetry`` (pipelines only) what ``PipelineTelemetry`` measured of each step's shapes."""
     from lightning_hpp.telemetry.callback import PipelineTelemetry
@@ -199,7 +203,7 @@ def _fit(ctx: Ctx, model: _Steps, strategy_kw: dict, epochs: int = 2, entry_poin
     watch = [PipelineTelemetry(every_n_steps=1)] if ctx.hpp and telemetry else []
     strategy = ctx.strategy(**strategy_kw) if ctx.hpp else None
     trainer = ctx.trainer(callbacks=probe + watch, strategy=strategy, max_epochs=epochs)
-    trainer.fit(model, train_loader(ctx), eval_loader(ctx))
+    trainer.fit(model, train_loader(ctx, collate), eval_loader(ctx, collate=collate))
     extra: dict = {"probe": probe[0].train if probe else None}
     if watch:
         extra["shapes"] = [(m.step, m.new_shape, m.shape_ms, m.shape_alloc_mb) for m in watch[0].history]
@@ -239,3 +243,27 @@ def shapes_llama_tokens(ctx):
 
     kw = {"plan": StagePlan.split_at([LlamaLM.CUT]), "frontend": "traced", "loss_weight": tokens}
     return _fit(ctx, LlamaLM(), kw, epochs=1, entry_points=True)
+
+
+BUCKET = 8  # transformers' pad_to_multiple_of
+
+
+@scenario()
+def shapes_traced_buckets(ctx):
+    """SeqNet on the traced frontend, each batch padded to a multiple of 8 (two buckets, 8 and 16, in training and in
+    validation): with telemetry, and each ``torch.export`` call of the run counted."""
+    calls = []
+    export = torch.export.export
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return export(*args, **kwargs)
+
+    torch.export.export = counted
+    try:
+        out = _fit(ctx, SeqNet(), {"frontend": "traced"}, epochs=1, telemetry=True,
+                   collate=functools.partial(pad_batch, multiple_of=BUCKET))
+    finally:
+        torch.export.export = export
+    out["exports"] = len(calls)
+    return out

@@ -8,6 +8,7 @@ equals one process's when it is declared with ``HPPStrategy(loss_weight=...)``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -17,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tests.conformance import compare
 from tests.conformance.compare import close, diff_all, diff_metric_lists, load, report
 from tests.conformance.harness import GLOBAL_BATCH
-from tests.conformance.shape_scenarios import TRAIN, TokenSeqs, pad_batch
+from tests.conformance.shape_scenarios import BUCKET, TRAIN, TokenSeqs, pad_batch
 
 pytestmark = pytest.mark.slow
 
@@ -58,13 +59,14 @@ def entry_points(outcome) -> list[str]:
     return problems
 
 
-def reference_lengths() -> list[int]:
-    """The length each training batch of the reference is padded to, over the two epochs."""
+def reference_lengths(epochs: int = 2, multiple_of: int = 1) -> list[int]:
+    """The length each training batch of the reference is padded to, over ``epochs`` epochs."""
     ds = TokenSeqs(**TRAIN)
     sampler = DistributedSampler(ds, num_replicas=1, rank=0, seed=0)
-    loader = DataLoader(ds, batch_size=GLOBAL_BATCH, sampler=sampler, drop_last=True, collate_fn=pad_batch)
+    loader = DataLoader(ds, batch_size=GLOBAL_BATCH, sampler=sampler, drop_last=True,
+                        collate_fn=functools.partial(pad_batch, multiple_of=multiple_of))
     lengths = []
-    for epoch in (0, 1):
+    for epoch in range(epochs):
         sampler.set_epoch(epoch)
         lengths += [b["input_ids"].shape[1] for b in loader]
     return lengths
@@ -113,3 +115,18 @@ def test_llama_with_attention_masks_and_a_token_mean_loss(conformance, monkeypat
     o = load(conformance, "shapes_llama_tokens")
     assert len(o.ref["steps"]) == 12
     check(diff_all(o) + replica_losses(o) + entry_points(o))
+
+
+def test_bucketed_lengths_hand_each_bucket_over_once_and_capture_once(conformance):
+    # pad_to_multiple_of=8: the training batches fall into two buckets; each bucket's shapes are handed over the
+    # first time it comes (the first step infers them), every later batch of it reuses them, and the traced frontend
+    # captures once per mode (training, evaluation) for every bucket, on every rank
+    o = load(conformance, "shapes_traced_buckets")
+    check(diff_all(o, skip=("pipeline/",)) + replica_losses(o))
+    lengths = reference_lengths(epochs=1, multiple_of=BUCKET)
+    assert sorted(set(lengths)) == [BUCKET, 2 * BUCKET], lengths
+    want = [float(i > 0 and n not in lengths[:i]) for i, n in enumerate(lengths)]
+    for r in o.layout("pp2"):
+        assert [s[1] for s in r.result["shapes"]] == want, (r.where, lengths)
+    for r in o.ranks:
+        assert r.result["exports"] == 2, (r.where, r.result["exports"])
