@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_hpp.model.units import RemoteUnit
-from tests.models import MLP, make_dataset
+from tests.harness.zoo import MLP, make_dataset
 
 
 class Same(MLP):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import lightning as L
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.models import MLP, loaders
+from tests.harness.zoo import MLP, loaders
 
 
 def train_reference(steps: int, batch: int, accumulate: int = 1, depth: int = 4):
-    """Train tests.models.MLP in one process with global batch ``batch``; returns (model, trainer)."""
+    """Train tests.harness.zoo.MLP in one process with global batch ``batch``; returns (model, trainer)."""
     L.seed_everything(0)
     model = MLP(depth=depth)
     trainer = L.Trainer(

@@ -18,8 +18,8 @@ from torch import nn
 from lightning_hpp import PlanError, StagePlan, StageSpec, stage
 from lightning_hpp.model.frontend import cut_model
 from lightning_hpp.pipeline.stage import StageModule
-from tests.models import MLP
-from tests.real_models import LMWrapper, dataset
+from tests.harness.zoo import MLP
+from tests.harness.zoo.real import LMWrapper, dataset
 
 STEPS, MICROBATCHES = 2, 2
 
@@ -148,7 +148,7 @@ def test_stage_precision_contexts_are_bitwise_identical_with_checkpointing(preci
     history as the forward did, although the later micro-batches have advanced it since."""
     from lightning_hpp import HPPPrecision
     from lightning_hpp.precision.plugin import StageView
-    from tests.models import Wide
+    from tests.harness.zoo import Wide
 
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
     microbatches = [(t * (i + 1),) for i, t in enumerate(x.chunk(MICROBATCHES))]  # different amaxes per micro-batch

@@ -16,7 +16,7 @@ from lightning_hpp.checkpoint.session import CheckpointSession
 from lightning_hpp.errors import CheckpointError, PlanError, ScheduleError
 from lightning_hpp.options import CheckpointOptions
 from lightning_hpp.pipeline.view import PipelineView, pipeline_view
-from tests.models import MLP
+from tests.harness.zoo import MLP
 
 
 def test_the_options_as_given_are_kept_and_validated():

@@ -24,11 +24,6 @@ from lightning_hpp.bias.fingerprint import (
 )
 from lightning_hpp.errors import BiasConfigError, FingerprintMismatchError
 
-try:
-    from bias_workers.launch import coded_bias_gloo_run
-except ImportError:  # tests/ is a package in this checkout
-    from tests.bias_workers.launch import coded_bias_gloo_run
-
 
 @pytest.fixture(scope="module")
 def base_fp() -> dict:
@@ -215,9 +210,9 @@ def test_gather_without_process_group_returns_own(base_fp):
     assert gather_fingerprints(fingerprint=base_fp) == [base_fp]
 
 
-def test_gloo_ranks_with_different_pythonhashseed():
+def test_gloo_ranks_with_different_pythonhashseed(coded_bias_gloo):
     # Two real processes over gloo, started with PYTHONHASHSEED=1 and PYTHONHASHSEED=2.
-    r0, r1 = (r["fingerprint"] for r in coded_bias_gloo_run())
+    r0, r1 = (r["fingerprint"] for r in coded_bias_gloo)
     assert r0["diffs"] == r1["diffs"]  # every rank reaches the same verdict
     assert r0["diffs"][0] == "env.PYTHONHASHSEED_mismatch: 1 (rank 0) vs 2 (rank 1) [reproducibility]"
     assert r0["severities"] == ["reproducibility", "reproducibility"]

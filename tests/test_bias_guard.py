@@ -29,8 +29,8 @@ from lightning_hpp.bias.guard import (
     pipeline_peer_hazards,
 )
 from lightning_hpp.errors import BiasConfigError, FingerprintMismatchError
-from tests.bias_workers.spawn import finish, start_module
-from tests.models import MLP, make_dataset
+from tests.harness.launch import Job, run_jobs
+from tests.harness.zoo import MLP, make_dataset
 
 WORKER = "tests.bias_workers.guard_worker"
 
@@ -142,8 +142,8 @@ def guard_jobs(tmp_path_factory):
     """Both 2-rank jobs, run side by side: ``bad`` launched without PYTHONHASHSEED (its launcher sets it
     for rank 1 only, as a determinism switch can), ``good`` with PYTHONHASHSEED=0 for every rank."""
     out = tmp_path_factory.mktemp("guard")
-    finish([start_module(WORKER, {"case": "bad", "out": str(out)}, env={"PYTHONHASHSEED": None}),
-            start_module(WORKER, {"case": "good", "out": str(out)}, env={"PYTHONHASHSEED": "0"})])
+    run_jobs([Job(WORKER, {"case": "bad", "out": str(out)}, ranks=2, env={"PYTHONHASHSEED": None}, timeout=300),
+              Job(WORKER, {"case": "good", "out": str(out)}, ranks=2, env={"PYTHONHASHSEED": "0"}, timeout=300)])
     return out
 
 

@@ -10,8 +10,8 @@ import lightning as L
 import pytest
 import torch
 
-from tests.launch import load_rank
-from tests.real_models import LMWrapper
+from tests.harness.results import load_rank
+from tests.harness.zoo.real import LMWrapper
 from tests.test_real_models import assert_matches, reference
 
 pytestmark = pytest.mark.slow

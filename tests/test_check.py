@@ -10,7 +10,7 @@ import pytest
 
 from lightning_hpp.check import Target, check
 from lightning_hpp.check.cli import main
-from tests.launch import ROOT
+from tests.harness.launch import ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -20,9 +20,10 @@ from lightning_hpp.checkpoint import checkpoint_url
 from lightning_hpp.checkpoint.lightning_state import load_lightning_checkpoint
 from lightning_hpp.checkpoint.sharded import _read_index
 from lightning_hpp.checkpoint.store import CORRUPT_DIR
-from tests.bias_workers.launch import run_ranks
 from tests.ckpt_workers import dtensor_worker as worker
 from tests.ckpt_workers.common import TinyNet
+from tests.harness.launch import Job, run_job
+from tests.harness.results import rank_results
 from tests.s3_server import UNSET_AWS, aws_variables, fresh_bucket
 
 WORKER = Path(__file__).parent / "ckpt_workers" / "dtensor_worker.py"
@@ -35,7 +36,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict:
     with fresh_bucket() as s3:
         (out / "config.json").write_text(json.dumps({"root": str(root), "s3_root": s3.root}))
         env = {**aws_variables(s3), **dict.fromkeys(UNSET_AWS)}
-        ranks = run_ranks(WORKER, 2, out, env_of_rank={0: env, 1: env}, timeout=600)
+        run_job(Job(WORKER, str(out), ranks=2, start="per_rank", script=True, cwd=out, env=env, timeout=600))
+        ranks = rank_results(out, 2)
         s3_objects = sorted(s3.objects())
     return {"out": out, "root": root, "ranks": ranks, "full": torch.load(out / "full-state.pt", weights_only=True),
             "s3_objects": s3_objects}

@@ -1,6 +1,6 @@
 """One training run carried through eight layouts by its checkpoints, under ``Trainer(strategy=HPPStrategy(...))``.
 
-``tests.models.MLP`` (SGD with momentum, a StepLR schedule) trains with the same global batch under each layout
+``tests.harness.zoo.MLP`` (SGD with momentum, a StepLR schedule) trains with the same global batch under each layout
 in turn, each resuming (``resume="auto"``) from the checkpoint the previous one wrote into the same directory:
 the first two in the one 8-rank job (tests/conftest.py, ``eight_rank_job``), the others in a 4-rank job after it:
 
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.launch import run_script
-from tests.models import MLP, loaders
+from tests.harness.launch import Job, run_job
+from tests.harness.zoo import MLP, loaders
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def eight_rank_runs(out: Path) -> list[dict]:
 def chain(eight_rank_job) -> Path:
     out = eight_rank_job.chain
     assert all((out / f"pp4_tp_rank{r}.pt").exists() for r in range(8)), eight_rank_job.proc.stderr[-8000:]
-    run_script("tests.workers.run_resume", {"runs": _runs(out, 4)}, timeout=1200)
+    run_job(Job("tests.workers.run_resume", {"runs": _runs(out, 4)}, timeout=1200))
     return out
 
 

@@ -6,8 +6,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -36,7 +34,6 @@ from lightning_hpp.errors import CheckpointError, CheckpointSaveError, S3ConfigE
 from tests.ckpt_workers.common import big_state
 from tests.s3_server import FaultProxy, S3Env, fault_proxy, s3_env  # noqa: F401
 
-REPO = Path(__file__).resolve().parents[1]
 FAST = RetryPolicy(attempts=3, base_delay=0.02, max_delay=0.1)
 BOTOCORE_RETRY = "Retry needed, retrying request"  # botocore.retries.standard's debug line
 
@@ -142,7 +139,7 @@ def test_async_saves_snapshot_the_state_and_never_overlap(s3_env: S3Env, fault_p
 
 @pytest.mark.parametrize("moment", ["shard upload", "metadata.json upload"])
 def test_kill_during_async_save_never_yields_a_valid_checkpoint(
-    s3_env: S3Env, fault_proxy: FaultProxy, moment: str
+    s3_env: S3Env, fault_proxy: FaultProxy, moment: str, tmp_path: Path
 ) -> None:
     root = s3_env.root
     save_sharded(_state(1), checkpoint_url(root, 1), step=1)
@@ -153,25 +150,20 @@ def test_kill_during_async_save_never_yields_a_valid_checkpoint(
     else:
         fault_proxy.hold("PUT", "/step-2/metadata.json")  # every shard is written, the commit stalls
         reached = lambda: bool(fault_proxy.held)  # noqa: E731
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.ckpt_workers.async_kill_worker", checkpoint_url(root, 2), "2"],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    from tests.harness.launch import Job, finish, start
+
+    proc = start(Job("tests.ckpt_workers.async_kill_worker", [checkpoint_url(root, 2), "2"], start="plain",
+                     timeout=120), tmp_path / "logs")
     try:
         deadline = time.monotonic() + 90
         while not reached() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert proc.poll() is None, proc.stdout.read()
+        assert proc.poll() is None, finish(proc).stdout
         assert reached(), "the save never got to the point of the kill"
         os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert finish(proc, deadline=time.monotonic() + 30).returncode == -signal.SIGKILL
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc.kill()
         fault_proxy.throttle(None)
         fault_proxy.release()
     assert [c.step for c in list_checkpoints(root)] == [1]
@@ -325,11 +317,11 @@ def test_lightnings_own_filesystem_retries_as_configured_while_storage_is_routed
 def test_injected_500s_on_list_objects_during_model_checkpoint_do_not_end_a_run(s3_env: S3Env, tmp_path: Path) -> None:
     # 2 ranks, 2 stages; ModelCheckpoint on S3 saves at steps 2 and 4 (top-1): before each save its file_exists
     # lookup meets attempts - 1 injected 500s on ListObjectsV2, with botocore's retries off in the environment
-    from tests.launch import run_script
+    from tests.harness.launch import Job, run_job
 
     failures = RetryPolicy().attempts - 1  # the strategy's one policy: this many failures of a request survive
     cfg = {"moto_port": s3_env.port, "root": s3_env.root, "out": str(tmp_path), "failures": failures, "steps": 4, "every": 2}
-    run_script("tests.workers.run_s3_faults", cfg, timeout=300)
+    run_job(Job("tests.workers.run_s3_faults", cfg, timeout=300))
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["global_step"] == 4 and result["armed"] == 2
     assert result["faults"] == 2 * failures  # every injected 500 was met, and retried

@@ -23,7 +23,7 @@ from lightning_hpp import HPPStrategy
 from lightning_hpp.examples_data import DigitsDataModule
 from lightning_hpp.options import BiasOptions, CheckpointOptions, TelemetryOptions
 from lightning_hpp.planning.plan import PLAN_FILENAME, StagePlan, StageSpec
-from tests.launch import ROOT
+from tests.harness.launch import ROOT
 
 EXAMPLE = ROOT / "examples" / "cli"
 

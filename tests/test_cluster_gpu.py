@@ -82,7 +82,7 @@ def test_the_stages_are_on_the_gpu_at_the_second_entry_point():
     out = _run("""
     import json, lightning as L, torch
     from lightning_hpp import HPPStrategy
-    from tests.models import MLP, loaders
+    from tests.harness.zoo import MLP, loaders
 
     seen = {}
 

@@ -29,7 +29,7 @@ from lightning_hpp.hydra.snapshot import code_version, scrub_hydra_files, write_
 from lightning_hpp.hydra.summary import SweepSummary, load_trials, summarize, swept_parameters
 from lightning_hpp.hydra.train import CONFIG_DIR, build, build_plan, check_config, make_model, object_key, uniform_plan
 from lightning_hpp.options import BiasOptions, CheckpointOptions, PlacementOptions, TelemetryOptions
-from tests.models import MLP
+from tests.harness.zoo import MLP
 
 import sklearn  # noqa: F401,E402 - installed by scripts/setup.sh: a missing one is a broken environment, not a skip
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.launch import load_rank, merged_state, run_script
-from tests.models import make_dataset
+from tests.harness.launch import Job, run_job
+from tests.harness.results import load_rank, merged_state
+from tests.harness.zoo import make_dataset
 from tests.workers.run_edges import CASES
 
 pytestmark = pytest.mark.slow
@@ -23,7 +24,7 @@ SYNC_WARNING = "It is recommended to use `self.log("
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("edges")
-    run_script("tests.workers.run_edges", {"out": str(out)}, timeout=600)
+    run_job(Job("tests.workers.run_edges", {"out": str(out)}, timeout=600))
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launch import load_rank, merged_state
+from tests.harness.results import load_rank, merged_state
 from tests.reference import train_reference
 
 pytestmark = pytest.mark.slow
@@ -104,7 +104,7 @@ def test_two_ranks_every_schedule(jobs):
     # validation loss and predictions equal the single-process model's, on rank 0
     import lightning as L
 
-    from tests.models import loaders
+    from tests.harness.zoo import loaders
 
     val = loaders(16)[1]
     ref_trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)

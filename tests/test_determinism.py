@@ -25,7 +25,7 @@ from lightning_hpp.bias.determinism import (
 )
 from lightning_hpp.bias.fingerprint import HASH_PROBE, CodedBiasWarning
 from lightning_hpp.errors import BiasConfigError
-from tests.bias_workers.spawn import finish, start_module
+from tests.harness.launch import Job, run_jobs
 
 WORKER = "tests.bias_workers.determinism_worker"
 
@@ -149,8 +149,8 @@ def test_same_seed_gives_bitwise_identical_parameters_under_hpp(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
-    finish([start_module(WORKER, {"out": str(a), "seeds": [7, 8]}, env={"PYTHONHASHSEED": None}),
-            start_module(WORKER, {"out": str(b), "seeds": [7]}, env={"PYTHONHASHSEED": None})])
+    run_jobs([Job(WORKER, {"out": str(a), "seeds": [7, 8]}, ranks=2, env={"PYTHONHASHSEED": None}, timeout=300),
+              Job(WORKER, {"out": str(b), "seeds": [7]}, ranks=2, env={"PYTHONHASHSEED": None}, timeout=300)])
     ra = [torch.load(a / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     rb = [torch.load(b / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 

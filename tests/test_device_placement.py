@@ -12,8 +12,8 @@ from torch import nn
 from lightning_hpp import StagePlan
 from lightning_hpp.model.materialize import init_on_meta
 from tests.device_harness import place_and_run
-from tests.models import MLP
-from tests.real_models import LMWrapper, dataset
+from tests.harness.zoo import MLP
+from tests.harness.zoo.real import LMWrapper, dataset
 from tests.workers.run_edges import BatchNormNet
 
 

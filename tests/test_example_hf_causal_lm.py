@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import ROOT
+from tests.harness.launch import ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import sys
 import lightning as L
 import pytest
 
-from tests.launch import ROOT
+from tests.harness.launch import ROOT
 
 pytestmark = pytest.mark.slow
 

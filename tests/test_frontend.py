@@ -11,8 +11,8 @@ from torch import nn
 from lightning_hpp import PlanError, StagePlan
 from lightning_hpp.errors import TraceError
 from lightning_hpp.model.frontend import balanced_plan, cut_model
-from tests.models import MLP
-from tests.real_models import LMWrapper, dataset
+from tests.harness.zoo import MLP
+from tests.harness.zoo.real import LMWrapper, dataset
 
 
 def _run_chain(cut, mode, args, kwargs):
@@ -142,13 +142,13 @@ UNCAPTURABLE = [
 def uncapturable_job(tmp_path_factory):
     """One 2-rank job whose ranks try every uncapturable step in turn, each in its own Trainer
     (tests/workers/refusals.py)."""
-    from tests.launch import run_script
+    from tests.harness.launch import Job, run_job
 
     out = tmp_path_factory.mktemp("uncapturable")
     from tests.workers.refusals import COLLECTIVE_TIMEOUT_S
 
-    proc = run_script("tests.workers.run_traced_cases", {"cases": [c for c, _ in UNCAPTURABLE], "out": str(out),
-                                                          "timeout": COLLECTIVE_TIMEOUT_S}, check=False, timeout=600)
+    proc = run_job(Job("tests.workers.run_traced_cases", {"cases": [c for c, _ in UNCAPTURABLE], "out": str(out),
+                                                          "timeout": COLLECTIVE_TIMEOUT_S}, timeout=600), check=False)
     return proc, out
 
 
@@ -171,7 +171,7 @@ def test_fp8_emulation_on_a_traced_stage_equals_the_converted_layers():
     from lightning_hpp import HPPPrecision
     from lightning_hpp.pipeline.stage import StageModule
     from lightning_hpp.precision.plugin import StageView
-    from tests.models import Wide
+    from tests.harness.zoo import Wide
 
     x = torch.randn(8, 32)
     plan = StagePlan.split_at(["layers.2"], precision=["fp8", "32-true"])

@@ -9,13 +9,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.launch import load_rank, merged_state, run_script
-from tests.models import MLP, make_dataset
+from tests.harness.launch import Job, run_job
+from tests.harness.results import load_rank, merged_state
+from tests.harness.zoo import MLP, make_dataset
 from tests.workers import run_hooks as worker
 
 pytestmark = pytest.mark.slow
 
-STAGE_OF_LAYER = {0: 0, 2: 0, 4: 1, 6: 1}  # the Linear layers of tests.models.MLP(depth=4), by stage
+STAGE_OF_LAYER = {0: 0, 2: 0, 4: 1, 6: 1}  # the Linear layers of tests.harness.zoo.MLP(depth=4), by stage
 
 
 def stage_params(model: MLP) -> list[list[torch.nn.Parameter]]:
@@ -68,7 +69,7 @@ def reference(cls: type[MLP], **trainer_kw) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hooks")
-    run_script("tests.workers.run_hooks", {"out": str(out)})
+    run_job(Job("tests.workers.run_hooks", {"out": str(out)}))
     return out
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launch import load_rank
+from tests.harness.results import load_rank
 
 WORLD = 8
 TOL = dict(rtol=2e-5, atol=2e-5)
@@ -94,7 +94,7 @@ def _ranks(out, name):
 def _llama_reference(batch: int, clip: float | None = 0.5, layers: int = 2):
     import lightning as L
 
-    from tests.real_models import LMWrapper
+    from tests.harness.zoo.real import LMWrapper
     from tests.test_sharding import one_process
 
     L.seed_everything(0)
@@ -171,7 +171,7 @@ def test_zbv_fsdp2_tp2_with_tied_embeddings_on_one_rank_equals_one_process(runs)
 def _decorated_reference():
     import lightning as L
 
-    from tests.real_models import PerHalfClipped
+    from tests.harness.zoo.real import PerHalfClipped
     from tests.test_sharding import one_process
 
     L.seed_everything(0)
@@ -181,7 +181,7 @@ def _decorated_reference():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["decorated_tp", "hook_fsdp_tp"])
 def test_stage_clip_norm_from_decorators_and_the_users_hook_with_tp_equal_one_process(runs, name):
-    from tests.real_models import CLIP_NORMS
+    from tests.harness.zoo.real import CLIP_NORMS
     from tests.test_sharding import replica_mean_losses
 
     outs = _ranks(runs, name)

@@ -10,7 +10,7 @@ from lightning_hpp.errors import PlacementError
 from lightning_hpp.pipeline.dims import ParallelDims
 from lightning_hpp.planning.plan import StagePlan, StageSpec
 from lightning_hpp.planning.profile import CostProfile, ProfileEntry, UnitCost
-from tests.launch import load_rank, merged_state
+from tests.harness.results import load_rank, merged_state
 from tests.reference import train_reference
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def four_rank_runs(tmp_path) -> list[dict]:
     """This module's configurations for the shared 4-rank ``run_hpp`` job: pp_degree=1 on 4 ranks with 1 byte less
     per device than ddp's whole model needs (4 x its parameter bytes with Adam's state), so only fsdp over the 4
     replicas fits (3 x the parameters, plus the activations); and plan="auto" over two kinds of two ranks each."""
-    from tests.models import MLP
+    from tests.harness.zoo import MLP
 
     params = sum(p.numel() * p.element_size() for p in MLP(depth=4).parameters())
     _synthetic_profile(tmp_path / "profile.json", [f"layers.{i}" for i in range(11)])  # MLP(depth=6)

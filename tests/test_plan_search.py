@@ -541,7 +541,7 @@ def test_a_tp_group_stays_on_one_host_unless_told_otherwise():
 
 def test_the_profile_records_what_the_models_tp_plan_splits(tmp_path):
     from lightning_hpp.pipeline.tensor_parallel import plan_shape, resolve_tp_plan, tp_degrees
-    from tests.real_models import LMWrapper
+    from tests.harness.zoo.real import LMWrapper
 
     model = LMWrapper("llama", layers=2)
     units = ["model.model.embed_tokens", "model.model.layers.0", "model.model.layers.1", "model.model.norm",

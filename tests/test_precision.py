@@ -9,8 +9,8 @@ from lightning_hpp import StagePlan, StageSpec
 from lightning_hpp.errors import FP8Error
 from lightning_hpp.pipeline.stage import StageModule
 from lightning_hpp.precision.plugin import HPPPrecision, StageView
-from tests.launch import load_rank, merged_state
-from tests.models import MLP
+from tests.harness.results import load_rank, merged_state
+from tests.harness.zoo import MLP
 from tests.reference import train_reference
 
 TWO = [["layers.0-3"], ["layers.4-6"]]
@@ -95,7 +95,7 @@ def test_clipping_per_stage_and_global_equal_hand_computed_reference(two_rank_ru
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from tests.models import make_dataset
+    from tests.harness.zoo import make_dataset
 
     ds = make_dataset(128)
     x, y = next(iter(DataLoader(ds, batch_size=16, sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0))))

@@ -14,8 +14,8 @@ import lightning as L
 import pytest
 import torch
 
-from tests.launch import load_rank, merged_state
-from tests.real_models import LMWrapper, loader
+from tests.harness.results import load_rank, merged_state
+from tests.harness.zoo.real import LMWrapper, loader
 
 pytestmark = pytest.mark.slow
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -129,14 +129,14 @@ REFUSED = {
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    from tests.launch import forked, run_scripts
+    from tests.harness.launch import Job, run_job
 
     out = tmp_path_factory.mktemp("sharded")
     runs = [{**DEFAULTS, **cfg, "name": name, "out": str(out / name)} for name, cfg in RUNS.items()]
     runs += [{**DEFAULTS, **cfg, "name": name, "out": str(out / name), "refused": True} for name, cfg in REFUSED.items()]
     # the 4 ranks forked from one process that imported Lightning (lightning_hpp.torchrun), not 4 imports
-    [proc] = run_scripts([forked("tests.workers.run_sharded", {"devices": 4, "runs": runs}, 4)], timeout=1800,
-                         check=False)
+    proc = run_job(Job("tests.workers.run_sharded", {"devices": 4, "runs": runs}, ranks=4, start="forked",
+                       timeout=1800), check=False)
     return out, proc
 
 
@@ -149,7 +149,7 @@ def sharded_runs(job):
 
 
 def _ranks(out, name):
-    from tests.launch import load_rank
+    from tests.harness.results import load_rank
 
     return [load_rank(out / name, r) for r in range(4)]
 
@@ -159,7 +159,7 @@ def one_process(model, steps: int, batch: int, n: int = 32, clip: float | None =
     import lightning as L
     import torch
 
-    from tests.real_models import loader
+    from tests.harness.zoo.real import loader
 
     losses = []
 
@@ -204,7 +204,7 @@ class PerStageClipped:
     def make(kind: str, stages: list[set[str]], **kw):
         import torch
 
-        from tests.real_models import LMWrapper
+        from tests.harness.zoo.real import LMWrapper
 
         class Clipped(LMWrapper):
             def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
@@ -220,7 +220,7 @@ def test_pp2_fsdp2_gpt2_with_global_clipping_and_validation_equals_one_process(s
     import lightning as L
     import torch
 
-    from tests.real_models import LMWrapper
+    from tests.harness.zoo.real import LMWrapper
 
     outs = _ranks(sharded_runs, "gpt2_fsdp")
     L.seed_everything(0)
@@ -250,7 +250,7 @@ def test_pp2_fsdp2_llama_with_per_stage_clipping_and_activation_checkpointing_eq
     assert_params(outs, want)
     torch.testing.assert_close(replica_mean_losses(outs, [0, 1]), want_losses, **TOL)
     # per-stage clipping is not global clipping: the reference clipping the whole model's norm ends elsewhere
-    from tests.real_models import LMWrapper
+    from tests.harness.zoo.real import LMWrapper
 
     L.seed_everything(0)
     globally, _ = one_process(LMWrapper("llama", reference_microbatches=4, tie=False), 3, 8, clip=0.3)
@@ -285,7 +285,7 @@ def test_hsdp_replicate2_x_shard2_equals_one_process(sharded_runs):
     import lightning as L
     import torch
 
-    from tests.real_models import LMWrapper
+    from tests.harness.zoo.real import LMWrapper
 
     outs = _ranks(sharded_runs, "gpt2_hsdp")
     assert sorted((o["dp_replicate"], o["dp_shard"]) for o in outs) == [(2, 2)] * 4
@@ -300,7 +300,7 @@ def test_hsdp_replicate2_x_shard2_equals_one_process(sharded_runs):
 def test_an_fp16_overflow_skips_the_step_on_every_rank_of_a_sharded_pipeline(sharded_runs):
     import lightning as L
 
-    from tests.real_models import LMWrapper
+    from tests.harness.zoo.real import LMWrapper
 
     outs = _ranks(sharded_runs, "gpt2_fp16_overflow")
     for o in outs:  # the stage-0 shards overflowed; the stage-1 ranks skipped with them
@@ -320,7 +320,7 @@ def _replica_ordered_staged_reference(run: dict, replicas: int, bf16: bool = Tru
     import lightning as L
     import torch
 
-    from tests.real_models import loader
+    from tests.harness.zoo.real import loader
     from tests.test_traced_stages import StagedGPT2, _bf16_autocast
 
     class ReplicaOrdered(StagedGPT2):

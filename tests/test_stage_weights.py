@@ -22,7 +22,7 @@ from lightning_hpp.checkpoint import save_sharded
 from lightning_hpp.checkpoint.sharded import parse_key
 from lightning_hpp.checkpoint.weights import load_stage_weights
 from lightning_hpp.errors import CheckpointError
-from tests.real_models import SEQ, VOCAB, LMWrapper, gpt2, llama
+from tests.harness.zoo.real import SEQ, VOCAB, LMWrapper, gpt2, llama
 
 import transformers  # noqa: F401,E402 - installed by scripts/setup.sh: a missing one is a broken environment, not a skip
 

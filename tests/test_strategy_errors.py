@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_hpp import HPPStrategy, PlanError
-from tests.launch import run_scripts
+from tests.harness.launch import Job, run_jobs
 from tests.workers import refusals
 from tests.workers.run_errors import PLANTED_ENV, PLANTED_HPARAMS
 
@@ -70,9 +70,10 @@ def bad_setup_jobs(tmp_path_factory):
     that size in turn, each case in its own Trainer (tests/workers/refusals.py). {devices: (process, out dir)}."""
     sizes = sorted({d for _, d, _ in BAD_SETUPS})
     outs = {d: tmp_path_factory.mktemp(f"bad_setups_{d}") for d in sizes}
-    jobs = [("tests.workers.run_cases", {"cases": [c for c, n, _ in BAD_SETUPS if n == d], "devices": d, "out": str(outs[d]),
-                                         "timeout": refusals.COLLECTIVE_TIMEOUT_S}) for d in sizes]
-    procs = run_scripts(jobs, timeout=600, check=False)
+    jobs = [Job("tests.workers.run_cases", {"cases": [c for c, n, _ in BAD_SETUPS if n == d], "devices": d,
+                                            "out": str(outs[d]), "timeout": refusals.COLLECTIVE_TIMEOUT_S},
+                ranks=d, timeout=600) for d in sizes]
+    procs = run_jobs(jobs, check=False)
     return {d: (proc, outs[d]) for d, proc in zip(sizes, procs)}
 
 
@@ -97,9 +98,9 @@ def first_error_jobs(tmp_path_factory):
     """The two jobs of test_the_first_error_ends_every_rank, side by side (they share nothing): rank 0, then
     rank 1, raises at step 2. {failing rank: finished process}."""
     outs = [tmp_path_factory.mktemp(f"first_error_{r}") for r in (0, 1)]
-    jobs = [("tests.workers.run_errors", {"out": str(outs[r]), "raise_rank": r, "raise_step": 2, "timeout": 300}, PLANTED_ENV)
-            for r in (0, 1)]
-    done = dict(enumerate(run_scripts(jobs, timeout=280, check=False)))
+    jobs = [Job("tests.workers.run_errors", {"out": str(outs[r]), "raise_rank": r, "raise_step": 2, "timeout": 300},
+                ranks=2, env=PLANTED_ENV, timeout=280) for r in (0, 1)]
+    done = dict(enumerate(run_jobs(jobs, check=False)))
     for r, proc in done.items():
         proc.out = outs[r]
     return done

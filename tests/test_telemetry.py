@@ -17,8 +17,8 @@ from lightning_hpp.telemetry.callback import PipelineTelemetry
 from lightning_hpp.telemetry.model import Act, schedule_actions, simulate, theoretical_bubble
 from lightning_hpp.telemetry.recorder import RankStep, ScheduleInfo, analyze
 from lightning_hpp.telemetry.render import schedule_grid
-from tests.launch import run_script
-from tests.models import MLP, loaders
+from tests.harness.launch import Job, run_job
+from tests.harness.zoo import MLP, loaders
 
 COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
@@ -192,14 +192,14 @@ def _csv_rows(path: Path) -> list[dict[str, str]]:
 @pytest.mark.slow
 def test_two_rank_run_logs_traces_and_measures_the_bubble(tmp_path):
     m = 4
-    run_script("tests.workers.run_telemetry", {"devices": 2, "runs": [
+    run_job(Job("tests.workers.run_telemetry", {"devices": 2, "runs": [
         # equal stages, 10 ms forward and backward each: the bubble should be the theory's
         {"name": "even", "schedule": "1f1b", "n_micro": m, "batch": 16, "steps": 6, "ms0": 10, "ms1": 10, "out": str(tmp_path), "trace_step": 3},
         # stage 1 four times slower: GPipe's bubble grows well past (p-1)/(m+p-1)
         {"name": "slow", "schedule": "gpipe", "n_micro": m, "batch": 16, "steps": 6, "ms0": 5, "ms1": 20, "out": str(tmp_path)},
         # the default every_n_steps follows log_every_n_steps: every exchange reaches the logger
         {"name": "every2", "schedule": "gpipe", "n_micro": m, "batch": 16, "steps": 4, "ms0": 1, "ms1": 1, "out": str(tmp_path), "log_every_n_steps": 2},
-    ]}, timeout=180)
+    ]}, timeout=180))
 
     # Logged through Lightning's CSVLogger on rank 0, every step.
     rows = _csv_rows(tmp_path / "even" / "csv" / "version_0" / "metrics.csv")

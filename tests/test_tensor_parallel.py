@@ -21,8 +21,8 @@ from torch import nn
 
 from lightning_hpp.errors import PlanError
 from lightning_hpp.pipeline.tensor_parallel import HOOK, TPPlan, check_frontend, resolve_tp_plan, torch_style
-from tests.launch import load_rank
-from tests.real_models import LMWrapper
+from tests.harness.results import load_rank
+from tests.harness.zoo.real import LMWrapper
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 META_LAYERS = 2
@@ -123,7 +123,8 @@ def _reference():
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    from tests.bias_workers.launch import run_ranks
+    from tests.harness.launch import Job, run_job
+    from tests.harness.results import rank_results
 
     out = tmp_path_factory.mktemp("tp")
     torch.manual_seed(0)
@@ -132,7 +133,9 @@ def job(tmp_path_factory):
     (out / "cases.json").write_text(json.dumps({"weights": str(out / "hf"), "meta_layers": META_LAYERS}))
     from pathlib import Path
 
-    ranks = run_ranks(Path(__file__).parent / "workers" / "tp_worker.py", 2, out, timeout=300)
+    run_job(Job(Path(__file__).parent / "workers" / "tp_worker.py", str(out), ranks=2, start="per_rank", script=True,
+                cwd=out, timeout=300))
+    ranks = rank_results(out, 2)
     return out, ranks, eager
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from lightning_hpp import torchrun
-from tests.launch import ROOT
+from tests.harness.launch import ROOT
 
 
 @pytest.mark.parametrize(("argv", "said"), [

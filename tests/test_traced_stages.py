@@ -21,8 +21,8 @@ import torch
 from lightning_hpp.checkpoint.lightning_state import from_sharded, load_template, tensor_aliases, to_sharded
 from lightning_hpp.checkpoint.sharded import checkpoint_keys, load_sharded, save_sharded
 from lightning_hpp.precision.fp8 import EmulatedFP8Mode
-from tests.launch import load_rank, merged_state
-from tests.real_models import LMWrapper, loader
+from tests.harness.results import load_rank, merged_state
+from tests.harness.zoo.real import LMWrapper, loader
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 WTE, HEAD = "model.transformer.wte.weight", "model.lm_head.weight"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket
 import subprocess
 import sys
@@ -19,45 +18,20 @@ import yaml
 
 from lightning_hpp.checkpoint import export_to_lightning_ckpt
 from lightning_hpp.hydra.train import _group_members, end_process_group, main
-from tests.launch import processes_mentioning
-from tests.models import MLP, make_dataset
+from tests.harness.launch import ROOT, Job, finish, processes_mentioning, start
+from tests.harness.zoo import MLP, make_dataset
 from tests.s3_server import UNSET_AWS, aws_variables, fresh_bucket
 
-ROOT = Path(__file__).resolve().parents[1]
 SECRET = "hpp-Entry-Secret-5d2b8e41c7"
 pytestmark = pytest.mark.slow
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    return env
-
-
-def _start(*args: str, cwd: Path = ROOT, exe: list[str] | None = None, env: dict[str, str] | None = None,
-           logs: Path | None = None) -> subprocess.Popen:
-    """Start the entry point in a session of its own, its output into ``logs``.out/.err."""
-    cmd = (exe or [sys.executable, "-m", "lightning_hpp.hydra.train"]) + list(args)
-    full = {k: v for k, v in {**_env(), **(env or {})}.items() if v is not None}  # None: unset it
-    with open(f"{logs}.out", "w") as out, open(f"{logs}.err", "w") as err:  # the child keeps its own copies
-        proc = subprocess.Popen(cmd, cwd=cwd, env=full, stdout=out, stderr=err, text=True, start_new_session=True)
-    proc.logs = logs
-    return proc
-
-
-def _finish(proc: subprocess.Popen, deadline: float) -> subprocess.CompletedProcess:
-    """Wait for ``proc`` until ``deadline`` (monotonic); past it end its whole process group and fail with its output."""
-    try:
-        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        end_process_group(proc.pid, wait=0.0, grace=5.0)
-        proc.wait()
-        timed_out = True
-    out, err = (Path(f"{proc.logs}.{x}").read_text() for x in ("out", "err"))
-    if timed_out:
-        pytest.fail(f"{proc.args} ran too long\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-6000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+def _start(*args: str, cwd: Path = ROOT, exe: tuple[str, ...] | None = None, env: dict[str, str | None] | None = None,
+           logs: Path | None = None):
+    """Start the entry point (a job of tests.harness.launch: a session of its own), its output under ``logs``."""
+    job = Job(exe or "lightning_hpp.hydra.train", list(args), start="plain", script=exe is not None, cwd=cwd,
+              env=env or {}, timeout=600)
+    return start(job, logs)
 
 
 CONSOLE = Path(sys.executable).with_name("lightning-hpp-train")
@@ -88,9 +62,9 @@ def jobs(tmp_path_factory):
         }
         if CONSOLE.exists():
             started["console"] = _start("-m", "experiment=mlp_tiny", "plan=hybrid", f"hydra.sweep.dir={root / 'bad'}",
-                                        exe=[str(CONSOLE)], logs=root / "console_log")
+                                        exe=(str(CONSOLE),), logs=root / "console_log")
         deadline = time.monotonic() + 600
-        yield root, {name: _finish(proc, deadline) for name, proc in started.items()}, s3
+        yield root, {name: finish(proc, deadline) for name, proc in started.items()}, s3
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:

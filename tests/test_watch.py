@@ -3,12 +3,8 @@ no false alarm over 200 steps, "stop" and "replan" with their exit codes and che
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +19,7 @@ from lightning_hpp.planning.profile import CostProfile, Overheads, ProfileEntry,
 from lightning_hpp.planning.speeds import with_rank_speeds
 from lightning_hpp.planning.search import search_plan
 from lightning_hpp.telemetry.watch import REPLAN_EXIT_CODE, STOP_EXIT_CODE, SlowdownDetector, StragglerWatch, WatchOptions
-from tests.launch import ROOT, run_scripts
+from tests.harness.launch import Job, finish, run_jobs, start
 
 TWO = [["layers.0-3"], ["layers.4-6"]]
 WORKER = "tests.workers.run_watch"
@@ -207,7 +203,8 @@ def jobs(tmp_path_factory):
                    "ckpt_dir": str(out / "replan_ckpt"), "resume": "auto"},
         "reference": {"reference": True, "out": str(out), "tag": "reference", "steps": 40},
     }
-    first = dict(zip(cfg, run_scripts([(WORKER, c) for c in cfg.values()], timeout=900, check=False)))
+    first = dict(zip(cfg, run_jobs([Job(WORKER, c, ranks=1 if tag == "reference" else 2, timeout=900)
+                                    for tag, c in cfg.items()], check=False)))
     for tag, proc in first.items():  # a job that failed to start says why, instead of a missing file
         assert all((out / f"{tag}_rank{r}.json").exists() for r in ((0,) if tag == "reference" else (0, 1))), \
             f"{tag} exited with {proc.returncode}:\n{proc.stderr[-6000:]}"
@@ -217,19 +214,15 @@ def jobs(tmp_path_factory):
     # torchrun starts both ranks at once, so the rendezvous fits in the short timeout (Lightning's launcher would
     # start rank 1 only once rank 0 has imported everything)
     timed_out = {**base, "tag": "timeout", "steps": 10, "timeout": 20, "slow": {"rank": 1, "after": 5, "ms": 40000, "once": True}}
-    torchrun = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-         f"127.0.0.1:{find_free_network_port()}", "-m", WORKER, json.dumps(timed_out)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
-    second = dict(zip(("replan", "stop_resumed"), run_scripts([(WORKER, cfg["replan"]), (WORKER, resumed)], timeout=600,
-                                                              check=False)))
+    torchrun = start(Job((sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
+                          "c10d", "--rdzv-endpoint", f"127.0.0.1:{find_free_network_port()}", "-m", WORKER),
+                         timed_out, ranks=2, script=True, timeout=600), out / "logs")
+    second = dict(zip(("replan", "stop_resumed"), run_jobs([Job(WORKER, cfg["replan"], ranks=2, timeout=600),
+                                                            Job(WORKER, resumed, ranks=2, timeout=600)], check=False)))
     try:
-        log, _ = torchrun.communicate(timeout=600)
+        second["timeout"] = finish(torchrun)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(torchrun.pid, signal.SIGKILL)  # the sleeping rank, if it is still asleep
-    second["timeout"] = subprocess.CompletedProcess(torchrun.args, torchrun.returncode, log, "")
+        torchrun.kill()  # the sleeping rank, if it is still asleep
     return {"out": out, "first": first, "second": second, "snapshot": snapshot, "stop_ckpts": stop_ckpts}
 
 

@@ -31,7 +31,7 @@ from lightning_hpp.bias.guard import BiasGuard
 from lightning_hpp.bias.monitor import BiasMonitor
 from lightning_hpp.bias.samplers import DistributedWeightedSampler
 from lightning_hpp.errors import CodedBiasError, FingerprintMismatchError
-from tests.models import MLP, make_dataset
+from tests.harness.zoo import MLP, make_dataset
 
 N = 128
 BATCH = 8

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
 from lightning_hpp.bias.determinism import enable_determinism
 from lightning_hpp.bias.fingerprint import HASH_PROBE
-from tests.models import MLP, make_dataset
+from tests.harness.zoo import MLP, make_dataset
 
 TWO = [["layers.0-3"], ["layers.4-6"]]
 

@@ -32,7 +32,7 @@ from lightning_hpp.bias.determinism import ensure_hash_seed
 from lightning_hpp.bias.guard import BiasGuard
 from lightning_hpp.bias.samplers import DistributedWeightedSampler
 from lightning_hpp.errors import CodedBiasError, FingerprintMismatchError
-from tests.models import MLP, make_dataset
+from tests.harness.zoo import MLP, make_dataset
 
 N = 64
 BATCH = 8

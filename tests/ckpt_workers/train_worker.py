@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
 from lightning_hpp.options import CheckpointOptions
-from tests.models import MLP, make_dataset
+from tests.harness.zoo import MLP, make_dataset
 
 STAGES = [["layers.0-3"], ["layers.4-6"]]
 

@@ -42,7 +42,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from tests.models import make_dataset
+from tests.harness.zoo import make_dataset
 
 GLOBAL_BATCH = 8
 TRAIN_SIZE = 96

@@ -26,13 +26,13 @@ from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, Mode
 from torch import nn
 
 from tests.conformance.harness import Ctx, checkpoint_state, rank, replica_loader, scenario, seeded, snapshot
-from tests.models import MLP
+from tests.harness.zoo import MLP
 
 # ---------------------------------------------------------------------------------------------- models
 
 
 class Net(MLP):
-    """tests.models.MLP of depth 3 (units ``layers.0`` … ``layers.4``), SGD with momentum, values logged with
+    """tests.harness.zoo.MLP of depth 3 (units ``layers.0`` … ``layers.4``), SGD with momentum, values logged with
     ``sync_dist=True``; ``scheduler``: ``None``, ``"epoch"`` (StepLR every epoch), ``"step"`` (StepLR, interval
     "step") or ``"plateau"`` (ReduceLROnPlateau on ``val_loss``)."""
 

@@ -184,7 +184,7 @@ def scale_batch_size(ctx):
         def train_dataloader(self):
             from torch.utils.data import DataLoader
 
-            from tests.models import make_dataset
+            from tests.harness.zoo import make_dataset
 
             return DataLoader(make_dataset(96), batch_size=self.batch_size, drop_last=True)
 
@@ -282,7 +282,7 @@ def without_the_distributed_sampler(ctx):
     process does (the pipeline's ranks then see the same batches)."""
     from torch.utils.data import DataLoader
 
-    from tests.models import make_dataset
+    from tests.harness.zoo import make_dataset
 
     model = seeded(Net)
     trainer = ctx.trainer(use_distributed_sampler=False, max_epochs=1, limit_train_batches=6)

@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
-from tests.models import MLP, loaders
+from tests.harness.zoo import MLP, loaders
 
 TWO = StagePlan([StageSpec(modules=["layers.0-3"]), StageSpec(modules=["layers.4-6"])])
 QUIET = dict(enable_model_summary=False, num_sanity_val_steps=0)

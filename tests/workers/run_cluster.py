@@ -36,7 +36,7 @@ import torch
 from lightning_hpp import HPPPrecision, HPPStrategy, StagePlan, StageSpec
 from lightning_hpp import _dist
 from lightning_hpp.options import CheckpointOptions
-from tests.models import MLP, loaders
+from tests.harness.zoo import MLP, loaders
 from tests.workers.refusals import exit_status, try_case
 
 TIMEOUT_S = 120  # also what the ranks' start-up may take on a loaded machine (rank 1 imports Lightning after rank 0)

@@ -1,6 +1,6 @@
 """Setups that used to be refused or to crash where Lightning works, run one after another in one launch.
 
-Each case trains (or validates) tests.models-style modules on 2 ranks and saves, per rank, what it holds,
+Each case trains (or validates) tests.harness.zoo-style modules on 2 ranks and saves, per rank, what it holds,
 its logged values and the warnings Lightning raised to OUT/<case>/rank{r}.pt.
 Usage: python -m tests.workers.run_edges '<json: {"out": dir}>'
 """
@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hpp import HPPStrategy, StagePlan
-from tests.models import MLP, make_dataset
+from tests.harness.zoo import MLP, make_dataset
 
 
 class SyncDistVal(MLP):

@@ -15,7 +15,7 @@ import lightning as L
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_hpp import HPPStrategy
-from tests.models import MLP, loaders
+from tests.harness.zoo import MLP, loaders
 from tests.workers.run_cases import TWO
 
 PLANTED_ENV = {

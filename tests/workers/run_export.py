@@ -19,11 +19,11 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from tests.real_models import LMWrapper, loader
+from tests.harness.zoo.real import LMWrapper, loader
 
 
 class ExportLM(LMWrapper):
-    """:class:`~tests.real_models.LMWrapper` whose hyper-parameters are saved, so that
+    """:class:`~tests.harness.zoo.real.LMWrapper` whose hyper-parameters are saved, so that
     ``ExportLM.load_from_checkpoint(path)`` and ``--module tests.workers.run_export:ExportLM`` rebuild it:
     ``kind="gpt2"`` (embedding and LM head tied) or ``"llama"`` (tied or not, ``tie``)."""
 

@@ -39,7 +39,7 @@ import torch
 
 from lightning_hpp import HPPStrategy, StagePlan
 from lightning_hpp.options import CheckpointOptions
-from tests.models import MLP, loaders
+from tests.harness.zoo import MLP, loaders
 
 SLEEP_S = 600.0
 LIMIT_S = 60.0  # beyond the timeout, how long the ranks are watched after the fault

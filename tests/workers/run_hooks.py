@@ -15,7 +15,7 @@ import lightning as L
 import torch
 
 from lightning_hpp import HPPPrecision, HPPStrategy, PlanError, StagePlan, StageSpec
-from tests.models import MLP, loaders
+from tests.harness.zoo import MLP, loaders
 
 TWO = [["layers.0-3"], ["layers.4-6"]]
 STEPS = 3

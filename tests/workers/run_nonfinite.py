@@ -21,7 +21,7 @@ import lightning as L
 import torch
 
 from lightning_hpp import HPPPrecision, HPPStrategy
-from tests.models import MLP, loaders
+from tests.harness.zoo import MLP, loaders
 from tests.workers.run_cases import TWO
 
 

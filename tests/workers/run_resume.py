@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
 from lightning_hpp.options import CheckpointOptions
-from tests.models import MLP, loaders
+from tests.harness.zoo import MLP, loaders
 
 
 class _KillAt(Callback):

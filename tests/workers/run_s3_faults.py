@@ -16,7 +16,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
-from tests.models import MLP, loaders
+from tests.harness.zoo import MLP, loaders
 from tests.s3_server import FaultProxy
 
 LIST_V2 = "list-type=2"

@@ -1,4 +1,4 @@
-"""Train a real model (tests.real_models) under HPPStrategy with sharded stages, for several configurations in one
+"""Train a real model (tests.harness.zoo.real) under HPPStrategy with sharded stages, for several configurations in one
 launch, and save what each rank holds, shards gathered.
 
 Every rank saves, per configuration, to OUT/<name>/rank{r}.pt: ``state`` (its stages' parameters, each FSDP2
@@ -24,7 +24,7 @@ import lightning as L
 import torch
 
 from lightning_hpp import BiasMonitor, HPPPrecision, HPPStrategy, StagePlan
-from tests.real_models import LMWrapper, loader
+from tests.harness.zoo.real import LMWrapper, loader
 from tests.workers.run_real import StepLosses
 
 
@@ -66,11 +66,11 @@ class Collectives(L.Callback):
 
 
 WRAPPERS = {"decorated": "DecoratedMLP", "per_half_clipped": "PerHalfClipped"}
-"""``wrapper``: a LightningModule of tests.real_models other than ``LMWrapper``."""
+"""``wrapper``: a LightningModule of tests.harness.zoo.real other than ``LMWrapper``."""
 
 
 def run(cfg: dict, devices: int) -> None:
-    import tests.real_models as real_models
+    import tests.harness.zoo.real as real_models
 
     L.seed_everything(0)
     if cfg.get("wrapper"):

@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
 from lightning_hpp.telemetry.callback import PipelineTelemetry
-from tests.models import loaders
+from tests.harness.zoo import loaders
 
 
 class _SleepFn(torch.autograd.Function):

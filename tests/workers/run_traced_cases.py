@@ -16,7 +16,7 @@ import lightning as L
 import torch
 
 from lightning_hpp import HPPStrategy, StagePlan
-from tests.real_models import LMWrapper, loader
+from tests.harness.zoo.real import LMWrapper, loader
 
 
 class TwoCalls(LMWrapper):

@@ -24,7 +24,7 @@ from lightning_hpp.options import CheckpointOptions, PlacementOptions
 from lightning_hpp.pipeline.mesh import stages_of_position
 from lightning_hpp.pipeline.view import pipeline_view
 from lightning_hpp.telemetry.watch import StragglerWatch
-from tests.models import MLP, loaders
+from tests.harness.zoo import MLP, loaders
 
 
 class ConstantLR(MLP):

@@ -29,7 +29,7 @@ from lightning_hpp.model.units import find_units
 from lightning_hpp.pipeline.stage import StageModule
 from lightning_hpp.pipeline.tensor_parallel import apply_tensor_parallel, at_local_width, local_numel, resolve_tp_plan
 from lightning_hpp.planning.plan import StagePlan, StageSpec
-from tests.real_models import LMWrapper, dataset
+from tests.harness.zoo.real import LMWrapper, dataset
 
 STEPS, LR = 3, 1e-3
 

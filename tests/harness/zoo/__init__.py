@@ -1,4 +1,4 @@
-"""Tiny LightningModules and data shared by the tests."""
+"""The model zoo of the tests: the tiny LightningModules and data they share (real third-party models: zoo.real)."""
 
 from __future__ import annotations
 
