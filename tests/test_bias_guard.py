@@ -30,6 +30,7 @@ from lightning_hpp.bias.guard import (
 )
 from lightning_hpp.errors import BiasConfigError, FingerprintMismatchError
 from tests.harness.launch import Job, run_jobs
+from tests.harness.trainer import quiet_trainer
 from tests.harness.zoo import MLP, make_dataset
 
 WORKER = "tests.bias_workers.guard_worker"
@@ -112,9 +113,7 @@ def test_single_device_fit_notes_keeps_training_and_stores_loadable_fingerprints
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     guard = BiasGuard(audit="error", deterministic=False)  # whatever torch's flag says in this process
     L.seed_everything(0)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-                        callbacks=[guard])
+    trainer = quiet_trainer(devices=1, max_steps=2, default_root_dir=str(tmp_path), callbacks=[guard])
     w = torch.ones(64)
     w[:8] = 10.0
     loader = DataLoader(make_dataset(64), batch_size=8, sampler=WeightedRandomSampler(w, 64))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 from tests.harness.launch import Job, run_job
+from tests.harness.trainer import quiet_trainer
 from tests.harness.zoo import MLP, loaders
 
 pytestmark = pytest.mark.slow
@@ -84,9 +85,7 @@ def _reference(steps: int) -> tuple[MLP, L.Trainer, list[float]]:
     L.seed_everything(0)
     model = MLP()
     losses = _Losses()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, callbacks=[losses])
+    trainer = quiet_trainer(devices=1, max_steps=steps, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[losses])
     train, val = loaders(GLOBAL_BATCH)
     # Lightning shuffles distributed loaders with DistributedSampler(seed=0); over dp replicas the union of
     # one step's replica batches is this sampler's next batch

@@ -24,6 +24,7 @@ from lightning_hpp.examples_data import DigitsDataModule
 from lightning_hpp.options import BiasOptions, CheckpointOptions, TelemetryOptions
 from lightning_hpp.planning.plan import PLAN_FILENAME, StagePlan, StageSpec
 from tests.harness.launch import ROOT
+from tests.harness.trainer import quiet_trainer
 
 EXAMPLE = ROOT / "examples" / "cli"
 
@@ -90,8 +91,7 @@ def _reference_losses(steps: int, out: Path) -> list[float]:
         data.setup()
         sampler = DistributedSampler(data.train_set, num_replicas=1, rank=0, shuffle=True, seed=0)
         loader = DataLoader(data.train_set, batch_size=32, sampler=sampler, drop_last=True)
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=CSVLogger(str(out)), log_every_n_steps=1,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer = quiet_trainer(devices=1, max_steps=steps, logger=CSVLogger(str(out)), log_every_n_steps=1)
         trainer.fit(model, loader)
         return _losses(Path(trainer.logger.log_dir) / "metrics.csv")
     finally:

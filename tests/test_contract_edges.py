@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from tests.harness.launch import Job, run_job
 from tests.harness.results import load_rank, merged_state
+from tests.harness.trainer import quiet_trainer
 from tests.harness.zoo import make_dataset
 from tests.workers.run_edges import CASES
 
@@ -33,9 +34,8 @@ def reference(case: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     cfg = CASES[case]
     L.seed_everything(0)
     model = cfg["model"](depth=cfg["depth"]) if "depth" in cfg else cfg["model"]()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=cfg["steps"], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=cfg.get("limit_val_batches", 0))
+    trainer = quiet_trainer(devices=1, max_steps=cfg["steps"], num_sanity_val_steps=0,
+                            limit_val_batches=cfg.get("limit_val_batches", 0))
     ds = make_dataset(128)
     train = DataLoader(ds, batch_size=cfg["batch"], sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0),
                        drop_last=True)
@@ -117,8 +117,7 @@ def test_a_traced_bf16_stage_updates_the_modules_batchnorm_statistics(runs):
     L.seed_everything(0)
     ref = MicroBatchedBN()
     ds = make_dataset(128)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = quiet_trainer(devices=1, max_steps=3, limit_val_batches=0)
     trainer.fit(ref, DataLoader(ds, batch_size=16, sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0),
                                 drop_last=True))
     want = {k: v for k, v in ref.net.state_dict().items()}

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.harness.results import load_rank, merged_state
+from tests.harness.trainer import quiet_trainer
 from tests.reference import train_reference
 
 pytestmark = pytest.mark.slow
@@ -102,12 +103,11 @@ def test_two_ranks_every_schedule(jobs):
     assert load_rank(tmp_path / "zbv", 0)["stage_ids"] == [0, 3]
 
     # validation loss and predictions equal the single-process model's, on rank 0
-    import lightning as L
 
     from tests.harness.zoo import loaders
 
     val = loaders(16)[1]
-    ref_trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    ref_trainer = quiet_trainer(enable_checkpointing=None, devices=1)
     expected = ref_trainer.validate(reference, val, verbose=False)[0]
     preds = torch.cat(ref_trainer.predict(reference, val))
     for rank in (0, 1):

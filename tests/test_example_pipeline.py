@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 
 from tests.harness.launch import ROOT
+from tests.harness.trainer import quiet_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +27,7 @@ def _single_process_fp32_accuracy() -> float:
     from lightning_hpp.examples_data import DigitsDataModule
 
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = quiet_trainer(devices=1, max_epochs=EPOCHS)
     trainer.fit(HybridVisionModel(), DigitsDataModule(batch_size=64, n_microbatches=8, seed=0))
     return float(trainer.callback_metrics["val/acc"])
 

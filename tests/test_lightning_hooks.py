@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from tests.harness.launch import Job, run_job
 from tests.harness.results import load_rank, merged_state
+from tests.harness.trainer import quiet_trainer
 from tests.harness.zoo import MLP, make_dataset
 from tests.workers import run_hooks as worker
 
@@ -48,18 +49,7 @@ def reference(cls: type[MLP], **trainer_kw) -> dict[str, torch.Tensor]:
     """One process, fp32, the same global batches in the same (shuffled) order, the same steps."""
     L.seed_everything(0)
     model = cls()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=worker.STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        **trainer_kw,
-    )
+    trainer = quiet_trainer(devices=1, max_steps=worker.STEPS, num_sanity_val_steps=0, limit_val_batches=0, **trainer_kw)
     ds = make_dataset(128)
     sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0)
     trainer.fit(model, DataLoader(ds, batch_size=worker.BATCH, sampler=sampler, drop_last=True))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.harness.results import load_rank, merged_state
+from tests.harness.trainer import quiet_trainer
 from tests.harness.zoo.real import LMWrapper, loader
 
 pytestmark = pytest.mark.slow
@@ -31,9 +32,8 @@ def reference(kind: str, steps: int, batch: int, n_micro: int, gradient_clip_val
         def on_train_batch_end(self, trainer, *args):
             losses.append(float(trainer.callback_metrics["train/loss"]))
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, callbacks=[Record()],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, gradient_clip_val=gradient_clip_val)
+    trainer = quiet_trainer(devices=1, max_steps=steps, callbacks=[Record()], num_sanity_val_steps=0,
+                            limit_val_batches=0, gradient_clip_val=gradient_clip_val)
     trainer.fit(model, loader(kind, batch, shuffle_like_lightning=True))
     return model, losses
 

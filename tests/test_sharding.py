@@ -7,6 +7,7 @@ import pytest
 
 from lightning_hpp import HPPStrategy, PlanError, ShardingOptions
 from lightning_hpp.errors import ShardingError
+from tests.harness.trainer import quiet_trainer
 
 
 @pytest.mark.parametrize(
@@ -167,9 +168,8 @@ def one_process(model, steps: int, batch: int, n: int = 32, clip: float | None =
         def on_train_batch_end(self, trainer, *args):
             losses.append(float(trainer.callback_metrics["train/loss"]))
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, callbacks=[Record()],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, gradient_clip_val=clip)
+    trainer = quiet_trainer(devices=1, max_steps=steps, callbacks=[Record()], num_sanity_val_steps=0,
+                            limit_val_batches=0, gradient_clip_val=clip)
     trainer.fit(model, loader(model.kind, batch, n=n, shuffle_like_lightning=True))
     return {k: v.detach() for k, v in model.state_dict().items()}, torch.tensor(losses)
 
@@ -338,9 +338,8 @@ def _replica_ordered_staged_reference(run: dict, replicas: int, bf16: bool = Tru
         def on_train_batch_end(self, trainer, *args):
             losses.append(float(trainer.callback_metrics["train/loss"]))
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=run["steps"], logger=False, callbacks=[Record()],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = quiet_trainer(devices=1, max_steps=run["steps"], callbacks=[Record()], num_sanity_val_steps=0,
+                            limit_val_batches=0)
     trainer.fit(model, loader("gpt2", run["batch"] * replicas, n=run["n"], shuffle_like_lightning=True))
     return {k: v.detach() for k, v in model.state_dict().items()}, torch.tensor(losses)
 

@@ -6,6 +6,7 @@ import pytest
 
 from lightning_hpp import HPPStrategy, PlanError
 from tests.harness.launch import Job, run_jobs
+from tests.harness.trainer import quiet_trainer
 from tests.workers import refusals
 from tests.workers.run_errors import PLANTED_ENV, PLANTED_HPARAMS
 
@@ -139,8 +140,7 @@ def test_a_run_that_raises_leaks_no_secret(first_error_jobs):
 
 
 def test_registered_with_lightning_as_hpp():
-    import lightning as L
 
-    trainer = L.Trainer(strategy="hpp", accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
+    trainer = quiet_trainer(enable_model_summary=None, enable_checkpointing=None, strategy="hpp", devices=2)
     assert isinstance(trainer.strategy, HPPStrategy)
     assert trainer.strategy.schedule == "1f1b" and trainer.strategy.n_microbatches == 4

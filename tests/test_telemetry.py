@@ -7,7 +7,6 @@ import json
 import math
 from pathlib import Path
 
-import lightning as L
 import pytest
 from PIL import Image
 
@@ -18,6 +17,7 @@ from lightning_hpp.telemetry.model import Act, schedule_actions, simulate, theor
 from lightning_hpp.telemetry.recorder import RankStep, ScheduleInfo, analyze
 from lightning_hpp.telemetry.render import schedule_grid
 from tests.harness.launch import Job, run_job
+from tests.harness.trainer import quiet_trainer
 from tests.harness.zoo import MLP, loaders
 
 COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -174,10 +174,7 @@ def test_bad_input():
 
 
 def test_refuses_a_non_pipeline_strategy(tmp_path):
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=1, callbacks=[PipelineTelemetry()], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(devices=1, max_steps=1, callbacks=[PipelineTelemetry()], default_root_dir=tmp_path)
     train, _ = loaders(16)
     with pytest.raises(TelemetryError, match="SingleDeviceStrategy"):
         trainer.fit(MLP(), train)

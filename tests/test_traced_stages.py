@@ -22,6 +22,7 @@ from lightning_hpp.checkpoint.lightning_state import from_sharded, load_template
 from lightning_hpp.checkpoint.sharded import checkpoint_keys, load_sharded, save_sharded
 from lightning_hpp.precision.fp8 import EmulatedFP8Mode
 from tests.harness.results import load_rank, merged_state
+from tests.harness.trainer import quiet_trainer
 from tests.harness.zoo.real import LMWrapper, loader
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -297,9 +298,8 @@ def staged_reference(run: dict, contexts: list[Callable[[], contextlib.AbstractC
         def on_train_batch_end(self, trainer, *args):
             losses.append(float(trainer.callback_metrics["train/loss"]))
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=run["steps"], logger=False, callbacks=[Record()],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = quiet_trainer(devices=1, max_steps=run["steps"], callbacks=[Record()], num_sanity_val_steps=0,
+                            limit_val_batches=0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small tensors: one intra-op thread is faster on a shared 2-core machine
     try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tests.conformance.harness import Ctx, scenario, seeded, snapshot

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hpp import HPPStrategy, StagePlan
+from tests.harness.trainer import quiet_trainer
 from tests.harness.zoo import MLP, make_dataset
 
 
@@ -102,10 +103,8 @@ def run(case: str, out: str) -> None:
     stage_fields = {"precision": cfg["precision"]} if "precision" in cfg else {}
     strategy = HPPStrategy(plan=StagePlan.split_at(cfg["plan"], **stage_fields), schedule=cfg["schedule"], n_microbatches=cfg["n_micro"],
                            frontend=cfg.get("frontend", "auto"), timeout=120)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=cfg["steps"], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=cfg.get("limit_val_batches", 0),
-                        default_root_dir=os.path.join(out, case))
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=cfg["steps"], num_sanity_val_steps=0,
+                            limit_val_batches=cfg.get("limit_val_batches", 0), default_root_dir=os.path.join(out, case))
     train = DataLoader(make_dataset(128), batch_size=cfg["batch"], drop_last=True)
     val = DataLoader(make_dataset(cfg.get("val_n", 64), seed=1), batch_size=cfg.get("val_batch", 16))
     with warnings.catch_warnings(record=True) as caught:

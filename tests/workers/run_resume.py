@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from tests.harness.trainer import quiet_trainer
 
 PRELOADED = "lightning" in sys.modules  # before this script's imports: a worker of lightning_hpp.torchrun
 
@@ -103,12 +104,10 @@ def main(cfg: dict) -> None:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         callbacks.append(ModelCheckpoint(dirpath=cfg["mc_dirpath"], save_last=True, every_n_train_steps=cfg["every"], save_top_k=1))
-    trainer = L.Trainer(
-        accelerator="cpu", devices=cfg.get("devices", 2), num_nodes=1, strategy=strategy, max_steps=cfg["steps"],
-        logger=False, enable_checkpointing=bool(cfg.get("ckpt_dir") or cfg.get("mc_dirpath")), enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
-        default_root_dir=cfg["out"],
-    )
+    trainer = quiet_trainer(devices=cfg.get("devices", 2), num_nodes=1, strategy=strategy, max_steps=cfg["steps"],
+                            enable_checkpointing=bool(cfg.get("ckpt_dir") or cfg.get("mc_dirpath")),
+                            num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+                            default_root_dir=cfg["out"])
     train, val = loaders(cfg.get("batch", 16))
     trainer.fit(model, train, val, ckpt_path=cfg.get("ckpt_path"))
     from lightning_hpp.checkpoint.lightning_state import optimizer_to_named, param_names

@@ -24,6 +24,7 @@ import lightning as L
 import torch
 
 from lightning_hpp import BiasMonitor, HPPPrecision, HPPStrategy, StagePlan
+from tests.harness.trainer import quiet_trainer
 from tests.harness.zoo.real import LMWrapper, loader
 from tests.workers.run_real import StepLosses
 
@@ -85,13 +86,14 @@ def run(cfg: dict, devices: int) -> None:
                            timeout=120, **cfg.get("strategy", {}))
     losses, collectives = StepLosses(), Collectives()
     extra = [BiasMonitor()] if cfg.get("bias_monitor") else []
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg["steps"], logger=False,
-                        plugins=[HPPPrecision(clip=cfg.get("clip", "global"), init_scale=cfg.get("init_scale", 2.0**16),
-                                             **({"fp8_backend": cfg["fp8_backend"]} if cfg.get("fp8_backend") else {}))], callbacks=[losses, collectives, *extra],
-                        enable_checkpointing=bool(cfg.get("checkpointing")), enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=cfg.get("limit_val_batches", 0),
-                        val_check_interval=cfg.get("val_check_interval"), default_root_dir=cfg["out"],
-                        gradient_clip_val=cfg.get("gradient_clip_val"))
+    trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=cfg["steps"],
+                            plugins=[HPPPrecision(clip=cfg.get("clip", "global"), init_scale=cfg.get("init_scale", 2.0**16),
+                                             **({"fp8_backend": cfg["fp8_backend"]} if cfg.get("fp8_backend") else {}))],
+                            callbacks=[losses, collectives, *extra],
+                            enable_checkpointing=bool(cfg.get("checkpointing")), num_sanity_val_steps=0,
+                            limit_val_batches=cfg.get("limit_val_batches", 0),
+                            val_check_interval=cfg.get("val_check_interval"), default_root_dir=cfg["out"],
+                            gradient_clip_val=cfg.get("gradient_clip_val"))
     try:
         val = loader(cfg["model"], cfg["batch"], n=8) if cfg.get("limit_val_batches") else None
         trainer.fit(model, train, val)

@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
 from lightning_hpp.telemetry.callback import PipelineTelemetry
+from tests.harness.trainer import quiet_trainer
 from tests.harness.zoo import loaders
 
 
@@ -78,20 +79,10 @@ def run(cfg: dict, devices: int) -> None:
         timeout=60,
         telemetry={"every_n_steps": cfg.get("every_n_steps"), "trace_step": cfg.get("trace_step")},
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=cfg["steps"],
-        logger=CSVLogger(out, name="csv", version=0),
-        log_every_n_steps=cfg.get("log_every_n_steps", 1),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        default_root_dir=out,
-    )
+    trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=cfg["steps"],
+                            logger=CSVLogger(out, name="csv", version=0),
+                            log_every_n_steps=cfg.get("log_every_n_steps", 1), num_sanity_val_steps=0,
+                            limit_val_batches=0, default_root_dir=out)
     train, _ = loaders(cfg["batch"])
     trainer.fit(TimedMLP(cfg["ms0"], cfg["ms1"]), train)
     telemetry = next(cb for cb in trainer.callbacks if isinstance(cb, PipelineTelemetry))

@@ -24,6 +24,7 @@ from lightning_hpp.options import CheckpointOptions, PlacementOptions
 from lightning_hpp.pipeline.mesh import stages_of_position
 from lightning_hpp.pipeline.view import pipeline_view
 from lightning_hpp.telemetry.watch import StragglerWatch
+from tests.harness.trainer import quiet_trainer
 from tests.harness.zoo import MLP, loaders
 
 
@@ -78,9 +79,8 @@ def _dump(cfg: dict, rank: int, data: dict) -> None:
 def reference(cfg: dict) -> None:
     L.seed_everything(0)
     model, losses = ConstantLR(), Losses()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=cfg["steps"], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        callbacks=[losses])
+    trainer = quiet_trainer(devices=1, max_steps=cfg["steps"], num_sanity_val_steps=0, limit_val_batches=0,
+                            callbacks=[losses])
     train, val = loaders(cfg.get("batch", 16))
     sampler = DistributedSampler(train.dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
     trainer.fit(model, DataLoader(train.dataset, batch_size=cfg.get("batch", 16), sampler=sampler, drop_last=True), val)
@@ -102,9 +102,9 @@ def main(cfg: dict) -> None:
     callbacks = [losses]
     if cfg.get("slow"):
         callbacks.append(SlowRank(**cfg["slow"]))
-    trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy=strategy, max_steps=cfg["steps"], logger=False,
-                        enable_checkpointing=bool(cfg.get("ckpt_dir")), enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, default_root_dir=cfg["out"])
+    trainer = quiet_trainer(devices=2, num_nodes=1, strategy=strategy, max_steps=cfg["steps"],
+                            enable_checkpointing=bool(cfg.get("ckpt_dir")), num_sanity_val_steps=0, limit_val_batches=0,
+                            callbacks=callbacks, default_root_dir=cfg["out"])
     train, val = loaders(cfg.get("batch", 16))
     ended, error = "finished", None
     try:
