@@ -51,14 +51,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory, selection) -> dict:
     out = tmp_path_factory.mktemp("recovery")
     ckpt = out / "ckpt"
     base = {"out": str(out), "steps": 15, "num_workers": 2}
-    run_job(Job(WORKER, {**base, "tag": "ref", "dir": str(ckpt), "every": 5}))
+    run_job(Job(WORKER, {**base, "tag": "ref", "dir": str(ckpt), "every": 5}, ranks=2, start="forked"))
     selection()  # done by now (or shortly): its ranks do not run beside the jobs below
     flip_tensor_byte(ckpt / "step-15")
     garbage_index(ckpt / "step-10")
     damaged = {"step-15": digest(ckpt / "step-15"), "step-10": digest(ckpt / "step-10")}
-    run_job(Job(WORKER, {**base, "tag": "fallback", "dir": str(ckpt), "every": 5, "resume": "auto", "keep_last": 1}))
+    run_job(Job(WORKER, {**base, "tag": "fallback", "dir": str(ckpt), "every": 5, "resume": "auto", "keep_last": 1},
+                ranks=2, start="forked"))
     after_fallback = sorted(p.name for p in ckpt.iterdir())
-    fresh = run_job(Job(WORKER, {**base, "tag": "fresh", "dir": str(ckpt), "every": 5}), check=False)
+    fresh = run_job(Job(WORKER, {**base, "tag": "fresh", "dir": str(ckpt), "every": 5}, ranks=2, start="forked"), check=False)
     return {"out": out, "ckpt": ckpt, "damaged": damaged, "after_fallback": after_fallback, "fresh": fresh}
 
 

@@ -61,7 +61,7 @@ def eight_rank_runs(out: Path) -> list[dict]:
 def chain(eight_rank_job) -> Path:
     out = eight_rank_job.chain
     assert all((out / f"pp4_tp_rank{r}.pt").exists() for r in range(8)), eight_rank_job.proc.stderr[-8000:]
-    run_job(Job("tests.workers.run_resume", {"runs": _runs(out, 4)}, timeout=1200))
+    run_job(Job("tests.workers.run_resume", {"runs": _runs(out, 4)}, ranks=4, start="forked", timeout=1200))
     return out
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +21,7 @@ from lightning_hpp import HPPStrategy
 from lightning_hpp.examples_data import DigitsDataModule
 from lightning_hpp.options import BiasOptions, CheckpointOptions, TelemetryOptions
 from lightning_hpp.planning.plan import PLAN_FILENAME, StagePlan, StageSpec
-from tests.harness.launch import ROOT
+from tests.harness.launch import ROOT, Job, run_job
 from tests.harness.trainer import quiet_trainer
 
 EXAMPLE = ROOT / "examples" / "cli"
@@ -104,14 +102,11 @@ def test_yaml_and_flags_train_two_stages_like_one_process(tmp_path: Path) -> Non
     # directory), keep_last=2 and the rest; flags on top of it every_n_steps (a field of the YAML's checkpoint
     # section) and n_microbatches
     steps, ckpt, logs = 3, tmp_path / "checkpoints", tmp_path / "logs"
-    cmd = [sys.executable, str(EXAMPLE / "train.py"), "fit", "--config", str(EXAMPLE / "config.yaml"),
+    cmd = ["fit", "--config", str(EXAMPLE / "config.yaml"),
            "--trainer.strategy.checkpoint.every_n_steps=1", "--trainer.strategy.n_microbatches=4",
            f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0", f"--trainer.logger.init_args.save_dir={logs}",
            f"--trainer.default_root_dir={tmp_path}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    for name in ("LOCAL_RANK", "WORLD_SIZE"):
-        env.pop(name, None)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_job(Job(EXAMPLE / "train.py", cmd, ranks=2, script=True, cwd=tmp_path, timeout=300), check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
     log_dir = logs / "lightning_logs" / "version_0"
     saved = json.loads((log_dir / PLAN_FILENAME).read_text())

@@ -25,7 +25,7 @@ SYNC_WARNING = "It is recommended to use `self.log("
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("edges")
-    run_job(Job("tests.workers.run_edges", {"out": str(out)}, timeout=600))
+    run_job(Job("tests.workers.run_edges", {"out": str(out)}, ranks=2, start="forked", timeout=600))
     return out
 
 

@@ -148,7 +148,8 @@ def uncapturable_job(tmp_path_factory):
     from tests.workers.refusals import COLLECTIVE_TIMEOUT_S
 
     proc = run_job(Job("tests.workers.run_traced_cases", {"cases": [c for c, _ in UNCAPTURABLE], "out": str(out),
-                                                          "timeout": COLLECTIVE_TIMEOUT_S}, timeout=600), check=False)
+                                                          "timeout": COLLECTIVE_TIMEOUT_S},
+                       ranks=2, start="forked", timeout=600), check=False)
     return proc, out
 
 

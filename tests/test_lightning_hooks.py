@@ -59,7 +59,7 @@ def reference(cls: type[MLP], **trainer_kw) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hooks")
-    run_job(Job("tests.workers.run_hooks", {"out": str(out)}))
+    run_job(Job("tests.workers.run_hooks", {"out": str(out)}, ranks=2, start="forked"))
     return out
 
 

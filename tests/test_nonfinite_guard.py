@@ -13,7 +13,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_one_ranks_nan_stops_every_rank_at_that_step_or_warns_where_it_is(tmp_path):
-    run_job(Job("tests.workers.run_nonfinite", {"out": str(tmp_path), "poison_step": 2, "steps": 4}, timeout=300))
+    run_job(Job("tests.workers.run_nonfinite", {"out": str(tmp_path), "poison_step": 2, "steps": 4}, ranks=4, start="forked",
+                timeout=300))
     ranks = {p: [json.loads((tmp_path / p / f"rank{r}.json").read_text()) for r in range(4)]
              for p in ("warn", "raise", "gradient")}
 

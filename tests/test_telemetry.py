@@ -196,7 +196,7 @@ def test_two_rank_run_logs_traces_and_measures_the_bubble(tmp_path):
         {"name": "slow", "schedule": "gpipe", "n_micro": m, "batch": 16, "steps": 6, "ms0": 5, "ms1": 20, "out": str(tmp_path)},
         # the default every_n_steps follows log_every_n_steps: every exchange reaches the logger
         {"name": "every2", "schedule": "gpipe", "n_micro": m, "batch": 16, "steps": 4, "ms0": 1, "ms1": 1, "out": str(tmp_path), "log_every_n_steps": 2},
-    ]}, timeout=180))
+    ]}, ranks=2, start="forked", timeout=180))
 
     # Logged through Lightning's CSVLogger on rank 0, every step.
     rows = _csv_rows(tmp_path / "even" / "csv" / "version_0" / "metrics.csv")

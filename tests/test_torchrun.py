@@ -1,14 +1,13 @@
 """``python -m lightning_hpp.torchrun``'s refusals (its restarts are in ``test_resume.py``)."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from lightning_hpp import torchrun
-from tests.harness.launch import ROOT
+from tests.harness.launch import Job, run_job
 
 
 @pytest.mark.parametrize(("argv", "said"), [
@@ -50,9 +49,9 @@ def test_workers_run_the_script_as_python_would_with_lightning_imported_and_atex
     script.write_text(SCRIPT)
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "lightning_hpp.torchrun", "--standalone", "--nproc-per-node", "2",
-                           str(script.relative_to(tmp_path)), str(out), "--flag"],
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=240)
+    proc = run_job(Job((sys.executable, "-m", "lightning_hpp.torchrun", "--standalone", "--nproc-per-node", "2"),
+                       [str(script.relative_to(tmp_path)), str(out), "--flag"], ranks=2, script=True, cwd=tmp_path,
+                       timeout=240), check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # what a fresh interpreter starts processes with (fork on Linux before Python 3.14), not the launcher's forkserver
     fresh = subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
