@@ -73,7 +73,7 @@ def bad_setup_jobs(tmp_path_factory):
     outs = {d: tmp_path_factory.mktemp(f"bad_setups_{d}") for d in sizes}
     jobs = [Job("tests.workers.run_cases", {"cases": [c for c, n, _ in BAD_SETUPS if n == d], "devices": d,
                                             "out": str(outs[d]), "timeout": refusals.COLLECTIVE_TIMEOUT_S},
-                ranks=d, timeout=600) for d in sizes]
+                ranks=d, start="forked", timeout=600) for d in sizes]
     procs = run_jobs(jobs, check=False)
     return {d: (proc, outs[d]) for d, proc in zip(sizes, procs)}
 

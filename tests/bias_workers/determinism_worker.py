@@ -45,7 +45,8 @@ def run(seed: int, out: Path) -> dict:
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     strategy = HPPStrategy(plan=StagePlan([StageSpec(modules=m) for m in TWO]), schedule="gpipe",
                            n_microbatches=2, timeout=60)
-    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=6, num_sanity_val_steps=0, default_root_dir=str(out))
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=6, num_sanity_val_steps=0,
+                            default_root_dir=str(out))
     loader = DataLoader(NoisyDataset(), batch_size=16, shuffle=True, num_workers=1, drop_last=True)
     trainer.fit(model, loader)
     held = list(model.state_dict())  # units held by other ranks were replaced by parameterless stand-ins
