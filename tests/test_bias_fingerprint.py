@@ -175,14 +175,17 @@ def test_policies_follow_the_severity(base_fp, caplog):
     fps[1]["torch"] = "0.0.1"
     fps[1]["hash_probe"] = fps[0]["hash_probe"] + 1  # PYTHONHASHSEED unset: each process hashes its own way
     diffs = compare_fingerprints(fps)
-    assert [(d.code, d.severity) for d in diffs] == [("hash_probe_mismatch", "reproducibility"), ("torch_mismatch", "skew")]
+    assert [(d.code, d.severity) for d in diffs] == [("hash_probe_mismatch", "reproducibility"),
+                                                     ("torch_mismatch", "skew")]
     assert diffs[1].to_dict()["severity"] == "skew" and diffs[1].to_dict()["values"][1] == "0.0.1"
-    with pytest.raises(FingerprintMismatchError, match=r"torch_mismatch: .* \(rank 0\) vs 0\.0\.1 \(rank 1\) \[skew\]") as err:
+    with pytest.raises(FingerprintMismatchError,
+                       match=r"torch_mismatch: .* \(rank 0\) vs 0\.0\.1 \(rank 1\) \[skew\]") as err:
         enforce(diffs, "error")
     assert "hash_probe" not in str(err.value)
     with caplog.at_level("INFO", logger="lightning_hpp.bias.fingerprint"), pytest.warns(CodedBiasWarning) as caught:
         enforce(diffs, "warn")
-    assert len(caught) == 1 and "torch_mismatch" in str(caught[0].message) and "hash_probe" not in str(caught[0].message)
+    assert len(caught) == 1
+    assert "torch_mismatch" in str(caught[0].message) and "hash_probe" not in str(caught[0].message)
     assert [r.getMessage().split(":")[1].strip() for r in caplog.records] == ["hash_probe_mismatch"]
     with pytest.raises(FingerprintMismatchError, match=r"hash_probe_mismatch: .*\[reproducibility\]"):
         enforce(diffs, "error", deterministic=True)

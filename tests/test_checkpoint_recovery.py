@@ -59,7 +59,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, selection) -> dict:
     run_job(Job(WORKER, {**base, "tag": "fallback", "dir": str(ckpt), "every": 5, "resume": "auto", "keep_last": 1},
                 ranks=2, start="forked"))
     after_fallback = sorted(p.name for p in ckpt.iterdir())
-    fresh = run_job(Job(WORKER, {**base, "tag": "fresh", "dir": str(ckpt), "every": 5}, ranks=2, start="forked"), check=False)
+    fresh = run_job(Job(WORKER, {**base, "tag": "fresh", "dir": str(ckpt), "every": 5}, ranks=2, start="forked"),
+                    check=False)
     return {"out": out, "ckpt": ckpt, "damaged": damaged, "after_fallback": after_fallback, "fresh": fresh}
 
 

@@ -107,7 +107,8 @@ def test_persistent_errors_raise_or_warn_and_keep_earlier_checkpoints(s3_env: S3
     root = s3_env.root
     save_sharded(_state(1), checkpoint_url(root, 1), step=1)
     fault_proxy.fail_always("500", methods=("PUT", "POST"))
-    with pytest.raises(CheckpointSaveError, match=r"step-2.*after up to 3 tries of each request.*Earlier checkpoints are untouched"):
+    with pytest.raises(CheckpointSaveError,
+                       match=r"step-2.*after up to 3 tries of each request.*Earlier checkpoints are untouched"):
         save_sharded(_state(2), checkpoint_url(root, 2), step=2, retry=FAST)
     assert fault_proxy.faults >= 3
     with pytest.warns(CheckpointWarning, match="step-2"):
@@ -225,7 +226,8 @@ def test_s3_options_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     assert s3_storage_options({"AWS_ENDPOINT_URL": "http://a:1"})["client_kwargs"]["endpoint_url"] == "http://a:1"
     with pytest.raises(S3ConfigError, match=r"AWS_ENDPOINT_URL='localhost:9000' is not an endpoint URL"):
         s3_storage_options({"AWS_ENDPOINT_URL": "localhost:9000"})
-    with pytest.raises(S3ConfigError, match=r"`s3_storage_options\(retry_mode='legacy'\)` is not supported; use one of 'standard'"):
+    with pytest.raises(S3ConfigError,
+                       match=r"`s3_storage_options\(retry_mode='legacy'\)` is not supported; use one of 'standard'"):
         s3_storage_options({}, retry_mode="legacy")
     with pytest.raises(S3ConfigError, match=r"`s3_storage_options\(max_attempts=0\)`: must be a positive integer"):
         s3_storage_options({}, max_attempts=0)
@@ -274,7 +276,8 @@ def test_reads_and_lookups_retry_like_writes_when_botocore_does_not(
     key = "run/step-2/.metadata"
     garbage = bytes(len(s3.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()))
     s3.put_object(Bucket=s3_env.bucket, Key=key, Body=garbage)
-    with pytest.warns(CheckpointWarning, match=r"step-2.*'.metadata' fails its sha256.*Moved it to .*run/corrupt/step-2"):
+    with pytest.warns(CheckpointWarning,
+                      match=r"step-2.*'.metadata' fails its sha256.*Moved it to .*run/corrupt/step-2"):
         chosen = select_and_load(request, lambda url: load_sharded(url, dict(template), retry=policy), retry=policy)
     assert chosen.url == first
     objects = s3_env.objects()
@@ -285,7 +288,8 @@ def test_reads_and_lookups_retry_like_writes_when_botocore_does_not(
 LIST_V2 = "list-type=2"  # the query of every ListObjectsV2 request
 
 
-def test_lightnings_own_filesystem_retries_as_configured_while_storage_is_routed(s3_env: S3Env, fault_proxy: FaultProxy) -> None:
+def test_lightnings_own_filesystem_retries_as_configured_while_storage_is_routed(s3_env: S3Env,
+                                                                                 fault_proxy: FaultProxy) -> None:
     # ModelCheckpoint.file_exists: fs.exists on a name not taken yet (HEAD 404, then ListObjectsV2 for a directory),
     # on the filesystem Lightning makes itself (get_filesystem). botocore's retries are off in the environment.
     save_sharded(_state(1), checkpoint_url(s3_env.root, 1), step=1)
@@ -320,7 +324,8 @@ def test_injected_500s_on_list_objects_during_model_checkpoint_do_not_end_a_run(
     from tests.harness.launch import Job, run_job
 
     failures = RetryPolicy().attempts - 1  # the strategy's one policy: this many failures of a request survive
-    cfg = {"moto_port": s3_env.port, "root": s3_env.root, "out": str(tmp_path), "failures": failures, "steps": 4, "every": 2}
+    cfg = {"moto_port": s3_env.port, "root": s3_env.root, "out": str(tmp_path), "failures": failures, "steps": 4,
+           "every": 2}
     run_job(Job("tests.workers.run_s3_faults", cfg, ranks=2, start="forked", timeout=300))
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["global_step"] == 4 and result["armed"] == 2
@@ -337,10 +342,12 @@ def test_s3_without_credentials_is_refused_early_with_the_variables_to_set(monke
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    expected = r"'s3://ckpt-bucket/run' is on S3, but no S3 credentials were found\. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+    expected = (r"'s3://ckpt-bucket/run' is on S3, but no S3 credentials were found\. "
+                r"Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
     with pytest.raises(S3ConfigError, match=expected):
         check_checkpoint_dir("s3://ckpt-bucket/run")  # what the strategy runs at setup, before any save
     with pytest.raises(S3ConfigError, match=expected):
-        select_and_load(PendingResume("s3://ckpt-bucket/run", roots=["s3://ckpt-bucket/run"], what="resume='auto'"), len)
+        select_and_load(PendingResume("s3://ckpt-bucket/run", roots=["s3://ckpt-bucket/run"], what="resume='auto'"),
+                        len)
     with pytest.raises(S3ConfigError, match="no S3 credentials"):
         select_and_load("s3://ckpt-bucket/run/step-1", len)

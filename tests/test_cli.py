@@ -62,8 +62,10 @@ def test_flags_alone_configure_the_strategy_and_each_section(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("flag, message", [
-    ("--trainer.strategy.checkpoint.on_error=explode", "`CheckpointOptions(on_error='explode')` is not supported; use one of 'raise', 'warn'."),
-    ("--trainer.strategy.checkpoint.keep_last=2", "`CheckpointOptions(keep_last=...)` applies to the checkpoints in `dir`, but `dir` is not set"),
+    ("--trainer.strategy.checkpoint.on_error=explode",
+     "`CheckpointOptions(on_error='explode')` is not supported; use one of 'raise', 'warn'."),
+    ("--trainer.strategy.checkpoint.keep_last=2",
+     "`CheckpointOptions(keep_last=...)` applies to the checkpoints in `dir`, but `dir` is not set"),
 ])
 def test_a_bad_section_value_is_refused_with_the_sections_own_message(flag: str, message: str) -> None:
     base = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=lightning_hpp.HPPStrategy"]
@@ -104,13 +106,15 @@ def test_yaml_and_flags_train_two_stages_like_one_process(tmp_path: Path) -> Non
     steps, ckpt, logs = 3, tmp_path / "checkpoints", tmp_path / "logs"
     cmd = ["fit", "--config", str(EXAMPLE / "config.yaml"),
            "--trainer.strategy.checkpoint.every_n_steps=1", "--trainer.strategy.n_microbatches=4",
-           f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0", f"--trainer.logger.init_args.save_dir={logs}",
+           f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
+           f"--trainer.logger.init_args.save_dir={logs}",
            f"--trainer.default_root_dir={tmp_path}"]
     proc = run_job(Job(EXAMPLE / "train.py", cmd, ranks=2, script=True, cwd=tmp_path, timeout=300), check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
     log_dir = logs / "lightning_logs" / "version_0"
     saved = json.loads((log_dir / PLAN_FILENAME).read_text())
-    assert [s["modules"] for s in saved["stages"]] == [[f"layers.{i}" for i in u] for u in ((0, 1, 2), (3, 4, 5))]  # the YAML's
+    assert [s["modules"] for s in saved["stages"]] == [[f"layers.{i}" for i in u] for u in ((0, 1, 2),
+                                                                                            (3, 4, 5))]  # the YAML's
     assert saved["meta"]["n_microbatches"] == 4 and saved["meta"]["pp_degree"] == 2  # the flag's micro-batches
     # every_n_steps=1 (flag) into dir (YAML, relative), keep_last=2 (YAML): steps 2 and 3 are left
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-3"]

@@ -25,7 +25,8 @@ CASES = ["fp8_te_simulated", "fp8_emulated", "fp8_no_te", "fp8_te_recompute", "f
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     out = tmp_path_factory.mktemp("cluster")
-    proc = run_job(Job("tests.workers.run_cluster", {"out": str(out), "cases": CASES}, ranks=2, timeout=600), check=False)
+    proc = run_job(Job("tests.workers.run_cluster", {"out": str(out), "cases": CASES}, ranks=2, timeout=600),
+                   check=False)
     # two cases are refused at setup (exit status 1); a rank left waiting would have stopped the job (status 3)
     assert proc.returncode in (0, 1), proc.stderr[-6000:]
     return out

@@ -99,7 +99,8 @@ def test_unset_or_random_hash_seed_is_replaced_for_children(monkeypatch, value):
 
 @pytest.mark.parametrize("seed", [-1, 1.5, True, "7", None])
 def test_bad_seed_is_refused(seed):
-    with pytest.raises(BiasConfigError, match=rf"`enable_determinism\(seed={re.escape(repr(seed))}\)`: must be an integer >= 0"):
+    with pytest.raises(BiasConfigError,
+                       match=rf"`enable_determinism\(seed={re.escape(repr(seed))}\)`: must be an integer >= 0"):
         enable_determinism(seed)
     with pytest.raises(BiasConfigError, match=re.escape(f"seed={seed!r}")):
         ensure_hash_seed(seed)

@@ -50,7 +50,8 @@ def test_a_model_built_on_the_meta_device_traces_with_its_buffers_on_the_rank_de
     with init_on_meta():
         model = LMWrapper("llama")
     assert next(model.parameters()).is_meta and not next(model.buffers()).is_meta
-    used, problems = place_and_run(model, StagePlan.split_at(["model.model.layers.2"]), lm_call("llama"), frontend="traced")
+    used, problems = place_and_run(model, StagePlan.split_at(["model.model.layers.2"]), lm_call("llama"),
+                                   frontend="traced")
     assert used == "traced"
     assert problems == [], problems
 

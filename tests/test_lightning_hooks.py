@@ -49,7 +49,8 @@ def reference(cls: type[MLP], **trainer_kw) -> dict[str, torch.Tensor]:
     """One process, fp32, the same global batches in the same (shuffled) order, the same steps."""
     L.seed_everything(0)
     model = cls()
-    trainer = quiet_trainer(devices=1, max_steps=worker.STEPS, num_sanity_val_steps=0, limit_val_batches=0, **trainer_kw)
+    trainer = quiet_trainer(devices=1, max_steps=worker.STEPS, num_sanity_val_steps=0, limit_val_batches=0,
+                            **trainer_kw)
     ds = make_dataset(128)
     sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0)
     trainer.fit(model, DataLoader(ds, batch_size=worker.BATCH, sampler=sampler, drop_last=True))

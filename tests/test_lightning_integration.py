@@ -31,7 +31,8 @@ def jobs(tmp_path_factory):
     port = find_free_network_port()
     runs = Runs.of(1, "hpp", [{"name": "tr", "stages": [["layers.0-3"], ["layers.4-6"]], "schedule": "1f1b",
                                 "n_micro": 4, "steps": 4, "batch": 16, "num_nodes": 2, "out": str(torchrun_dir)}])
-    agents = [Job((sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+    agents = [Job((sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                   "--node-rank",
                    str(n), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "tests.workers.run_hpp"),
                   runs, script=True, timeout=480) for n in (0, 1)]
     fit, *agents = run_jobs([Job("tests.workers.run_cases", {"case": "lightning_integration", "devices": 2,
@@ -67,7 +68,8 @@ def test_last_stage_metrics_reach_rank0_loggers_and_callbacks(jobs):
 
     assert re.search(r"train_loss[=:] ?\d\.\d+", proc.stderr + proc.stdout)
     plan = json.loads((Path(r0["log_dir"]) / "stage_plan.json").read_text())
-    assert [s["modules"] for s in plan["stages"]] == [["layers.0", "layers.1", "layers.2", "layers.3"], ["layers.4", "layers.5", "layers.6"]]
+    assert [s["modules"] for s in plan["stages"]] == [["layers.0", "layers.1", "layers.2", "layers.3"],
+                                                      ["layers.4", "layers.5", "layers.6"]]
     assert plan["meta"]["schedule"] == "1f1b" and plan["meta"]["pp_degree"] == 2
 
 

@@ -64,7 +64,8 @@ def _traced_runs() -> list[dict]:
          "gradient_clip_val": 0.5},
         {"name": "nanogpt_balanced", "model": "nanogpt", "points": None, "schedule": "1f1b"},
         {"name": "gpt2_interleaved", "model": "gpt2", "points": ["model.transformer.h.1", "model.transformer.h.2",
-                                                                 "model.transformer.h.3"], "schedule": "interleaved1f1b"},
+                                                                 "model.transformer.h.3"],
+         "schedule": "interleaved1f1b"},
     ]
     for r in runs:
         r.update(n_micro=4, steps=3, batch=8)
@@ -80,9 +81,11 @@ def _batchnorm_runs() -> list[dict]:
     return runs
 
 
-LLAMA3 = {"name": "llama3", "model": "llama", "points": ["model.model.layers.1", "model.model.layers.2"], "schedule": "1f1b",
+LLAMA3 = {"name": "llama3", "model": "llama", "points": ["model.model.layers.1", "model.model.layers.2"],
+          "schedule": "1f1b",
           "n_micro": 4, "steps": 3, "batch": 8}
-GPT2_PP2_DP2 = {"name": "gpt2_pp2_dp2", "model": "gpt2", "points": ["model.transformer.h.2"], "schedule": "1f1b", "pp": 2,
+GPT2_PP2_DP2 = {"name": "gpt2_pp2_dp2", "model": "gpt2", "points": ["model.transformer.h.2"], "schedule": "1f1b",
+                "pp": 2,
                 "n_micro": 2, "steps": 3, "batch": 4}
 
 

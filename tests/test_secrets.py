@@ -25,7 +25,8 @@ def _leaks(files: list[Path], *texts: str) -> list[str]:
 
 @pytest.mark.slow
 def test_planted_secrets_reach_no_logger_file_and_no_log_line(tmp_path):
-    proc = run_job(Job("tests.workers.run_errors", {"out": str(tmp_path), "raise_rank": -1, "timeout": 120}, env=PLANTED_ENV))
+    proc = run_job(Job("tests.workers.run_errors", {"out": str(tmp_path), "raise_rank": -1, "timeout": 120},
+                       env=PLANTED_ENV))
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert any(p.name.startswith("events.out.tfevents") for p in files)  # TensorBoard wrote its events
     assert not _leaks(files, proc.stdout, proc.stderr)

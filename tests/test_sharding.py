@@ -109,7 +109,8 @@ RUNS = {
     # pp2 x fsdp2 Llama (RoPE, grouped-query attention), per-stage clipping and activation checkpointing, its
     # blocks freed after every forward (reshard_after_forward=True)
     "llama_fsdp": {"model": "llama", "model_kw": {"tie": False}, "points": LLAMA_CUT, "gradient_clip_val": 0.3,
-                   "clip": "per-stage", "strategy": {"sharding": {"data_parallel": "fsdp", "reshard_after_forward": True},
+                   "clip": "per-stage",
+                   "strategy": {"sharding": {"data_parallel": "fsdp", "reshard_after_forward": True},
                                                      "activation_checkpointing": True}},
     # a bf16-mixed stage 0 (autocast, fp32 parameters, a bf16 boundary), fp32 stage 1
     "gpt2_bf16": {"model": "gpt2", "points": GPT2_CUT, "precision": ["bf16-mixed", "32-true"], "steps": 4, "n": 8,
@@ -134,7 +135,8 @@ def job(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("sharded")
     runs = [{**DEFAULTS, **cfg, "name": name, "out": str(out / name)} for name, cfg in RUNS.items()]
-    runs += [{**DEFAULTS, **cfg, "name": name, "out": str(out / name), "refused": True} for name, cfg in REFUSED.items()]
+    runs += [{**DEFAULTS, **cfg, "name": name, "out": str(out / name),
+              "refused": True} for name, cfg in REFUSED.items()]
     # the 4 ranks forked from one process that imported Lightning (lightning_hpp.torchrun), not 4 imports
     proc = run_job(Job("tests.workers.run_sharded", {"devices": 4, "runs": runs}, ranks=4, start="forked",
                        timeout=1800), check=False)

@@ -255,7 +255,8 @@ def test_index_file_as_source(saved_llama):
     module = fresh()
     names = stage_names(module, (2,))
     load_stage_weights(module, os.path.join(path, "model.safetensors.index.json"), names=names, rename="model.")
-    assert torch.equal(module.model.model.layers[2].self_attn.q_proj.weight, saved.model.layers[2].self_attn.q_proj.weight)
+    assert torch.equal(module.model.model.layers[2].self_attn.q_proj.weight,
+                       saved.model.layers[2].self_attn.q_proj.weight)
 
 
 # ---------------------------------------------------------------------------- this project's checkpoints

@@ -42,9 +42,12 @@ def test_option_sections_refuse_unknown_keys_and_wrong_types():
     from lightning_hpp.errors import BiasConfigError, CheckpointError
     from lightning_hpp.options import CheckpointOptions
 
-    with pytest.raises(CheckpointError, match=r"`HPPStrategy\(checkpoint=...\)` has unknown keys \['every_n_step'\]; `CheckpointOptions` takes"):
+    with pytest.raises(CheckpointError,
+                       match=r"`HPPStrategy\(checkpoint=...\)` has unknown keys \['every_n_step'\]; "
+                             r"`CheckpointOptions` takes"):
         HPPStrategy(checkpoint={"dir": "x", "every_n_step": 5})
-    with pytest.raises(CheckpointError, match=r"`CheckpointOptions\(async_save='false'\)`: must be True or False \(not a str\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"`CheckpointOptions\(async_save='false'\)`: must be True or False \(not a str\)"):
         CheckpointOptions(async_save="false")
     with pytest.raises(CheckpointError, match=r"`CheckpointOptions\(async_save='false'\)`"):  # also as a dict
         HPPStrategy(checkpoint={"dir": "x", "async_save": "false"})
@@ -60,8 +63,10 @@ BAD_SETUPS = [
     ("non_sequential", 2, "`forward` is not sequential at unit 'layers.4'"),
     ("int_boundary", 2, "boundary after unit 'layers.3' carries Tensor\\(shape=\\(4, 16\\), dtype=torch.int64\\)"),
     ("batch_not_divisible", 2, "Batch size 10 is not divisible by n_microbatches=4"),
-    ("pp_exceeds_world", 2, "`HPPStrategy\\(pp_degree=3\\)` needs at least 3 processes, one per pipeline position, but the job has 2"),
-    ("device_map_rank7", 2, "`PlacementOptions\\(device_map='0:cpu,7:cpu'\\)` names rank\\(s\\) \\[7\\], but the job has 2 processes"),
+    ("pp_exceeds_world", 2,
+     "`HPPStrategy\\(pp_degree=3\\)` needs at least 3 processes, one per pipeline position, but the job has 2"),
+    ("device_map_rank7", 2,
+     "`PlacementOptions\\(device_map='0:cpu,7:cpu'\\)` names rank\\(s\\) \\[7\\], but the job has 2 processes"),
 ]
 
 
@@ -122,7 +127,8 @@ def test_the_first_error_ends_every_rank(first_error_jobs, failing):
     assert own[-1] == f"[rank{failing}]: RuntimeError: boom on rank {failing} at step 2", proc.stderr[-3000:]
     last = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank{peer}]: ")][-1]
     assert re.match(rf"\[rank{peer}\]: lightning_hpp.errors.RankFailedError: rank {failing} failed first: "
-                    rf"RuntimeError: boom on rank {failing} at step 2 \(rank {peer} stopped because", last), proc.stderr[-3000:]
+                    rf"RuntimeError: boom on rank {failing} at step 2 \(rank {peer} stopped because",
+                    last), proc.stderr[-3000:]
     assert elapsed < 240, f"the job took {elapsed:.0f}s to end"
 
 

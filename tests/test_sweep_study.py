@@ -34,7 +34,8 @@ def _driver(args: list[str], timeout: float, env: dict[str, str] | None = None) 
 def _command(sweep: Path) -> list[str]:
     return [
         "-m", "hparams_search=asha", "experiment=mlp_sweep",
-        f"trainer.max_steps={MAX_STEPS}", "trainer.val_check_interval=2", "strategy.timeout=60", f"hydra.sweep.dir={sweep}",
+        f"trainer.max_steps={MAX_STEPS}", "trainer.val_check_interval=2", "strategy.timeout=60",
+        f"hydra.sweep.dir={sweep}",
         f"hydra.sweeper.n_trials={N_TRIALS}", "hydra.sweeper.pruner.min_resource=1",
         "hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=2",
         # every trial checkpoints every step into its own directory, so a retried trial can resume
@@ -102,7 +103,8 @@ def test_asha_prunes_trials_and_every_rank_of_a_pruned_trial_exits(killed_and_re
     assert all(r["state"] == "PRUNED" for r in pruned) and all(r["state"] == "COMPLETE" for r in completed)
     # a completed trial reported every validation (steps 2, 4, 6) from the step it started at (the retry resumes
     # from the killed trial's newest checkpoint, at step 1 or later); a pruned one stopped at its rung
-    assert all([s for s, _ in r["curve"]] == [s for s in (2, 4, 6) if s > r["study"]["start_step"]] for r in completed), [
+    assert all([s for s, _ in r["curve"]] == [s for s in (2, 4,
+                                                          6) if s > r["study"]["start_step"]] for r in completed), [
         (r["num"], r["study"]["start_step"], r["curve"]) for r in completed]
     for r in pruned:
         steps = [s for s, _ in r["curve"]]
@@ -407,7 +409,8 @@ def test_two_drivers_on_postgresql_share_one_study_and_retry_the_killed_drivers_
     assert retry.state.name in ("COMPLETE", "PRUNED")
     # the retry ran in the killed trial's directory and resumed from its checkpoint
     record = json.loads((sweep / str(killed) / "trial.json").read_text())
-    assert record["retry_of"] == killed and "ckpt_path=last" in record["overrides"] and record["study"]["start_step"] >= 1
+    assert record["retry_of"] == killed and "ckpt_path=last" in record["overrides"]
+    assert record["study"]["start_step"] >= 1
     log = (sweep / str(killed) / "trial.log").read_text()
     assert f"Restoring states from the checkpoint path at {sweep / str(killed) / 'ckpt'}" in log
     # each trial drew from its own stream, seed + trial number: what a fresh sampler with that seed draws
@@ -422,7 +425,8 @@ def test_two_drivers_on_postgresql_share_one_study_and_retry_the_killed_drivers_
     assert summary["storage"] == public_url(url) and summary["storage"].startswith("postgresql+psycopg2://hpp:***@/hpp?")
     assert summary["study_name"] == "mlp_sweep_asha"
     files = [p for p in root.rglob("*") if p.is_file()]
-    assert {"summary.json", "study.json", "trial.log", "config.yaml", "snapshot.json", "driver1.log"} <= {p.name for p in files}
+    assert {"summary.json", "study.json", "trial.log", "config.yaml", "snapshot.json",
+            "driver1.log"} <= {p.name for p in files}
     leaks = [str(p) for p in files if PG_SECRET.encode() in p.read_bytes()]
     assert not leaks, f"the database password was written to {leaks}"
     assert processes_mentioning(str(sweep)) == []

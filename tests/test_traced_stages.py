@@ -188,7 +188,8 @@ def three_rank_runs(out: Path) -> list[dict]:
 
 def refused_runs(out: Path) -> list[dict]:
     """The traced GPT-2s whose setup must fail, tried in turn by the ranks of one job (tests/workers/refusals.py)."""
-    return [{**_gpt2_run(name, out, precision=["32-true", "fp8"], **kw), "refused": True} for name, kw in REFUSED.items()]
+    return [{**_gpt2_run(name, out, precision=["32-true", "fp8"], **kw),
+             "refused": True} for name, kw in REFUSED.items()]
 
 
 @pytest.fixture(scope="module")

@@ -50,11 +50,14 @@ def jobs(tmp_path_factory):
             single_env.pop(name, None)
         started = {
             # moto accepts any key; this one must leak nowhere
-            "single": _start("experiment=mlp_tiny", "checkpoint=s3", "strategy.timeout=60", f"hydra.run.dir={root / 'single' / 'run'}",
+            "single": _start("experiment=mlp_tiny", "checkpoint=s3", "strategy.timeout=60",
+                             f"hydra.run.dir={root / 'single' / 'run'}",
                              cwd=root / "single", env=single_env, logs=root / "single_log"),
-            "sweep": _start("-m", "experiment=mlp_tiny", "model.optimizer.lr=0.05,0.2", "plan.stages.1.clip_norm=0.05,1.0",
+            "sweep": _start("-m", "experiment=mlp_tiny", "model.optimizer.lr=0.05,0.2",
+                            "plan.stages.1.clip_norm=0.05,1.0",
                             "strategy.timeout=60", f"hydra.sweep.dir={root / 'sweep'}", logs=root / "sweep_log"),
-            "optuna": _start("hparams_search=optuna", "experiment=mlp_tiny", "hydra.sweeper.n_trials=2", "strategy.timeout=60",
+            "optuna": _start("hparams_search=optuna", "experiment=mlp_tiny", "hydra.sweeper.n_trials=2",
+                             "strategy.timeout=60",
                              f"hydra.sweep.dir={root / 'optuna'}", logs=root / "optuna_log"),
             # the quickest run, as a user types it (PYTHONHASHSEED unset): it must end quietly
             "quiet": _start("experiment=mlp_tiny", "trainer.max_steps=2", f"hydra.run.dir={root / 'quiet'}",
@@ -68,7 +71,8 @@ def jobs(tmp_path_factory):
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, \
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
 
 
 def _val_loss_reference(state: dict) -> float:
@@ -109,7 +113,8 @@ def test_single_run_s3_checkpoint_snapshot_without_secrets(jobs, tmp_path, monke
     assert config["checkpoint"]["dirpath"] == f"s3://{s3_env.bucket}/checkpoints/run"
     assert config["model"]["optimizer"]["lr"] == 0.1 and config["trainer"]["devices"] == 2
     plan = json.loads((snap / "stage_plan.json").read_text())
-    assert [s["modules"] for s in plan["stages"]] == [[f"layers.{i}" for i in range(4)], [f"layers.{i}" for i in range(4, 7)]]
+    assert [s["modules"] for s in plan["stages"]] == [[f"layers.{i}" for i in range(4)],
+                                                      [f"layers.{i}" for i in range(4, 7)]]
     info = json.loads((snap / "snapshot.json").read_text())
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     assert info["code"]["cwd"]["root"] is None  # tmp_path is not a git tree; the package's is recorded
@@ -132,7 +137,8 @@ def test_sweep_2x2_trials_are_separate_multiprocess_runs(jobs):
     trials = [json.loads((sweep / str(i) / "trial.json").read_text()) for i in range(4)]
     assert not (sweep / "4").exists()
     assert {tuple(t["overrides"][1:3]) for t in trials} == {
-        (f"model.optimizer.lr={lr}", f"plan.stages.1.clip_norm={clip}") for lr in ("0.05", "0.2") for clip in ("0.05", "1.0")
+        (f"model.optimizer.lr={lr}", f"plan.stages.1.clip_norm={clip}") for lr in ("0.05", "0.2") for clip in ("0.05",
+                                                                                                               "1.0")
     }
     assert all(t["status"] == "ok" and t["returncode"] == 0 and t["leftover_processes"] == 0 for t in trials)
     values = [t["value"] for t in trials]
@@ -180,7 +186,8 @@ def test_optuna_search_two_trials(jobs):
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     best = min(trials, key=lambda t: t["value"])
     assert results["best_value"] == pytest.approx(best["value"])
-    assert results["best_params"]["model.optimizer.lr"] == pytest.approx(float(dict(o.split("=", 1) for o in best["overrides"])["model.optimizer.lr"]))
+    best_lr = float(dict(o.split("=", 1) for o in best["overrides"])["model.optimizer.lr"])
+    assert results["best_params"]["model.optimizer.lr"] == pytest.approx(best_lr)
     assert "2/2 trial(s) completed" in (sweep / "summary.md").read_text()
 
 

@@ -111,7 +111,8 @@ def fit(name: str, out: Path, sampler, use_distributed_sampler: bool, strategy="
     monitor, probe = BiasMonitor(), _Probe()
     trainer = quiet_trainer(devices=2, strategy=strategy, max_epochs=epochs,
                             use_distributed_sampler=use_distributed_sampler,
-                            logger=CSVLogger(out, name=name, version=0), callbacks=[monitor, probe], log_every_n_steps=1)
+                            logger=CSVLogger(out, name=name, version=0), callbacks=[monitor, probe],
+                            log_every_n_steps=1)
     loader = DataLoader(data(), batch_size=BATCH, sampler=sampler)
     sampler_cls = type(sampler)
     with warnings.catch_warnings(record=True) as caught:

@@ -153,7 +153,8 @@ def lambda_callback(ctx):
     from lightning.pytorch.callbacks import LambdaCallback
 
     seen: list = []
-    callback = LambdaCallback(on_train_batch_end=lambda t, m, outputs, batch, i: seen.append((i, float(outputs["loss"]))),
+    callback = LambdaCallback(on_train_batch_end=lambda t, m, outputs, batch,
+                              i: seen.append((i, float(outputs["loss"]))),
                               on_train_epoch_end=lambda t, m: seen.append(("epoch", t.current_epoch)))
     trainer, model = _fit(ctx, callbacks=(callback,))
     return snapshot(trainer, model, seen=seen)
@@ -208,7 +209,8 @@ def device_stats_and_throughput_monitors(ctx):
     monitors = (DeviceStatsMonitor(cpu_stats=True), ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0)))
     trainer, model = _fit(ctx, callbacks=monitors)
     logged = sorted({k for _, metrics in trainer.logger.records for k in metrics})  # the monitors write to the logger
-    return {"keys": logged, "callback_keys": sorted(trainer.callback_metrics), "state": snapshot(trainer, model)["state"]}
+    return {"keys": logged, "callback_keys": sorted(trainer.callback_metrics),
+            "state": snapshot(trainer, model)["state"]}
 
 
 @scenario("pp2")

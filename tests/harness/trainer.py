@@ -1,6 +1,7 @@
 """The quiet Trainer of the tests: the keyword arguments every test and worker Trainer repeats, in one place.
 
-No progress bar, no model summary, and no logger or checkpointing unless asked, on the CPU accelerator; every other keyword argument goes to ``lightning.Trainer`` as given (and may override these)."""
+No progress bar, no model summary, and no logger or checkpointing unless asked, on the CPU accelerator; every other
+keyword argument goes to ``lightning.Trainer`` as given (and may override these)."""
 
 from __future__ import annotations
 

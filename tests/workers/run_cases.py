@@ -73,7 +73,8 @@ def _build(cfg: dict) -> tuple:
     model = {"non_sequential": NonSequential, "int_boundary": IntBoundary}.get(case, MLP)()
     batch = 16
     if case == "too_many_stages":
-        strategy_kw["plan"] = StagePlan([StageSpec(modules=["layers.0-1"]), StageSpec(modules=["layers.2-3"]), StageSpec(modules=["layers.4-6"])])
+        strategy_kw["plan"] = StagePlan([StageSpec(modules=["layers.0-1"]), StageSpec(modules=["layers.2-3"]),
+                                         StageSpec(modules=["layers.4-6"])])
     if case in ("non_sequential", "int_boundary"):  # the traced frontend would cut these; the sequential one refuses
         strategy_kw["frontend"] = "sequential"
     if case == "pp_not_divisor":

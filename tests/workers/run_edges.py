@@ -91,7 +91,8 @@ CASES = {
     "traced_one_sample": dict(model=MLP, plan=["layers.4"], schedule="1f1b", n_micro=4, batch=4, steps=3, val_batch=8,
                               limit_val_batches=2, frontend="traced"),
     # a traced bf16-true stage with BatchNorm: the cast replaces the buffers; the module's statistics must still move
-    "traced_bn_bf16": dict(model=BatchNormNet, plan=["b"], schedule="1f1b", n_micro=4, batch=16, steps=3, frontend="traced",
+    "traced_bn_bf16": dict(model=BatchNormNet, plan=["b"], schedule="1f1b", n_micro=4, batch=16, steps=3,
+                           frontend="traced",
                            precision=["32-true", "bf16-true"]),
 }
 
@@ -101,7 +102,8 @@ def run(case: str, out: str) -> None:
     L.seed_everything(0)
     model = cfg["model"](depth=cfg["depth"]) if "depth" in cfg else cfg["model"]()
     stage_fields = {"precision": cfg["precision"]} if "precision" in cfg else {}
-    strategy = HPPStrategy(plan=StagePlan.split_at(cfg["plan"], **stage_fields), schedule=cfg["schedule"], n_microbatches=cfg["n_micro"],
+    strategy = HPPStrategy(plan=StagePlan.split_at(cfg["plan"], **stage_fields), schedule=cfg["schedule"],
+                           n_microbatches=cfg["n_micro"],
                            frontend=cfg.get("frontend", "auto"), timeout=120)
     trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=cfg["steps"], num_sanity_val_steps=0,
                             limit_val_batches=cfg.get("limit_val_batches", 0), default_root_dir=os.path.join(out, case))

@@ -89,7 +89,8 @@ class Manual(MLP):
 
 CASES = {
     "manual": (Manual, {}, {}),
-    "lightning_clip": (ClipsThroughLightning, {"clip": "per-stage"}, {}),  # the stage's own norm; "global" is the default
+    "lightning_clip": (ClipsThroughLightning, {"clip": "per-stage"},
+                       {}),  # the stage's own norm; "global" is the default
     "torch_clip": (ClipsWithTorch, {}, {}),
     "global_clip": (GlobalAfterFirstStep, {"clip": "global"}, {"gradient_clip_val": 0.03}),
 }

@@ -82,7 +82,8 @@ def run(cfg: HppRun, devices: int) -> None:
         "plan": strategy.plan.to_dict(),
         "step_stats": dict(strategy.step_stats),
         "grid": strategy.mesh.grid,
-        "telemetry_steps": [h.step for cb in trainer.callbacks if type(cb).__name__ == "PipelineTelemetry" for h in cb.history],
+        "telemetry_steps": [h.step for cb in trainer.callbacks if type(cb).__name__ == "PipelineTelemetry"
+                            for h in cb.history],
     }
     if cfg.validate:
         out["validate"] = trainer.validate(model, val, verbose=False)

@@ -45,7 +45,8 @@ class PoisonGradient(L.Callback):
     def on_train_start(self, trainer, pl_module):
         if trainer.global_rank == 2:
             pl_module.layers[4].register_full_backward_hook(
-                lambda m, grad_in, grad_out: tuple(None if g is None else torch.full_like(g, float("nan")) for g in grad_in)
+                lambda m, grad_in,
+                grad_out: tuple(None if g is None else torch.full_like(g, float("nan")) for g in grad_in)
                 if self.on else None)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

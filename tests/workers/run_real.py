@@ -5,10 +5,11 @@ logged at every step (as rank 0's loggers see it), the plan and the frontend, it
 (by parameter name), the global step and the checkpoint it resumed from.
 Usage: python -m tests.workers.run_real '<tests.harness.runs.Runs of RealRun, as JSON>'
 
-Config fields (tests.harness.runs.RealRun): ``model`` (a tests.harness.zoo.real kind, or ``"mlp"``: tests.harness.zoo.MLP), ``points`` (cut
-points, or None), ``precision`` (one per stage, with ``points``), ``schedule``, ``n_micro``, ``pp``,
-``frontend``, ``steps``, ``batch``, ``n``, ``limit_val_batches``, ``out``, ``model_kw`` (for the
-model, e.g. ``{"in_configure_model": true}``), ``wrapper`` (``"split_mlp"``: tests.harness.zoo.real.SplitMLP), ``strategy`` (more HPPStrategy keyword arguments), and for checkpoints
+Config fields (tests.harness.runs.RealRun): ``model`` (a tests.harness.zoo.real kind, or ``"mlp"``:
+tests.harness.zoo.MLP), ``points`` (cut points, or None), ``precision`` (one per stage, with ``points``),
+``schedule``, ``n_micro``, ``pp``, ``frontend``, ``steps``, ``batch``, ``n``, ``limit_val_batches``, ``out``,
+``model_kw`` (for the model, e.g. ``{"in_configure_model": true}``), ``wrapper`` (``"split_mlp"``:
+tests.harness.zoo.real.SplitMLP), ``strategy`` (more HPPStrategy keyword arguments), and for checkpoints
 ``ckpt_dir``, ``every`` (steps between saves), ``resume`` (``"auto"`` or a path), ``fp8_backend``
 (``HPPPrecision(fp8_backend=...)``; the rank then also saves its fp8 scaling state at the start and at
 the end of training, ``fp8_start`` / ``fp8_end``: layer or weight name -> tensor name -> tensor), and
@@ -142,11 +143,13 @@ def _run(cfg: RealRun, devices: int) -> None:
     from torch.distributed.tensor import DTensor
 
     # a tensor-parallel shard saved whole (collective over its tp group: every rank of it calls this in one order)
-    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    state = {k: (v.full_tensor() if isinstance(v,
+                                               DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
     out = {
         "state": state,
         "local_shapes": {n: list(p.to_local().shape) for n, p in model.named_parameters() if isinstance(p, DTensor)},
-        "param_bytes": sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters()),
+        "param_bytes": sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                           for p in model.parameters()),
         "meta_params": [n for n, p in model.named_parameters() if p.is_meta],
         "materialized": materialized,
         "losses": losses.losses,

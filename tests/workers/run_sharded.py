@@ -3,8 +3,9 @@ launch, and save what each rank holds, shards gathered.
 
 Every rank saves, per configuration, to OUT/<name>/rank{r}.pt: ``state`` (its stages' parameters, each FSDP2
 shard gathered with ``DTensor.full_tensor``), ``local`` (per parameter: the numel of its local shard, of its
-gradient's local shard at the last optimizer step and of its optimizer state's local shards, and its full numel), the loss of every step, the
-plan, the stages it holds and its place in the mesh (``position``, ``replica``, ``dp_shard``, ``dp_replicate``).
+gradient's local shard at the last optimizer step and of its optimizer state's local shards, and its full numel),
+the loss of every step, the plan, the stages it holds and its place in the mesh (``position``, ``replica``,
+``dp_shard``, ``dp_replicate``).
 Usage: python -m tests.workers.run_sharded '<json: {"devices": N, "runs": [config, ...]}>'
 
 Config keys as :mod:`tests.workers.run_real` (``model``, ``points``, ``precision``, ``schedule``, ``n_micro``,
@@ -87,8 +88,10 @@ def run(cfg: dict, devices: int) -> None:
     losses, collectives = StepLosses(), Collectives()
     extra = [BiasMonitor()] if cfg.get("bias_monitor") else []
     trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=cfg["steps"],
-                            plugins=[HPPPrecision(clip=cfg.get("clip", "global"), init_scale=cfg.get("init_scale", 2.0**16),
-                                             **({"fp8_backend": cfg["fp8_backend"]} if cfg.get("fp8_backend") else {}))],
+                            plugins=[HPPPrecision(clip=cfg.get("clip", "global"),
+                                                  init_scale=cfg.get("init_scale", 2.0**16),
+                                                  **({"fp8_backend": cfg["fp8_backend"]} if cfg.get("fp8_backend")
+                                                     else {}))],
                             callbacks=[losses, collectives, *extra],
                             enable_checkpointing=bool(cfg.get("checkpointing")), num_sanity_val_steps=0,
                             limit_val_batches=cfg.get("limit_val_batches", 0),
@@ -122,9 +125,11 @@ def run(cfg: dict, devices: int) -> None:
         "losses": losses.losses,
         "stage_ids": strategy.stage_ids,
         "plan": strategy.plan.to_dict(),
-        "position": mesh.position, "replica": mesh.replica, "dp_shard": mesh.dp_shard, "dp_replicate": mesh.dp_replicate,
+        "position": mesh.position, "replica": mesh.replica, "dp_shard": mesh.dp_shard,
+        "dp_replicate": mesh.dp_replicate,
         "tp": mesh.tp, "tp_rank": mesh.tp_rank,
-        "split": {n: (p.to_local().numel(), p.numel(), [str(x) for x in p.placements], list(p.device_mesh.mesh_dim_names))
+        "split": {n: (p.to_local().numel(), p.numel(), [str(x) for x in p.placements],
+                      list(p.device_mesh.mesh_dim_names))
                   for n, p in model.named_parameters() if hasattr(p, "to_local")},
         "schedule": strategy.schedule if hasattr(strategy, "schedule") else None,
         "device_mesh_dims": list(model.device_mesh.mesh_dim_names),

@@ -53,7 +53,8 @@ class TimedMLP(L.LightningModule):
     def __init__(self, ms0: float, ms1: float):
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(8, 16), Sleep(ms0), nn.Tanh(), nn.Linear(16, 16), Sleep(ms1), nn.Linear(16, 4))
+        self.layers = nn.Sequential(nn.Linear(8, 16), Sleep(ms0), nn.Tanh(), nn.Linear(16, 16), Sleep(ms1),
+                                    nn.Linear(16, 4))
 
     def forward(self, x):
         return self.layers(x)

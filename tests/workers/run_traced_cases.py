@@ -63,7 +63,8 @@ def _fit_and_say(trainer, model, case: str) -> None:
 def _build(cfg: dict) -> tuple:
     L.seed_everything(0)
     model = {"second_call": TwoCalls, "data_dependent": DataDependent}[cfg["case"]]("gpt2")
-    strategy = HPPStrategy(plan=StagePlan.split_at(["model.transformer.h.2"]), n_microbatches=4, timeout=cfg.get("timeout", 60))
+    strategy = HPPStrategy(plan=StagePlan.split_at(["model.transformer.h.2"]), n_microbatches=4,
+                           timeout=cfg.get("timeout", 60))
     trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=2, num_sanity_val_steps=0, limit_val_batches=0)
     return trainer, model
 

@@ -95,7 +95,8 @@ def main(cfg: dict) -> None:
     if plan != "auto":
         plan = StagePlan([StageSpec(modules=m) for m in plan])
     checkpoint = CheckpointOptions(dir=cfg.get("ckpt_dir"), resume=cfg.get("resume"))
-    strategy = HPPStrategy(plan=plan, schedule=cfg.get("schedule"), n_microbatches=cfg.get("n_micro"), pp_degree=cfg.get("pp", 2),
+    strategy = HPPStrategy(plan=plan, schedule=cfg.get("schedule"), n_microbatches=cfg.get("n_micro"),
+                           pp_degree=cfg.get("pp", 2),
                            checkpoint=checkpoint, timeout=cfg.get("timeout", 300),
                            placement=PlacementOptions(watch=cfg.get("watch", "warn")))
     losses = Losses()
@@ -124,13 +125,15 @@ def main(cfg: dict) -> None:
             "grid": p.mesh.grid if p is not None else None,
             # the units each rank holds (a multi-stage schedule puts several stages, not always neighbours, on a rank)
             "units_per_rank": {str(r): sum(len(p.plan.stages[k].modules)
-                                           for k in stages_of_position(pos, p.mesh.pp, p.plan.num_stages, p.runner.kind.style))
+                                           for k in stages_of_position(pos, p.mesh.pp, p.plan.num_stages,
+                                                                       p.runner.kind.style))
                                for pos, row in enumerate(p.mesh.grid) for r in row} if p is not None else None,
             "n_microbatches": p.n_microbatches if p is not None else None,
             "rank_speeds": p.plan.meta.get("rank_speeds") if p is not None else None,
             "resumed_from": strategy.resumed_from,
             "findings": [dataclasses.asdict(f) for f in watch.findings] if watch is not None else None,
-            "alerts": [[s, sig, {str(k): v for k, v in pos.items()}] for s, sig, pos in watch.alerts] if watch else None,
+            "alerts": [[s, sig, {str(k): v for k, v in pos.items()}] for s, sig,
+                       pos in watch.alerts] if watch else None,
         })
 
 
