@@ -326,7 +326,7 @@ def test_injected_500s_on_list_objects_during_model_checkpoint_do_not_end_a_run(
     failures = RetryPolicy().attempts - 1  # the strategy's one policy: this many failures of a request survive
     cfg = {"moto_port": s3_env.port, "root": s3_env.root, "out": str(tmp_path), "failures": failures, "steps": 4,
            "every": 2}
-    run_job(Job("tests.workers.run_s3_faults", cfg, ranks=2, start="forked", timeout=300))
+    run_job(Job("tests.workers.run_s3_faults", cfg, ranks=2, timeout=300))  # rank 0 starts the proxy the others inherit
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["global_step"] == 4 and result["armed"] == 2
     assert result["faults"] == 2 * failures  # every injected 500 was met, and retried
