@@ -107,7 +107,7 @@ class Running:
 
     @property
     def pid(self) -> int:
-        """The id of the job's first process, which leads its process group."""
+        """The id of the job's first process (which leads its process group)."""
         return self.procs[0].pid
 
     def poll(self) -> int | None:
@@ -118,7 +118,7 @@ class Running:
         return next((c for c in codes if c != 0), 0)
 
     def kill(self) -> None:
-        """SIGKILL the job's process group (every process it started), then reap its processes."""
+        """SIGKILL the job's process groups (every process it started), then reap its processes."""
         for proc in self.procs:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -142,8 +142,8 @@ def base_env(extra: Mapping[str, str | None] | None = None) -> dict[str, str]:
 
 
 def start(job: Job, logs: Path) -> Running:
-    """Start ``job`` without waiting, its output into files under ``logs``; every process it starts is in one
-    process group (a session of its own, led by its first process)."""
+    """Start ``job`` without waiting, its output into files under ``logs``; its process (each rank's, for
+    ``per_rank``) leads a session of its own, so that killing the job's groups ends every process it started."""
     logs.mkdir(parents=True, exist_ok=True)
     tag = f"{id(job):x}-{time.monotonic_ns()}"
     cwd = job.cwd or ROOT
@@ -155,13 +155,12 @@ def start(job: Job, logs: Path) -> Running:
         for rank in range(job.ranks):
             env = base_env({**job.env, "RANK": str(rank), "WORLD_SIZE": str(job.ranks), "MASTER_ADDR": "127.0.0.1",
                             "MASTER_PORT": str(port), **job.rank_env.get(rank, {})})
-            group = {"start_new_session": True} if not procs else {"process_group": procs[0].pid}
             out, err = logs / f"{tag}.{rank}.out", logs / f"{tag}.{rank}.err"
-            procs.append(_popen(job.argv(), cwd, env, out, err, group))
+            procs.append(_popen(job.argv(), cwd, env, out, err))
             files.append((out, err))
     else:
         out, err = logs / f"{tag}.out", logs / f"{tag}.err"
-        procs.append(_popen(job.argv(), cwd, base_env(job.env), out, err, {"start_new_session": True}))
+        procs.append(_popen(job.argv(), cwd, base_env(job.env), out, err))
         files.append((out, err))
     return Running(job, procs, files, time.monotonic())
 
@@ -215,18 +214,6 @@ def run_job(job: Job, check: bool = True) -> Finished:
     return run_jobs([job], check=check)[0]
 
 
-def end_group(proc: subprocess.Popen | Running) -> None:
-    """SIGKILL the process group ``proc`` leads (a job started in a session of its own), then reap it."""
-    if isinstance(proc, Running):
-        proc.kill()
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-
-
 def processes_mentioning(text: str) -> list[str]:
     """``"pid: command line"`` of every other process whose command line contains ``text``."""
     found = []
@@ -250,9 +237,11 @@ def _word(arg: object) -> str:
     return json.dumps(arg)
 
 
-def _popen(argv: list[str], cwd: Path, env: dict, out: Path, err: Path, group: dict) -> subprocess.Popen:
+def _popen(argv: list[str], cwd: Path, env: dict, out: Path, err: Path) -> subprocess.Popen:
+    """``argv`` started in a session (process group) of its own, its output into ``out`` / ``err``."""
     with open(out, "w") as out_file, open(err, "w") as err_file:  # the child keeps its own copies
-        return subprocess.Popen(argv, cwd=cwd, env=env, stdout=out_file, stderr=err_file, text=True, **group)
+        return subprocess.Popen(argv, cwd=cwd, env=env, stdout=out_file, stderr=err_file, text=True,
+                                start_new_session=True)
 
 
 def _read(running: Running) -> tuple[str, str]:
