@@ -46,5 +46,5 @@ class Planted(Same):
 
 
 def data():
-    return DataLoader(make_dataset(64), batch_size=8, drop_last=True), DataLoader(make_dataset(16, seed=1),
-                                                                                  batch_size=8)
+    return DataLoader(make_dataset(64), batch_size=8,
+                      drop_last=True), DataLoader(make_dataset(16, seed=1), batch_size=8)

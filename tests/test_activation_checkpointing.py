@@ -229,9 +229,8 @@ def test_activation_checkpointing_round_trips_through_json_and_old_plans_still_l
 def test_split_at_and_stage_decorator_take_activation_checkpointing():
     plan = StagePlan.split_at(["a.1", "a.3"], activation_checkpointing=[True, False, None])
     assert [s.activation_checkpointing for s in plan.stages] == [True, False, None]
-    assert [s.activation_checkpointing for s in StagePlan.split_at(["a.1"],
-                                                                   activation_checkpointing=True).stages] == [True,
-                                                                                                              True]
+    assert [s.activation_checkpointing for s in StagePlan.split_at(
+        ["a.1"], activation_checkpointing=True).stages] == [True, True]
     with pytest.raises(PlanError, match="must be True, False or None"):
         StagePlan.split_at(["a.1"], activation_checkpointing=["on", None])
 

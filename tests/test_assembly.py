@@ -37,8 +37,8 @@ def test_the_options_as_given_are_kept_and_validated():
 
 def test_pp_degree_before_setup_comes_from_the_plan_or_the_world():
     assert PipelineSpec(plan=StagePlan.split_at(["layers.2", "layers.4"])).pp_before_setup(6, None) == 3
-    assert PipelineSpec(plan=StagePlan.split_at(["a", "b", "c"]), schedule="interleaved1f1b").pp_before_setup(8,
-                                                                                                              None) == 2
+    assert PipelineSpec(plan=StagePlan.split_at(["a", "b", "c"]),
+                        schedule="interleaved1f1b").pp_before_setup(8, None) == 2
     assert PipelineSpec(pp_degree=2).pp_before_setup(8, None) == 2
     assert PipelineSpec().pp_before_setup(4, MLP()) == 4  # no plan, no decorators: one position per rank
 

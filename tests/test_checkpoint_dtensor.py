@@ -68,8 +68,8 @@ def test_each_rank_writes_only_its_own_shards(job: dict) -> None:
             if where.fqn.startswith(("model/",
                                      "optim/0/")) and where.offset is not None and where.fqn.endswith("weight"):
                 files.setdefault(where.fqn, set()).add((tuple(where.offset)[0] > 0, info.relative_path))
-            if where.fqn.startswith("optim/0/") and where.fqn.endswith(("exp_avg",
-                                                                        "exp_avg_sq")) and where.offset is not None:
+            if where.fqn.startswith(
+                "optim/0/") and where.fqn.endswith(("exp_avg", "exp_avg_sq")) and where.offset is not None:
                 files.setdefault(where.fqn, set()).add((tuple(where.offset)[0] > 0, info.relative_path))
         assert files["model/embed.weight"] == {(False, "__0_0.distcp"), (True, "__1_0.distcp")}
         assert files["optim/0/blocks.1.weight/exp_avg"] == {(False, "__0_0.distcp"), (True, "__1_0.distcp")}

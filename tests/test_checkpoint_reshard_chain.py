@@ -113,8 +113,8 @@ def test_losses_after_each_reshard_equal_the_uninterrupted_run(chain: Path) -> N
             match = [p for p in parts if got["losses"] == pytest.approx(expected[p], abs=1e-5)]
             assert match, (tag, r, got["losses"], expected)
             seen += match
-        assert sorted(seen) == (["all"] * ranks if dp == 1 else ["0"] * (ranks // 2) + ["1"] * (ranks // 2)), (tag,
-                                                                                                               seen)
+        assert sorted(
+            seen) == (["all"] * ranks if dp == 1 else ["0"] * (ranks // 2) + ["1"] * (ranks // 2)), (tag, seen)
         start = steps
 
 
@@ -154,8 +154,8 @@ def test_fsdp_and_tp_checkpoints_hold_shards_and_the_ddp_one_whole_tensors(chain
     assert chunks(4, "model/layers.2.weight") == [([0, 0], [8, 16]), ([8, 0], [8, 16])]
 
 
-def test_the_3d_checkpoint_and_the_last_export_to_one_ckpt_equal_to_the_uninterrupted_run(chain: Path,
-                                                                                          tmp_path) -> None:
+def test_the_3d_checkpoint_and_the_last_export_to_one_ckpt_equal_to_the_uninterrupted_run(
+    chain: Path, tmp_path) -> None:
     from lightning_hpp.checkpoint.export import export_to_lightning_ckpt
 
     for step in (2, 12):

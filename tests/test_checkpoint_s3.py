@@ -288,8 +288,8 @@ def test_reads_and_lookups_retry_like_writes_when_botocore_does_not(
 LIST_V2 = "list-type=2"  # the query of every ListObjectsV2 request
 
 
-def test_lightnings_own_filesystem_retries_as_configured_while_storage_is_routed(s3_env: S3Env,
-                                                                                 fault_proxy: FaultProxy) -> None:
+def test_lightnings_own_filesystem_retries_as_configured_while_storage_is_routed(
+    s3_env: S3Env, fault_proxy: FaultProxy) -> None:
     # ModelCheckpoint.file_exists: fs.exists on a name not taken yet (HEAD 404, then ListObjectsV2 for a directory),
     # on the filesystem Lightning makes itself (get_filesystem). botocore's retries are off in the environment.
     save_sharded(_state(1), checkpoint_url(s3_env.root, 1), step=1)

@@ -113,8 +113,8 @@ def test_yaml_and_flags_train_two_stages_like_one_process(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stderr[-6000:]
     log_dir = logs / "lightning_logs" / "version_0"
     saved = json.loads((log_dir / PLAN_FILENAME).read_text())
-    assert [s["modules"] for s in saved["stages"]] == [[f"layers.{i}" for i in u] for u in ((0, 1, 2),
-                                                                                            (3, 4, 5))]  # the YAML's
+    # the YAML's
+    assert [s["modules"] for s in saved["stages"]] == [[f"layers.{i}" for i in u] for u in ((0, 1, 2), (3, 4, 5))]
     assert saved["meta"]["n_microbatches"] == 4 and saved["meta"]["pp_degree"] == 2  # the flag's micro-batches
     # every_n_steps=1 (flag) into dir (YAML, relative), keep_last=2 (YAML): steps 2 and 3 are left
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-3"]

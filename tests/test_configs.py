@@ -596,8 +596,8 @@ def test_scrub_hydra_files(tmp_path):
     (hydra_dir / "overrides.yaml").write_text("- experiment=mlp_tiny\n- +checkpoint.secret_key=abcdefgh\n")
     (hydra_dir / "config.yaml").write_text("seed: 0\n")
     assert scrub_hydra_files(tmp_path) == [hydra_dir / "overrides.yaml"]
-    assert yaml.safe_load((hydra_dir / "overrides.yaml").read_text()) == ["experiment=mlp_tiny",
-                                                                          "+checkpoint.secret_key=***"]
+    assert yaml.safe_load(
+        (hydra_dir / "overrides.yaml").read_text()) == ["experiment=mlp_tiny", "+checkpoint.secret_key=***"]
 
 
 # ------------------------------------------------------------------ sweep summary

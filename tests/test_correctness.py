@@ -47,8 +47,8 @@ def _two_rank_runs() -> list[dict]:
 
 
 def _three_rank_runs() -> list[dict]:
-    return [{"name": n, "stages": THREE, "schedule": n, "n_micro": 4, "steps": 4, "batch": 16} for n in ("gpipe",
-                                                                                                         "1f1b")]
+    return [{"name": n, "stages": THREE, "schedule": n, "n_micro": 4, "steps": 4,
+             "batch": 16} for n in ("gpipe", "1f1b")]
 
 
 def _four_rank_runs() -> list[dict]:
@@ -100,8 +100,8 @@ def test_two_ranks_every_schedule(jobs):
             assert out["exchange_posted"] == ("before the last backward" if rank == 0 else
                                               "at a weight pass" if zero_bubble else "after the schedule"), r["name"]
             # the last stage's logged loss reached every rank, rank 0 included
-            assert out["metrics"]["train_loss"] == pytest.approx(float(trainer.callback_metrics["train_loss"]),
-                                                                 rel=1e-5)
+            want = float(trainer.callback_metrics["train_loss"])
+            assert out["metrics"]["train_loss"] == pytest.approx(want, rel=1e-5)
     # interleaved placement: rank 0 holds stages 0 and 2; V placement: stages 0 and 3
     assert load_rank(tmp_path / "interleaved1f1b", 0)["stage_ids"] == [0, 2]
     assert load_rank(tmp_path / "zbv", 0)["stage_ids"] == [0, 3]

@@ -167,8 +167,8 @@ def test_uncapturable_steps_stop_every_rank_at_setup(uncapturable_job, case, mes
     assert proc.returncode != 0 and f"TRAINED {case}" not in proc.stdout
     # both ranks raise the same error themselves (no rank is left waiting in a collective), well before a timeout
     for record in refusals.read(out / case, 2):
-        assert re.match(r"lightning_hpp\.errors\.\w+Error: " + message, record["error"] or ""), (record,
-                                                                                                 proc.stderr[-3000:])
+        assert re.match(r"lightning_hpp\.errors\.\w+Error: " + message,
+                        record["error"] or ""), (record, proc.stderr[-3000:])
         assert record["global_step"] == 0 and record["seconds"] < refusals.BOUND_S, record
 
 
@@ -188,8 +188,8 @@ def test_fp8_emulation_on_a_traced_stage_equals_the_converted_layers():
         cut = cut_model(model, plan, ((x,), {}), frontend=frontend)
         stages = {k: StageModule(cut.plan.stages[k].modules, cut.bodies["train"][k], k, spread=cut.spread[k],
                                  captured=frontend == "traced") for k in range(2)}
-        HPPPrecision(fp8_backend="emulate").configure_stages(cut.plan, StageView(stages), "32-true",
-                                                             torch.device("cpu"), "cpu")
+        HPPPrecision(
+            fp8_backend="emulate").configure_stages(cut.plan, StageView(stages), "32-true", torch.device("cpu"), "cpu")
         for _ in range(2):  # the second step uses the first one's amax history (delayed scaling)
             y = stages[1](stages[0](x))
             y.square().sum().backward()

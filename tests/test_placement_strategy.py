@@ -131,8 +131,8 @@ def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(hpp_job
     assert [s["device"] for s in plan["stages"]] == ["fast", "slow", "slow", "fast"]
     assert sizes[0] + sizes[3] in (7, 8) and sum(sizes) == 11, sizes  # the fast rank holds about 2/3 of the units
     assert load_rank(tmp_path / "kinds", 1)["plan"] == plan  # every rank chose the same plan
-    assert load_rank(tmp_path / "kinds", 0)["stage_ids"] == [0, 3] and load_rank(tmp_path / "kinds",
-                                                                                 1)["stage_ids"] == [1, 2]
+    assert load_rank(tmp_path / "kinds",
+                     0)["stage_ids"] == [0, 3] and load_rank(tmp_path / "kinds", 1)["stage_ids"] == [1, 2]
     # and the auto-chosen multi-stage plan trains as one process does
     reference, _ = train_reference(steps=4, batch=16, depth=6)
     got = merged_state(tmp_path / "kinds", [0, 1])

@@ -503,8 +503,8 @@ def test_tensor_parallel_splits_compute_and_memory_and_pays_its_per_layer_all_re
     from lightning_hpp.planning.memory import stage_memory_bytes
 
     est = two.stages[0]
-    assert est.memory_bytes == pytest.approx(stage_memory_bytes(2 * (1 << 20) * share, 3.0, 1,
-                                                                est.in_flight * 2 * 8192))
+    assert est.memory_bytes == pytest.approx(
+        stage_memory_bytes(2 * (1 << 20) * share, 3.0, 1, est.in_flight * 2 * 8192))
     assert two.plan.meta["predicted"]["tp_degree"] == 2 and "x tp=2" in two.format_table()
 
 

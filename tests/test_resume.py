@@ -63,9 +63,9 @@ def shared(tmp_path_factory):
         env = {**aws_variables(s3), **dict.fromkeys(UNSET_AWS)}
         root = s3.root
         run_jobs([
-            Job("tests.workers.run_resume", {"stages": TWO, "pp": 2, "devices": 4, "steps": 4, "batch": 8,
-                                             "tag": "saved", "out": o, "ckpt_dir": ckpt4, "every": 4}, ranks=4,
-                start="forked", timeout=400),
+            Job("tests.workers.run_resume",
+                {"stages": TWO, "pp": 2, "devices": 4, "steps": 4, "batch": 8, "tag": "saved", "out": o,
+                 "ckpt_dir": ckpt4, "every": 4}, ranks=4, start="forked", timeout=400),
             Job("tests.workers.run_resume", {"runs": [
                 {"stages": TWO, "steps": 12, "tag": "full", "out": o},
                 {"stages": TWO, "steps": 8, "tag": "full8", "out": o},
@@ -77,9 +77,9 @@ def shared(tmp_path_factory):
         s3_names = sorted({k.split("/")[1] for k in s3.objects()})
         shutil.copytree(ckpt, out / "ckpt_resumed")
         run_jobs([
-            Job("tests.workers.run_resume", {"stages": THREE, "devices": 3, "steps": 4, "tag": "three", "out": o,
-                                             "ckpt_dir": ckpt4, "resume": "auto"}, ranks=3, start="forked",
-                timeout=400),
+            Job("tests.workers.run_resume",
+                {"stages": THREE, "devices": 3, "steps": 4, "tag": "three", "out": o, "ckpt_dir": ckpt4,
+                 "resume": "auto"}, ranks=3, start="forked", timeout=400),
             Job("tests.workers.run_resume", {"runs": [
                 {"stages": TWO, "devices": 2, "steps": 4, "tag": "dp1", "out": o, "ckpt_dir": ckpt4, "resume": "auto"},
                 {"stages": TWO, "steps": 12, "tag": "resumed", "out": o, "ckpt_dir": str(out / "ckpt_resumed"),

@@ -103,9 +103,8 @@ def test_asha_prunes_trials_and_every_rank_of_a_pruned_trial_exits(killed_and_re
     assert all(r["state"] == "PRUNED" for r in pruned) and all(r["state"] == "COMPLETE" for r in completed)
     # a completed trial reported every validation (steps 2, 4, 6) from the step it started at (the retry resumes
     # from the killed trial's newest checkpoint, at step 1 or later); a pruned one stopped at its rung
-    assert all([s for s, _ in r["curve"]] == [s for s in (2, 4,
-                                                          6) if s > r["study"]["start_step"]] for r in completed), [
-        (r["num"], r["study"]["start_step"], r["curve"]) for r in completed]
+    assert all([s for s, _ in r["curve"]] == [s for s in (2, 4, 6) if s > r["study"]["start_step"]]
+               for r in completed), [(r["num"], r["study"]["start_step"], r["curve"]) for r in completed]
     for r in pruned:
         steps = [s for s, _ in r["curve"]]
         assert len(steps) < min(len(c["curve"]) for c in completed if c["retry_of"] is None), r
@@ -422,7 +421,8 @@ def test_two_drivers_on_postgresql_share_one_study_and_retry_the_killed_drivers_
         assert t.params == pytest.approx(drawn), t.number
     # the summary names the storage with its password hidden; the password is in no file the sweep wrote
     summary = json.loads((sweep / "summary.json").read_text())
-    assert summary["storage"] == public_url(url) and summary["storage"].startswith("postgresql+psycopg2://hpp:***@/hpp?")
+    assert summary["storage"] == public_url(url)
+    assert summary["storage"].startswith("postgresql+psycopg2://hpp:***@/hpp?")
     assert summary["study_name"] == "mlp_sweep_asha"
     files = [p for p in root.rglob("*") if p.is_file()]
     assert {"summary.json", "study.json", "trial.log", "config.yaml", "snapshot.json",

@@ -45,14 +45,13 @@ def test_theory_equals_replay_of_torch_orders(name, pp, m):
     every_mb = sorted((a.stage, a.kind, a.mb) for acts in orders.values() for a in acts if a.kind == "F")
     assert every_mb == sorted((s, "F", i) for s in range(pp * v) for i in range(m))
     unheld = {r: [a._replace(held=False) for a in acts] for r, acts in orders.items()}
-    assert simulate(unheld, lambda a: COSTS[a.kind]).bubble == pytest.approx(theoretical_bubble(name, pp, m, v),
-                                                                             abs=1e-9)
+    assert simulate(unheld,
+                    lambda a: COSTS[a.kind]).bubble == pytest.approx(theoretical_bubble(name, pp, m, v), abs=1e-9)
     pairs = any(a.held for acts in orders.values() for a in acts)
     assert pairs == (name == "dualpipev")
     replayed = simulate(orders, lambda a: COSTS[a.kind]).bubble
-    assert replayed > theoretical_bubble(name, pp, m,
-                                         v) + 0.01 if pairs else replayed == pytest.approx(theoretical_bubble(name, pp,
-                                                                                                              m, v))
+    assert replayed > theoretical_bubble(
+        name, pp, m, v) + 0.01 if pairs else replayed == pytest.approx(theoretical_bubble(name, pp, m, v))
 
 
 def test_an_overlapped_pair_sends_after_its_last_action():

@@ -81,8 +81,8 @@ def test_styles_are_torch_styles_and_unknown_ones_are_refused():
 
     assert isinstance(torch_style("colwise", "linear"), ColwiseParallel)
     row = torch_style("rowwise", "linear")
-    assert isinstance(row, RowwiseParallel) and row.input_layouts == (Shard(-1),
-                                                                      ) and row.output_layouts == (Replicate(),)
+    assert isinstance(row,
+                      RowwiseParallel) and row.input_layouts == (Shard(-1),) and row.output_layouts == (Replicate(),)
     assert torch_style("colwise_rep", "linear").output_layouts == (Replicate(),)
     with pytest.raises(PlanError, match=r"'packed_colwise' is not one lightning_hpp applies"):
         torch_style("packed_colwise", "linear")
@@ -188,8 +188,8 @@ def test_a_meta_llama_reads_only_its_shards_from_a_sharded_save_pretrained_direc
         rep = r["meta_weights"]
         assert rep["meta_left"] == [] and rep["materialized"] > 0
         # every byte read is one of this rank's shards (or a whole tensor it holds whole), each read once
-        assert rep["read_bytes"] == rep["local_bytes"] < 0.75 * file_bytes, (rep["read_bytes"], rep["local_bytes"],
-                                                                             file_bytes)
+        assert rep["read_bytes"] == rep["local_bytes"] < 0.75 * file_bytes, \
+            (rep["read_bytes"], rep["local_bytes"], file_bytes)
         local = torch.load(out / f"meta_weights.rank{rank}.pt")
         for name, value in local.items():
             if name not in rep["shards"]:

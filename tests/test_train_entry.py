@@ -137,8 +137,8 @@ def test_sweep_2x2_trials_are_separate_multiprocess_runs(jobs):
     trials = [json.loads((sweep / str(i) / "trial.json").read_text()) for i in range(4)]
     assert not (sweep / "4").exists()
     assert {tuple(t["overrides"][1:3]) for t in trials} == {
-        (f"model.optimizer.lr={lr}", f"plan.stages.1.clip_norm={clip}") for lr in ("0.05", "0.2") for clip in ("0.05",
-                                                                                                               "1.0")
+        (f"model.optimizer.lr={lr}",
+         f"plan.stages.1.clip_norm={clip}") for lr in ("0.05", "0.2") for clip in ("0.05", "1.0")
     }
     assert all(t["status"] == "ok" and t["returncode"] == 0 and t["leftover_processes"] == 0 for t in trials)
     values = [t["value"] for t in trials]

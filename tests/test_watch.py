@@ -253,8 +253,8 @@ def test_no_false_alarm_over_200_ordinary_steps(jobs):
     assert proc.returncode == 0, proc.stderr[-4000:]
     for r in (0, 1):
         got = _read(jobs["out"], "quiet", r)
-        assert got["global_step"] == 200 and got["findings"] == [] and got["alerts"] == [], _summary(jobs["out"],
-                                                                                                     "quiet")
+        assert got["global_step"] == 200 and got["findings"] == [] and got["alerts"] == [], \
+            _summary(jobs["out"], "quiet")
 
 
 @pytest.mark.slow

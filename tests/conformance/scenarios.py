@@ -420,8 +420,8 @@ def predict(ctx):
     if ctx.hpp:
         predictions = [p.clone() for p in trainer.predict(model, ctx.eval_loader(**PREDICT))]
     else:
-        predictions = {dp: [[p.clone() for p in trainer.predict(model,
-                                                                replica_loader(dp, r, **PREDICT))] for r in range(dp)]
+        predictions = {
+            dp: [[p.clone() for p in trainer.predict(model, replica_loader(dp, r, **PREDICT))] for r in range(dp)]
                        for dp in (1, 2)}
     return snapshot(trainer, model, predictions=predictions)
 

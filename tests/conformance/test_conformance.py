@@ -327,8 +327,8 @@ def test_unseeded_model_replicas_start_from_rank_0_weights(conformance):
         if any(not torch.equal(initial[0][k], v) for k, v in o.ref["initial"].items()):
             problems.append(f"{layout}: rank 0 built other weights than the reference started from")
         # every other rank built weights of its own, so equal ends mean the replicas were made equal
-        problems += [f"{r.where}: built rank 0's weights (the scenario proves nothing)" for r, init in zip(ranks[1:],
-                                                                                                           initial[1:])
+        problems += [f"{r.where}: built rank 0's weights (the scenario proves nothing)" for r, init in zip(
+            ranks[1:], initial[1:])
                      if torch.equal(init["layers.0.weight"], initial[0]["layers.0.weight"])]
     check(problems)
 

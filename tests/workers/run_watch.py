@@ -125,8 +125,8 @@ def main(cfg: dict) -> None:
             "grid": p.mesh.grid if p is not None else None,
             # the units each rank holds (a multi-stage schedule puts several stages, not always neighbours, on a rank)
             "units_per_rank": {str(r): sum(len(p.plan.stages[k].modules)
-                                           for k in stages_of_position(pos, p.mesh.pp, p.plan.num_stages,
-                                                                       p.runner.kind.style))
+                                           for k in stages_of_position(
+                                               pos, p.mesh.pp, p.plan.num_stages, p.runner.kind.style))
                                for pos, row in enumerate(p.mesh.grid) for r in row} if p is not None else None,
             "n_microbatches": p.n_microbatches if p is not None else None,
             "rank_speeds": p.plan.meta.get("rank_speeds") if p is not None else None,
