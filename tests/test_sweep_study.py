@@ -378,14 +378,16 @@ def two_drivers(postgres, tmp_path_factory):
 
         _wait_until(victim_checkpointed, 300, "a checkpoint of the first driver's trial", victim)
         os.kill(victim.pid, signal.SIGKILL)
-        finish(victim, deadline=time.monotonic() + 30)
+        ended = [finish(victim, deadline=time.monotonic() + 30)]
         _wait_until(lambda: not processes_mentioning(f"hydra.run.dir={sweep / str(killed[0])}"), 30,
                     "the end of every process of the killed driver's trial")  # fmt: skip
-        survived = finish(survivor, deadline=time.monotonic() + 600)
+        ended.append(finish(survivor, deadline=time.monotonic() + 600))
     finally:
         for proc in drivers:
             proc.kill()
-    return sweep, root, killed[0], survived.returncode, postgres
+    for i, done in enumerate(ended):  # each driver's output, as a user redirecting it would keep it
+        (root / f"driver{i}.log").write_text(done.stdout + done.stderr)
+    return sweep, root, killed[0], ended[1].returncode, postgres
 
 
 def test_two_drivers_on_postgresql_share_one_study_and_retry_the_killed_drivers_trial(two_drivers):
