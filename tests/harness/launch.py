@@ -38,9 +38,7 @@ class Job:
     anything else as one JSON word, ``None`` for none); ``ranks`` and ``start`` as in the module's docstring;
     ``env``: more environment variables (``None`` removes one) for every process; ``rank_env``: more per rank
     (``per_rank`` only, before the interpreter starts); ``cwd``: the working directory (the repository root by
-    default); ``timeout``: seconds from the start of :func:`run_jobs` until the job's group is killed;
-    ``preload``: more modules the ``forked`` ranks' forkserver imports once before forking them (transformers, a
-    worker's model module), instead of every rank importing them."""
+    default); ``timeout``: seconds from the start of :func:`run_jobs` until the job's group is killed."""
 
     target: str | tuple[str, ...]
     arg: object = None
@@ -51,7 +49,6 @@ class Job:
     cwd: Path | None = None
     timeout: float = 240
     script: bool = False
-    preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.start not in ("lightning", "forked", "per_rank", "plain"):
@@ -60,8 +57,6 @@ class Job:
             raise ValueError(f"Job.rank_env needs start='per_rank' (got start={self.start!r})")
         if self.start == "forked" and self.script:
             raise ValueError("Job(start='forked') runs a module (-m): give the module's name with script=False")
-        if self.preload and self.start != "forked":
-            raise ValueError(f"Job.preload needs start='forked' (got start={self.start!r})")
 
     def argv(self) -> list[str]:
         """The command line of the job (of each rank, for ``per_rank``)."""
@@ -70,9 +65,8 @@ class Job:
             head = list(self.target) if isinstance(self.target, tuple) else [sys.executable, str(self.target)]
             return head + words
         if self.start == "forked":
-            preload = ["--preload", ",".join(self.preload)] if self.preload else []
             return [sys.executable, "-m", "lightning_hpp.torchrun", "--standalone", "--nproc-per-node",
-                    str(self.ranks), *preload, "-m", str(self.target), *words]
+                    str(self.ranks), "-m", str(self.target), *words]
         return [sys.executable, "-m", str(self.target), *words]
 
 
