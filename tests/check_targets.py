@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_hpp.model.units import RemoteUnit
-from tests.models import MLP, make_dataset
+from tests.harness.zoo import MLP, make_dataset
 
 
 class Same(MLP):
@@ -46,4 +46,5 @@ class Planted(Same):
 
 
 def data():
-    return DataLoader(make_dataset(64), batch_size=8, drop_last=True), DataLoader(make_dataset(16, seed=1), batch_size=8)
+    return DataLoader(make_dataset(64), batch_size=8,
+                      drop_last=True), DataLoader(make_dataset(16, seed=1), batch_size=8)

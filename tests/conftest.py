@@ -5,8 +5,8 @@ test_big_models and test_fp8_state runs in one of four jobs (one per number of r
 every ``tests.workers.run_hpp`` configuration of test_correctness, test_precision and
 test_placement_strategy in one of three instead of five. A job runs its configurations one after
 another, each with its own Trainer and model; jobs that share nothing run side by side
-(:func:`tests.launch.run_scripts`). The 3- and 4-rank ``run_hpp`` jobs' ranks are forked from one process that
-imported Lightning (:func:`tests.launch.forked`: ``lightning_hpp.torchrun``), the others start through
+(:func:`tests.harness.launch.run_jobs`). The 3- and 4-rank ``run_hpp`` jobs' ranks are forked from one process that
+imported Lightning (``Job(start="forked")``: ``lightning_hpp.torchrun``), the others start through
 Lightning's launcher (forking the ``run_real`` jobs saved nothing). Each module keeps its own directory and its own
 assertions; its fixtures take what they need from :func:`real_model_jobs` or :func:`hpp_jobs`.
 """
@@ -32,7 +32,8 @@ def real_model_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace
        stages (test_traced_stages); 2 ranks: the traced GPT-2s whose setup must fail, tried in turn by
        the same ranks (test_traced_stages, tests/workers/refusals.py).
 
-    Returns the modules' directories (``real``, ``traced``, ``big``, ``refused``, ``fp8_state``, ``tp``, ``compiled``), the refusal job's
+    Returns the modules' directories (``real``, ``traced``, ``big``, ``refused``, ``fp8_state``, ``tp``,
+    ``compiled``), the refusal job's
     finished process (``refusals``) and what test_big_models wrote the weights of (``llama``, ``chain``).
     """
     from tests import test_big_models as big
@@ -41,7 +42,8 @@ def real_model_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace
     from tests import test_real_models as real
     from tests import test_tensor_parallel as tp
     from tests import test_traced_stages as traced
-    from tests.launch import run_scripts
+    from tests.harness.launch import Job, run_jobs
+    from tests.harness.runs import Runs
 
     root = tmp_path_factory.mktemp("real_model_jobs")
     dirs = {name: root / name for name in ("real", "traced", "big", "refused", "fp8_state", "tp", "compiled")}
@@ -49,18 +51,19 @@ def real_model_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace
         d.mkdir()
     llama, chain = big.write_weights(dirs["big"])
 
-    def job(devices: int, runs: list[dict]) -> tuple[str, dict]:
-        return "tests.workers.run_real", {"devices": devices, "runs": runs}
+    def job(devices: int, runs: list[dict], timeout: float) -> Job:
+        return Job("tests.workers.run_real", Runs.of(devices, "real", runs), ranks=devices, timeout=timeout)
 
-    run_scripts([
+    run_jobs([
         job(2, real.two_rank_runs(dirs["real"]) + traced.two_rank_runs(dirs["traced"]) + big.two_rank_runs(dirs["big"])
-            + fp8_state.two_rank_runs(dirs["fp8_state"]) + compiled.two_rank_runs(dirs["compiled"])),
-        job(4, real.four_rank_runs(dirs["real"]) + big.four_rank_runs(dirs["big"]) + tp.four_rank_runs(dirs["tp"], dirs["big"] / "hf")),
-    ], timeout=900)
-    resumed, refusals = run_scripts([
-        job(3, real.three_rank_runs(dirs["real"]) + traced.three_rank_runs(dirs["traced"])),
-        job(2, traced.refused_runs(dirs["refused"]) + tp.refused_runs(dirs["refused"])),
-    ], timeout=600, check=False)
+            + fp8_state.two_rank_runs(dirs["fp8_state"]) + compiled.two_rank_runs(dirs["compiled"]), 900),
+        job(4, real.four_rank_runs(dirs["real"]) + big.four_rank_runs(dirs["big"])
+            + tp.four_rank_runs(dirs["tp"], dirs["big"] / "hf"), 900),
+    ])
+    resumed, refusals = run_jobs([
+        job(3, real.three_rank_runs(dirs["real"]) + traced.three_rank_runs(dirs["traced"]), 600),
+        job(2, traced.refused_runs(dirs["refused"]) + tp.refused_runs(dirs["refused"]), 600),
+    ], check=False)
     assert resumed.returncode == 0, f"--- stdout\n{resumed.stdout[-4000:]}\n--- stderr\n{resumed.stderr[-8000:]}"
     return SimpleNamespace(**dirs, refusals=refusals, llama=llama, chain=chain)
 
@@ -74,20 +77,23 @@ def hpp_jobs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     from tests import test_correctness as correctness
     from tests import test_placement_strategy as placement
     from tests import test_precision as precision
-    from tests.launch import forked, run_scripts
+    from tests.harness.launch import Job, run_jobs
+    from tests.harness.runs import Runs
 
     root = tmp_path_factory.mktemp("hpp_jobs")
     dirs = {name: root / name for name in ("correctness", "precision", "placement")}
     for d in dirs.values():
         d.mkdir()
     ranks = {n: dirs["correctness"] / f"ranks{n}" for n in (2, 3, 4)}
-    two = correctness.two_rank_runs(ranks[2]) + precision.two_rank_runs(dirs["precision"]) + placement.two_rank_runs(dirs["placement"])
-    run_scripts([
-        ("tests.workers.run_hpp", {"devices": 2, "runs": two}),  # through Lightning's launcher
-        forked("tests.workers.run_hpp", {"devices": 3, "runs": correctness.three_rank_runs(ranks[3])}, 3),
-        forked("tests.workers.run_hpp", {"devices": 4, "runs": correctness.four_rank_runs(ranks[4])
-                                         + placement.four_rank_runs(dirs["placement"])}, 4),
-    ], timeout=600)
+    two = (correctness.two_rank_runs(ranks[2]) + precision.two_rank_runs(dirs["precision"])
+           + placement.two_rank_runs(dirs["placement"]))
+    four = correctness.four_rank_runs(ranks[4]) + placement.four_rank_runs(dirs["placement"])
+    run_jobs([
+        Job("tests.workers.run_hpp", Runs.of(2, "hpp", two), ranks=2, timeout=600),  # through Lightning's launcher
+        Job("tests.workers.run_hpp", Runs.of(3, "hpp", correctness.three_rank_runs(ranks[3])), ranks=3,
+            start="forked", timeout=600),
+        Job("tests.workers.run_hpp", Runs.of(4, "hpp", four), ranks=4, start="forked", timeout=600),
+    ])
     return SimpleNamespace(**dirs)
 
 
@@ -103,12 +109,28 @@ def eight_rank_job(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """
     from tests import test_checkpoint_reshard_chain as chain
     from tests import test_parallel_3d as three_d
-    from tests.launch import forked, run_scripts
+    from tests.harness.launch import Job, run_job
 
     root = tmp_path_factory.mktemp("eight_rank_job")
     dirs = {name: root / name for name in ("three_d", "chain")}
     for d in dirs.values():
         d.mkdir()
     runs = three_d.eight_rank_runs(dirs["three_d"]) + chain.eight_rank_runs(dirs["chain"])
-    [proc] = run_scripts([forked("tests.workers.run_3d", {"devices": 8, "runs": runs}, 8)], timeout=1500, check=False)
+    proc = run_job(Job("tests.workers.run_3d", {"devices": 8, "runs": runs}, ranks=8, start="forked", timeout=1500),
+                   check=False)
     return SimpleNamespace(**dirs, proc=proc, seconds=proc.seconds)
+
+
+@pytest.fixture(scope="session")
+def coded_bias_gloo(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, ...]:
+    """The 2-rank gloo run shared by the fingerprint and audit tests (tests/bias_workers/gloo_worker.py): rank 0
+    starts with PYTHONHASHSEED=1 and rank 1 with PYTHONHASHSEED=2. Returns each rank's JSON result."""
+    from pathlib import Path
+
+    from tests.harness.launch import Job, run_job
+    from tests.harness.results import rank_results
+
+    out = tmp_path_factory.mktemp("coded_bias_gloo")
+    run_job(Job(Path(__file__).parent / "bias_workers" / "gloo_worker.py", str(out), ranks=2, start="per_rank",
+                script=True, cwd=out, rank_env={0: {"PYTHONHASHSEED": "1"}, 1: {"PYTHONHASHSEED": "2"}}, timeout=120))
+    return tuple(rank_results(out, 2))

@@ -26,7 +26,8 @@ from lightning_hpp.planning.plan import StagePlan
 def place_and_run(module: nn.Module, plan: StagePlan, example: tuple[tuple, dict], *, frontend: str = "auto",
                   device: str = "meta", param_dtype: dict[int, torch.dtype] | None = None) -> tuple[str, list[str]]:
     """Cut ``module`` by ``plan`` with ``example`` (the ``(args, kwargs)`` of its call), place everything on
-    ``device`` (``meta``, or a real GPU), cast stage ``k`` to ``param_dtype[k]`` as its precision does, run forward and backward.
+    ``device`` (``meta``, or a real GPU), cast stage ``k`` to ``param_dtype[k]`` as its precision does, run forward
+    and backward.
 
     Returns ``(frontend used, problems)``: ``problems`` is empty when every tensor was on the stage's device."""
     dev = torch.device(device)

@@ -32,7 +32,8 @@ CONFORMANCE = "tests/conformance/test_conformance.py"
 HOOKS = f"{USAGE}::test_every_hook_with_its_arguments_on_every_rank"
 OWN_LOADERS = f"{USAGE}::test_every_hook_with_the_module_s_own_loaders"
 RAISES = f"{USAGE}::test_hooks_when_a_hook_raises"
-HOOK_SCENARIOS = {HOOKS: ("every_hook", ("hooks", "resumed_hooks")), OWN_LOADERS: ("every_hook_with_the_module_s_own_loaders",
+HOOK_SCENARIOS = {HOOKS: ("every_hook", ("hooks", "resumed_hooks")),
+                  OWN_LOADERS: ("every_hook_with_the_module_s_own_loaders",
                   ("hooks",)), RAISES: ("hooks_when_a_hook_raises", ("hooks",))}
 """The tests whose scenarios record hooks: ``test -> (scenario, the result keys holding its hook logs)``."""
 
@@ -86,7 +87,8 @@ _HOOK_EVIDENCE = {
 _HOOK_NOTES = {
     "backward": ("refused", f"{USAGE}::test_what_cannot_be_kept_is_refused_at_setup_on_every_rank",
                  "the schedule runs every micro-batch's backward; an override is refused naming the hook"),
-    "configure_gradient_clipping": ("equal", HOOKS, "called once per stage a rank holds (twice on a V schedule's ranks)"),
+    "configure_gradient_clipping": ("equal", HOOKS,
+                                    "called once per stage a rank holds (twice on a V schedule's ranks)"),
 }
 _HOOK_ORDER_NOTE = "the setup's first `*_dataloader` call comes before `configure_model` (the cut needs one batch)"
 
@@ -109,14 +111,18 @@ def _equal(kind: str, name: str, test: str, note: str = "") -> Row:
 
 
 _CALLBACKS = [
-    _equal("callback", "BackboneFinetuning", f"{USAGE}::test_backbone_finetuning_unfreezes_a_stage_in_a_hook_during_the_run",
+    _equal("callback", "BackboneFinetuning",
+           f"{USAGE}::test_backbone_finetuning_unfreezes_a_stage_in_a_hook_during_the_run",
            "a rank without the backbone adds the same param group, empty"),
-    _equal("callback", "BaseFinetuning", f"{USAGE}::test_backbone_finetuning_unfreezes_a_stage_in_a_hook_during_the_run",
+    _equal("callback", "BaseFinetuning",
+           f"{USAGE}::test_backbone_finetuning_unfreezes_a_stage_in_a_hook_during_the_run",
            "the base of BackboneFinetuning"),
-    _equal("callback", "BasePredictionWriter", f"{USAGE}::test_prediction_writer_writes_each_replica_s_predictions_once",
+    _equal("callback", "BasePredictionWriter",
+           f"{USAGE}::test_prediction_writer_writes_each_replica_s_predictions_once",
            "its write hooks run on one rank per replica (the pipeline's first): each prediction is written once, "
            "as under DDP with one process per replica"),
-    Row("callback", "BatchSizeFinder", "refused", f"{COVERAGE}::test_scale_batch_size_is_refused_on_every_rank_as_under_ddp",
+    Row("callback", "BatchSizeFinder", "refused",
+        f"{COVERAGE}::test_scale_batch_size_is_refused_on_every_rank_as_under_ddp",
         "refused by Lightning under every distributed strategy, DDP included: 'Tuning the batch size is currently not "
         "supported with distributed strategies'"),
     _equal("callback", "Callback", HOOKS, "every hook, see the hook rows"),
@@ -131,12 +137,14 @@ _CALLBACKS = [
     _equal("callback", "LearningRateMonitor", f"{CONFORMANCE}::test_learning_rate_monitor"),
     _equal("callback", "ModelCheckpoint", f"{CONFORMANCE}::test_model_checkpoint_save_top_k_monitoring_val_loss"),
     Row("callback", "ModelPruning", "refused", f"{USAGE}::test_what_cannot_be_kept_is_refused_at_setup_on_every_rank",
-        "pruning re-registers each pruned weight as `weight_orig` and a mask mid-run, which the stages' parameters, the "
+        "pruning re-registers each pruned weight as `weight_orig` and a mask mid-run, which the stages' "
+        "parameters, the "
         "gradient buckets and the checkpoints were fixed without"),
     _equal("callback", "ModelSummary", f"{USAGE}::test_model_summary_shows_the_whole_model",
            "the whole model's table, gathered from the ranks"),
     _equal("callback", "OnExceptionCheckpoint", f"{COVERAGE}::test_on_exception_checkpoint_is_written_and_resumes"),
-    _equal("callback", "ProgressBar", f"{COVERAGE}::test_progress_bars_show_what_one_process_shows", "the base of both bars"),
+    _equal("callback", "ProgressBar", f"{COVERAGE}::test_progress_bars_show_what_one_process_shows",
+           "the base of both bars"),
     _equal("callback", "RichModelSummary", f"{USAGE}::test_model_summary_shows_the_whole_model"),
     _equal("callback", "RichProgressBar", f"{COVERAGE}::test_progress_bars_show_what_one_process_shows"),
     _equal("callback", "SpikeDetection", f"{COVERAGE}::test_runs_as_one_process"),
@@ -154,7 +162,8 @@ _CALLBACKS = [
 _TUNER = [
     _equal("tuner", "lr_find", f"{USAGE}::test_tuner_lr_find_then_fit", "on pp=2; under dp the finder reads a "
            "replica's loss, as under DDP"),
-    Row("tuner", "scale_batch_size", "refused", f"{COVERAGE}::test_scale_batch_size_is_refused_on_every_rank_as_under_ddp",
+    Row("tuner", "scale_batch_size", "refused",
+        f"{COVERAGE}::test_scale_batch_size_is_refused_on_every_rank_as_under_ddp",
         "refused by Lightning under every distributed strategy, DDP included"),
 ]
 
@@ -175,7 +184,8 @@ _TRAINER = [
     _equal("Trainer argument", "strategy", f"{CONFORMANCE}::test_fit_parameters_and_every_step_loss",
            "HPPStrategy() or 'hpp'"),
     _equal("Trainer argument", "devices", f"{CONFORMANCE}::test_single_device_without_a_plan"),
-    _equal("Trainer argument", "num_nodes", "tests/test_lightning_integration.py::test_two_node_torchrun_matches_single_process",
+    _equal("Trainer argument", "num_nodes",
+           "tests/test_lightning_integration.py::test_two_node_torchrun_matches_single_process",
            "two torchrun node agents on loopback"),
     _equal("Trainer argument", "precision", "tests/test_sharding.py::"
            "test_pp2_fsdp2_with_a_bf16_stage_equals_one_process_with_the_same_stage_precisions",
@@ -201,12 +211,14 @@ _TRAINER = [
     _equal("Trainer argument", "enable_progress_bar", f"{COVERAGE}::test_progress_bars_show_what_one_process_shows"),
     _equal("Trainer argument", "enable_model_summary", f"{USAGE}::test_model_summary_shows_the_whole_model"),
     _equal("Trainer argument", "accumulate_grad_batches", f"{CONFORMANCE}::test_accumulate_grad_batches"),
-    _equal("Trainer argument", "gradient_clip_val", f"{CONFORMANCE}::test_gradient_clip_val_is_one_norm_over_all_stages",
+    _equal("Trainer argument", "gradient_clip_val",
+           f"{CONFORMANCE}::test_gradient_clip_val_is_one_norm_over_all_stages",
            "one norm over all stages; `grad_norm/stage_<k>` and `grad_norm/spread` are logged besides"),
     _equal("Trainer argument", "gradient_clip_algorithm", f"{COVERAGE}::test_runs_as_one_process",
            "'norm' (one norm over all stages) and 'value'"),
     _equal("Trainer argument", "deterministic", f"{COVERAGE}::test_deterministic_and_benchmark"),
-    _equal("Trainer argument", "benchmark", f"{COVERAGE}::test_deterministic_and_benchmark", "cuDNN's autotuner; no-op on CPU"),
+    _equal("Trainer argument", "benchmark", f"{COVERAGE}::test_deterministic_and_benchmark",
+           "cuDNN's autotuner; no-op on CPU"),
     _equal("Trainer argument", "inference_mode", f"{COVERAGE}::test_detect_anomaly_and_inference_mode_off"),
     _equal("Trainer argument", "use_distributed_sampler", f"{COVERAGE}::test_runs_as_one_process",
            "False: every rank reads the loader as built, so the ranks of one replica must draw the same batches "
@@ -217,13 +229,16 @@ _TRAINER = [
     _equal("Trainer argument", "plugins", "tests/test_sharding.py::"
            "test_pp2_fsdp2_gpt2_with_global_clipping_and_validation_equals_one_process",
            "HPPPrecision; a CheckpointIO plugin is refused (the strategy writes sharded checkpoints)"),
-    Row("Trainer argument", "sync_batchnorm", "refused", f"{USAGE}::test_what_cannot_be_kept_is_refused_at_setup_on_every_rank",
+    Row("Trainer argument", "sync_batchnorm", "refused",
+        f"{USAGE}::test_what_cannot_be_kept_is_refused_at_setup_on_every_rank",
         "BatchNorm under a pipeline normalises each micro-batch; SyncBatchNorm over the replicas (GPU only in torch) "
         "is not composed with that in this version"),
     _equal("Trainer argument", "reload_dataloaders_every_n_epochs", f"{COVERAGE}::test_runs_as_one_process"),
     _equal("Trainer argument", "default_root_dir", f"{COVERAGE}::test_enable_autolog_hparams_and_default_root_dir"),
-    _equal("Trainer argument", "enable_autolog_hparams", f"{COVERAGE}::test_enable_autolog_hparams_and_default_root_dir"),
-    Row("Trainer argument", "model_registry", "not run here", "uploads to Lightning's model registry (no network here); "
+    _equal("Trainer argument", "enable_autolog_hparams",
+           f"{COVERAGE}::test_enable_autolog_hparams_and_default_root_dir"),
+    Row("Trainer argument", "model_registry", "not run here",
+        "uploads to Lightning's model registry (no network here); "
         "HPPStrategy's checkpoints are directories: export one first (`python -m lightning_hpp.checkpoint.export`)"),
 ]
 
@@ -242,9 +257,11 @@ def table(all_rows: list[Row]) -> str:
     lines = [
         "# Lightning's surface under HPPStrategy",
         "",
-        "Generated by `python -m tests.lightning_coverage` from the installed Lightning (every hook of `LightningModule`, "
+        "Generated by `python -m tests.lightning_coverage` from the installed Lightning (every hook of "
+        "`LightningModule`, "
         "`Callback` and `LightningDataModule`, every class in `lightning.pytorch.callbacks`, the `Tuner`, every logger "
-        "in `lightning.pytorch.loggers`, every argument of `Trainer`); `tests/test_lightning_coverage.py` fails when an "
+        "in `lightning.pytorch.loggers`, every argument of `Trainer`); `tests/test_lightning_coverage.py` fails "
+        "when an "
         "item has no row. *equal*: equal to one process on every rank of pp=2 (and of pp=2 × dp=2 where the test runs "
         "there), shown by the test named; *refused*: refused at setup on every rank, shown by the test named.",
         "",
@@ -254,7 +271,8 @@ def table(all_rows: list[Row]) -> str:
         "|---|---|---|---|---|",
     ]
     for r in all_rows:
-        lines.append(f"| {r.kind} | `{r.name}` | {r.verdict} | `{r.evidence}` | {r.note} |" if r.verdict != "not run here"
+        lines.append(f"| {r.kind} | `{r.name}` | {r.verdict} | `{r.evidence}` | {r.note} |"
+                     if r.verdict != "not run here"
                      else f"| {r.kind} | `{r.name}` | {r.verdict} | {r.evidence} | {r.note} |")
     return "\n".join(lines) + "\n"
 

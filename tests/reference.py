@@ -5,25 +5,16 @@ from __future__ import annotations
 import lightning as L
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.models import MLP, loaders
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, loaders
 
 
 def train_reference(steps: int, batch: int, accumulate: int = 1, depth: int = 4):
-    """Train tests.models.MLP in one process with global batch ``batch``; returns (model, trainer)."""
+    """Train tests.harness.zoo.MLP in one process with global batch ``batch``; returns (model, trainer)."""
     L.seed_everything(0)
     model = MLP(depth=depth)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    trainer = quiet_trainer(devices=1, max_steps=steps, accumulate_grad_batches=accumulate, num_sanity_val_steps=0,
+                            limit_val_batches=0)
     train, val = loaders(batch)
     # Lightning gives distributed jobs a shuffling DistributedSampler seeded with PL_GLOBAL_SEED; with
     # replicas over dp only, the union of one step's replica batches is this sampler's next batch.

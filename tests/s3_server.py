@@ -128,7 +128,8 @@ class FaultProxy:
         threading.Thread(target=self._accept, daemon=True).start()
 
     # ------------------------------------------------------------------ control
-    def fail_next(self, n: int, kind: str = "503", methods: tuple[str, ...] | None = None, path_part: str | None = None) -> None:
+    def fail_next(self, n: int, kind: str = "503", methods: tuple[str, ...] | None = None,
+                  path_part: str | None = None) -> None:
         """Fail the next ``n`` matching requests: ``kind`` is "reset", "500" or "503"; a request matches
         when its method is one of ``methods`` and its path (query included) holds ``path_part``
         (``"list-type=2"``: ListObjectsV2), each when given."""
@@ -137,7 +138,8 @@ class FaultProxy:
             self._always = None
             self._methods, self._path_part, self.matched = methods, path_part, 0
 
-    def fail_always(self, kind: str = "500", methods: tuple[str, ...] | None = None, path_part: str | None = None) -> None:
+    def fail_always(self, kind: str = "500", methods: tuple[str, ...] | None = None,
+                    path_part: str | None = None) -> None:
         """Fail every matching request (see :meth:`fail_next`) until :meth:`clear`."""
         with self._lock:
             self._pending = []

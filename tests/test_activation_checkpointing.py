@@ -18,8 +18,8 @@ from torch import nn
 from lightning_hpp import PlanError, StagePlan, StageSpec, stage
 from lightning_hpp.model.frontend import cut_model
 from lightning_hpp.pipeline.stage import StageModule
-from tests.models import MLP
-from tests.real_models import LMWrapper, dataset
+from tests.harness.zoo import MLP
+from tests.harness.zoo.real import LMWrapper, dataset
 
 STEPS, MICROBATCHES = 2, 2
 
@@ -30,7 +30,8 @@ class BNDropoutMLP(L.LightningModule):
         torch.manual_seed(0)
         self.layers = nn.Sequential(
             nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Tanh(),
-            # momentum=None: a cumulative average, whose factor reads num_batches_tracked (torch.export cannot capture it)
+            # momentum=None: a cumulative average, whose factor reads num_batches_tracked (torch.export cannot
+            # capture it)
             nn.Linear(16, 16), nn.BatchNorm1d(16, momentum=None if cumulative else 0.1), nn.Dropout(0.2), nn.Tanh(),
             nn.Linear(16, 4),
         )
@@ -148,7 +149,7 @@ def test_stage_precision_contexts_are_bitwise_identical_with_checkpointing(preci
     history as the forward did, although the later micro-batches have advanced it since."""
     from lightning_hpp import HPPPrecision
     from lightning_hpp.precision.plugin import StageView
-    from tests.models import Wide
+    from tests.harness.zoo import Wide
 
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
     microbatches = [(t * (i + 1),) for i, t in enumerate(x.chunk(MICROBATCHES))]  # different amaxes per micro-batch
@@ -203,7 +204,9 @@ def test_stage_spec_validates_activation_checkpointing():
     assert StageSpec(modules=["a"]).activation_checkpointing is None
     assert StageSpec(modules=["a"], activation_checkpointing=True).activation_checkpointing is True
     for bad in ("yes", "true", 1, 0.0):
-        with pytest.raises(PlanError, match=rf"`StageSpec\(activation_checkpointing={re.escape(repr(bad))}\)`: must be True, False or None"):
+        with pytest.raises(PlanError,
+                           match=rf"`StageSpec\(activation_checkpointing={re.escape(repr(bad))}\)`: "
+                                 r"must be True, False or None"):
             StageSpec(modules=["a"], activation_checkpointing=bad)
 
 
@@ -226,7 +229,8 @@ def test_activation_checkpointing_round_trips_through_json_and_old_plans_still_l
 def test_split_at_and_stage_decorator_take_activation_checkpointing():
     plan = StagePlan.split_at(["a.1", "a.3"], activation_checkpointing=[True, False, None])
     assert [s.activation_checkpointing for s in plan.stages] == [True, False, None]
-    assert [s.activation_checkpointing for s in StagePlan.split_at(["a.1"], activation_checkpointing=True).stages] == [True, True]
+    assert [s.activation_checkpointing for s in StagePlan.split_at(
+        ["a.1"], activation_checkpointing=True).stages] == [True, True]
     with pytest.raises(PlanError, match="must be True, False or None"):
         StagePlan.split_at(["a.1"], activation_checkpointing=["on", None])
 

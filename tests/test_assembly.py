@@ -16,7 +16,7 @@ from lightning_hpp.checkpoint.session import CheckpointSession
 from lightning_hpp.errors import CheckpointError, PlanError, ScheduleError
 from lightning_hpp.options import CheckpointOptions
 from lightning_hpp.pipeline.view import PipelineView, pipeline_view
-from tests.models import MLP
+from tests.harness.zoo import MLP
 
 
 def test_the_options_as_given_are_kept_and_validated():
@@ -37,7 +37,8 @@ def test_the_options_as_given_are_kept_and_validated():
 
 def test_pp_degree_before_setup_comes_from_the_plan_or_the_world():
     assert PipelineSpec(plan=StagePlan.split_at(["layers.2", "layers.4"])).pp_before_setup(6, None) == 3
-    assert PipelineSpec(plan=StagePlan.split_at(["a", "b", "c"]), schedule="interleaved1f1b").pp_before_setup(8, None) == 2
+    assert PipelineSpec(plan=StagePlan.split_at(["a", "b", "c"]),
+                        schedule="interleaved1f1b").pp_before_setup(8, None) == 2
     assert PipelineSpec(pp_degree=2).pp_before_setup(8, None) == 2
     assert PipelineSpec().pp_before_setup(4, MLP()) == 4  # no plan, no decorators: one position per rank
 
@@ -53,13 +54,16 @@ class _OtherIO(TorchCheckpointIO):
 
 
 def test_setups_a_pipeline_would_silently_change_are_refused():
-    refuse_unkept_setups(MLP(), HPPPrecision(), checkpoint_io=TorchCheckpointIO(), fitting=True, precision_flag="32-true")
+    refuse_unkept_setups(MLP(), HPPPrecision(), checkpoint_io=TorchCheckpointIO(), fitting=True,
+                         precision_flag="32-true")
     with pytest.raises(PlanError, match="the CheckpointIO plugin _OtherIO would not be used"):
         refuse_unkept_setups(MLP(), HPPPrecision(), checkpoint_io=_OtherIO(), fitting=True, precision_flag="32-true")
     with pytest.raises(PlanError, match=r"`_Manual.automatic_optimization = False` cannot run under HPPStrategy"):
         refuse_unkept_setups(_Manual(), HPPPrecision(), checkpoint_io=None, fitting=True, precision_flag="32-true")
-    refuse_unkept_setups(_Manual(), HPPPrecision(), checkpoint_io=None, fitting=False, precision_flag="32-true")  # validate
-    with pytest.raises(PlanError, match=r"`Trainer\(precision='bf16-mixed'\)` and `HPPPrecision\(default='16-mixed'\)` disagree"):
+    refuse_unkept_setups(_Manual(), HPPPrecision(), checkpoint_io=None, fitting=False,
+                         precision_flag="32-true")  # validate
+    with pytest.raises(PlanError,
+                       match=r"`Trainer\(precision='bf16-mixed'\)` and `HPPPrecision\(default='16-mixed'\)` disagree"):
         refuse_unkept_setups(MLP(), HPPPrecision(default="16-mixed"), checkpoint_io=None, fitting=True,
                              precision_flag="bf16-mixed")
 

@@ -36,11 +36,6 @@ from lightning_hpp.bias.fingerprint import CodedBiasWarning
 from lightning_hpp.bias.samplers import DistributedWeightedSampler
 from lightning_hpp.errors import BiasConfigError, CodedBiasError
 
-try:
-    from bias_workers.launch import coded_bias_gloo_run
-except ImportError:  # tests/ is a package in this checkout
-    from tests.bias_workers.launch import coded_bias_gloo_run
-
 N = 64
 DS = TensorDataset(torch.arange(N))
 W = torch.cat([torch.full((8,), 10.0), torch.ones(N - 8)])
@@ -300,9 +295,9 @@ def test_bad_input():
 
 
 # ------------------------------------------------------------------------------ real processes
-def test_gloo_two_ranks():
+def test_gloo_two_ranks(coded_bias_gloo):
     # Two real processes over gloo, started with PYTHONHASHSEED=1 and PYTHONHASHSEED=2.
-    r0, r1 = (r["audit"] for r in coded_bias_gloo_run())
+    r0, r1 = (r["audit"] for r in coded_bias_gloo)
     assert r0 == r1  # the ranks reach the same verdict
     assert r0["bug"][0] == [IDENTICAL_SAMPLING, NO_SET_EPOCH]
     assert r0["report_fix_before_wrap"][0] == [WRAPPED_RANK_DEPENDENT, NO_SET_EPOCH]

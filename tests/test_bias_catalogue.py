@@ -4,7 +4,6 @@ launched with PYTHONHASHSEED unset (one 4-rank job, tests/bias_workers/catalogue
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from lightning_hpp.bias.audit import (
     SKEW,
     WRAPPED_RANK_DEPENDENT,
 )
-from tests.bias_workers.spawn import start_module
+from tests.harness.launch import Job, run_job
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +27,8 @@ RANKS = range(4)
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("catalogue")
-    proc = start_module(WORKER, {"out": str(out)}, env={"PYTHONHASHSEED": None})
-    try:
-        log = proc.communicate(timeout=420)[0]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+    proc = run_job(Job(WORKER, {"out": str(out)}, ranks=4, env={"PYTHONHASHSEED": None}, timeout=420), check=False)
+    log = proc.stdout + proc.stderr  # the ranks' messages, wherever each went
     assert proc.returncode == 0, log[-6000:]
     results = {
         case: [json.loads((out / f"{case}_rank{r}.json").read_text()) for r in RANKS]

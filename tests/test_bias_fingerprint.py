@@ -24,11 +24,6 @@ from lightning_hpp.bias.fingerprint import (
 )
 from lightning_hpp.errors import BiasConfigError, FingerprintMismatchError
 
-try:
-    from bias_workers.launch import coded_bias_gloo_run
-except ImportError:  # tests/ is a package in this checkout
-    from tests.bias_workers.launch import coded_bias_gloo_run
-
 
 @pytest.fixture(scope="module")
 def base_fp() -> dict:
@@ -180,14 +175,17 @@ def test_policies_follow_the_severity(base_fp, caplog):
     fps[1]["torch"] = "0.0.1"
     fps[1]["hash_probe"] = fps[0]["hash_probe"] + 1  # PYTHONHASHSEED unset: each process hashes its own way
     diffs = compare_fingerprints(fps)
-    assert [(d.code, d.severity) for d in diffs] == [("hash_probe_mismatch", "reproducibility"), ("torch_mismatch", "skew")]
+    assert [(d.code, d.severity) for d in diffs] == [("hash_probe_mismatch", "reproducibility"),
+                                                     ("torch_mismatch", "skew")]
     assert diffs[1].to_dict()["severity"] == "skew" and diffs[1].to_dict()["values"][1] == "0.0.1"
-    with pytest.raises(FingerprintMismatchError, match=r"torch_mismatch: .* \(rank 0\) vs 0\.0\.1 \(rank 1\) \[skew\]") as err:
+    with pytest.raises(FingerprintMismatchError,
+                       match=r"torch_mismatch: .* \(rank 0\) vs 0\.0\.1 \(rank 1\) \[skew\]") as err:
         enforce(diffs, "error")
     assert "hash_probe" not in str(err.value)
     with caplog.at_level("INFO", logger="lightning_hpp.bias.fingerprint"), pytest.warns(CodedBiasWarning) as caught:
         enforce(diffs, "warn")
-    assert len(caught) == 1 and "torch_mismatch" in str(caught[0].message) and "hash_probe" not in str(caught[0].message)
+    assert len(caught) == 1
+    assert "torch_mismatch" in str(caught[0].message) and "hash_probe" not in str(caught[0].message)
     assert [r.getMessage().split(":")[1].strip() for r in caplog.records] == ["hash_probe_mismatch"]
     with pytest.raises(FingerprintMismatchError, match=r"hash_probe_mismatch: .*\[reproducibility\]"):
         enforce(diffs, "error", deterministic=True)
@@ -215,9 +213,9 @@ def test_gather_without_process_group_returns_own(base_fp):
     assert gather_fingerprints(fingerprint=base_fp) == [base_fp]
 
 
-def test_gloo_ranks_with_different_pythonhashseed():
+def test_gloo_ranks_with_different_pythonhashseed(coded_bias_gloo):
     # Two real processes over gloo, started with PYTHONHASHSEED=1 and PYTHONHASHSEED=2.
-    r0, r1 = (r["fingerprint"] for r in coded_bias_gloo_run())
+    r0, r1 = (r["fingerprint"] for r in coded_bias_gloo)
     assert r0["diffs"] == r1["diffs"]  # every rank reaches the same verdict
     assert r0["diffs"][0] == "env.PYTHONHASHSEED_mismatch: 1 (rank 0) vs 2 (rank 1) [reproducibility]"
     assert r0["severities"] == ["reproducibility", "reproducibility"]

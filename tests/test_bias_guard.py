@@ -29,8 +29,9 @@ from lightning_hpp.bias.guard import (
     pipeline_peer_hazards,
 )
 from lightning_hpp.errors import BiasConfigError, FingerprintMismatchError
-from tests.bias_workers.spawn import finish, start_module
-from tests.models import MLP, make_dataset
+from tests.harness.launch import Job, run_jobs
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, make_dataset
 
 WORKER = "tests.bias_workers.guard_worker"
 
@@ -112,9 +113,7 @@ def test_single_device_fit_notes_keeps_training_and_stores_loadable_fingerprints
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     guard = BiasGuard(audit="error", deterministic=False)  # whatever torch's flag says in this process
     L.seed_everything(0)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-                        callbacks=[guard])
+    trainer = quiet_trainer(devices=1, max_steps=2, default_root_dir=str(tmp_path), callbacks=[guard])
     w = torch.ones(64)
     w[:8] = 10.0
     loader = DataLoader(make_dataset(64), batch_size=8, sampler=WeightedRandomSampler(w, 64))
@@ -142,8 +141,8 @@ def guard_jobs(tmp_path_factory):
     """Both 2-rank jobs, run side by side: ``bad`` launched without PYTHONHASHSEED (its launcher sets it
     for rank 1 only, as a determinism switch can), ``good`` with PYTHONHASHSEED=0 for every rank."""
     out = tmp_path_factory.mktemp("guard")
-    finish([start_module(WORKER, {"case": "bad", "out": str(out)}, env={"PYTHONHASHSEED": None}),
-            start_module(WORKER, {"case": "good", "out": str(out)}, env={"PYTHONHASHSEED": "0"})])
+    run_jobs([Job(WORKER, {"case": "bad", "out": str(out)}, ranks=2, env={"PYTHONHASHSEED": None}, timeout=300),
+              Job(WORKER, {"case": "good", "out": str(out)}, ranks=2, env={"PYTHONHASHSEED": "0"}, timeout=300)])
     return out
 
 

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import csv
 import itertools
-import os
 import statistics
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -19,13 +16,12 @@ from lightning_hpp.bias.fingerprint import CodedBiasWarning
 from lightning_hpp.bias.monitor import BiasMonitor, _step_metrics, index_overlap_metrics
 from lightning_hpp.bias.samplers import DistributedWeightedSampler
 from lightning_hpp.errors import BiasConfigError
+from tests.harness.launch import Job, run_job
 
 try:
     from bias_workers import monitor_ddp as script
 except ImportError:  # tests/ is a package in this checkout
     from tests.bias_workers import monitor_ddp as script
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------ metric definitions
@@ -166,10 +162,7 @@ def ddp_runs(tmp_path_factory):
     import json
 
     out = tmp_path_factory.mktemp("monitor")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, str(Path(script.__file__).resolve()), str(out)], cwd=out, env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_job(Job(Path(script.__file__).resolve(), str(out), ranks=2, script=True, cwd=out, timeout=240))
     runs = {name: [json.loads((out / f"{name}_rank{r}.json").read_text()) for r in range(2)]
             for name in ("bug", "fix", "contract")}
     return out, runs

@@ -169,7 +169,8 @@ def test_bad_input(weights):
         DistributedWeightedSampler([1.0, 0.0, 1.0], num_samples=3, replacement=False)
     with pytest.raises(SamplerError, match=r"`rank=2` is out of range for `num_replicas=2`"):
         DistributedWeightedSampler(weights, num_replicas=2, rank=2)
-    with pytest.raises(SamplerError, match=r"`DistributedWeightedSampler\(num_samples=0\)`: must be a positive integer"):
+    with pytest.raises(SamplerError,
+                       match=r"`DistributedWeightedSampler\(num_samples=0\)`: must be a positive integer"):
         DistributedWeightedSampler(weights, num_samples=0)
     state = DistributedWeightedSampler(weights).state_dict()
     with pytest.raises(SamplerError, match="weights_digest"):

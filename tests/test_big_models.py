@@ -10,8 +10,8 @@ import lightning as L
 import pytest
 import torch
 
-from tests.launch import load_rank
-from tests.real_models import LMWrapper
+from tests.harness.results import load_rank
+from tests.harness.zoo.real import LMWrapper
 from tests.test_real_models import assert_matches, reference
 
 pytestmark = pytest.mark.slow
@@ -58,8 +58,10 @@ def _chain_runs(tmp_path) -> list[dict]:
         {"name": "file_recompute", "model": "deep_mlp", "model_kw": kw, "points": ["model.4"], "schedule": "1f1b",
          "strategy": {"init": {"weights": str(tmp_path / "mlp.safetensors")}, "activation_checkpointing": True}},
         # their own initializers, seeded per module: the same weights under any cut (lr 0 keeps them)
-        {"name": "init_a", "model": "deep_mlp", "model_kw": {**kw, "lr": 0.0}, "points": ["model.4"], "schedule": "1f1b"},
-        {"name": "init_b", "model": "deep_mlp", "model_kw": {**kw, "lr": 0.0}, "points": ["model.2"], "schedule": "1f1b"},
+        {"name": "init_a", "model": "deep_mlp", "model_kw": {**kw, "lr": 0.0}, "points": ["model.4"],
+         "schedule": "1f1b"},
+        {"name": "init_b", "model": "deep_mlp", "model_kw": {**kw, "lr": 0.0}, "points": ["model.2"],
+         "schedule": "1f1b"},
     ]
     for r in runs:
         r.update(n_micro=4, steps=3, batch=8, out=str(tmp_path / r["name"]))

@@ -10,7 +10,7 @@ import pytest
 
 from lightning_hpp.check import Target, check
 from lightning_hpp.check.cli import main
-from tests.launch import ROOT
+from tests.harness.launch import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,8 @@ def test_planted_differences_are_found_on_the_ranks_they_are_on(tmp_path, monkey
         assert any(w == f"pp2dp2 rank {rank}" and what == "hook calls" and "on_train_batch_end(outputs)" in how
                    for w, what, how in found), report.text
     # nothing else differs: every other difference is one of the two planted ones
-    assert all("['loss'] (reference ['acc', 'loss'])" in how or "last_layer_norm" in how for _, _, how in found), report.text
+    assert all("['loss'] (reference ['acc', 'loss'])" in how or "last_layer_norm" in how for _, _,
+               how in found), report.text
 
 
 def test_bad_inputs_are_refused_with_the_fix(capsys):

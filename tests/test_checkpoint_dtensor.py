@@ -20,9 +20,10 @@ from lightning_hpp.checkpoint import checkpoint_url
 from lightning_hpp.checkpoint.lightning_state import load_lightning_checkpoint
 from lightning_hpp.checkpoint.sharded import _read_index
 from lightning_hpp.checkpoint.store import CORRUPT_DIR
-from tests.bias_workers.launch import run_ranks
 from tests.ckpt_workers import dtensor_worker as worker
 from tests.ckpt_workers.common import TinyNet
+from tests.harness.launch import Job, run_job
+from tests.harness.results import rank_results
 from tests.s3_server import UNSET_AWS, aws_variables, fresh_bucket
 
 WORKER = Path(__file__).parent / "ckpt_workers" / "dtensor_worker.py"
@@ -35,7 +36,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict:
     with fresh_bucket() as s3:
         (out / "config.json").write_text(json.dumps({"root": str(root), "s3_root": s3.root}))
         env = {**aws_variables(s3), **dict.fromkeys(UNSET_AWS)}
-        ranks = run_ranks(WORKER, 2, out, env_of_rank={0: env, 1: env}, timeout=600)
+        run_job(Job(WORKER, str(out), ranks=2, start="per_rank", script=True, cwd=out, env=env, timeout=600))
+        ranks = rank_results(out, 2)
         s3_objects = sorted(s3.objects())
     return {"out": out, "root": root, "ranks": ranks, "full": torch.load(out / "full-state.pt", weights_only=True),
             "s3_objects": s3_objects}
@@ -63,9 +65,11 @@ def test_each_rank_writes_only_its_own_shards(job: dict) -> None:
         assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in embed.chunks) == [((0, 0), (4, 6)), ((4, 0), (4, 6))]
         files = {}
         for where, info in index.storage_data.items():
-            if where.fqn.startswith(("model/", "optim/0/")) and where.offset is not None and where.fqn.endswith("weight"):
+            if where.fqn.startswith(("model/",
+                                     "optim/0/")) and where.offset is not None and where.fqn.endswith("weight"):
                 files.setdefault(where.fqn, set()).add((tuple(where.offset)[0] > 0, info.relative_path))
-            if where.fqn.startswith("optim/0/") and where.fqn.endswith(("exp_avg", "exp_avg_sq")) and where.offset is not None:
+            if where.fqn.startswith(
+                "optim/0/") and where.fqn.endswith(("exp_avg", "exp_avg_sq")) and where.offset is not None:
                 files.setdefault(where.fqn, set()).add((tuple(where.offset)[0] > 0, info.relative_path))
         assert files["model/embed.weight"] == {(False, "__0_0.distcp"), (True, "__1_0.distcp")}
         assert files["optim/0/blocks.1.weight/exp_avg"] == {(False, "__0_0.distcp"), (True, "__1_0.distcp")}

@@ -21,9 +21,9 @@ import torch
 
 from lightning_hpp.checkpoint import list_checkpoints
 from lightning_hpp.checkpoint.store import CORRUPT_DIR
-from tests.bias_workers.launch import run_ranks
 from tests.ckpt_workers.damage import digest, flip_tensor_byte, garbage_index
-from tests.launch import run_script
+from tests.harness.launch import Job, run_job
+from tests.harness.results import rank_results
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,9 @@ def selection(tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("selection")
     (out / "config.json").write_text(json.dumps({"roots": [str(out / "a"), str(out / "b")]}))
     pool = ThreadPoolExecutor(1)
-    future = pool.submit(run_ranks, Path(__file__).parent / "ckpt_workers" / "select_worker.py", 2, out)
+    job = Job(Path(__file__).parent / "ckpt_workers" / "select_worker.py", str(out), ranks=2, start="per_rank",
+              script=True, cwd=out, timeout=120)
+    future = pool.submit(lambda: (run_job(job), rank_results(out, 2))[1])
     yield lambda: (out, future.result())
     pool.shutdown(wait=True)
 
@@ -49,14 +51,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory, selection) -> dict:
     out = tmp_path_factory.mktemp("recovery")
     ckpt = out / "ckpt"
     base = {"out": str(out), "steps": 15, "num_workers": 2}
-    run_script(WORKER, {**base, "tag": "ref", "dir": str(ckpt), "every": 5})
+    run_job(Job(WORKER, {**base, "tag": "ref", "dir": str(ckpt), "every": 5}, ranks=2, start="forked"))
     selection()  # done by now (or shortly): its ranks do not run beside the jobs below
     flip_tensor_byte(ckpt / "step-15")
     garbage_index(ckpt / "step-10")
     damaged = {"step-15": digest(ckpt / "step-15"), "step-10": digest(ckpt / "step-10")}
-    run_script(WORKER, {**base, "tag": "fallback", "dir": str(ckpt), "every": 5, "resume": "auto", "keep_last": 1})
+    run_job(Job(WORKER, {**base, "tag": "fallback", "dir": str(ckpt), "every": 5, "resume": "auto", "keep_last": 1},
+                ranks=2, start="forked"))
     after_fallback = sorted(p.name for p in ckpt.iterdir())
-    fresh = run_script(WORKER, {**base, "tag": "fresh", "dir": str(ckpt), "every": 5}, check=False)
+    fresh = run_job(Job(WORKER, {**base, "tag": "fresh", "dir": str(ckpt), "every": 5}, ranks=2, start="forked"),
+                    check=False)
     return {"out": out, "ckpt": ckpt, "damaged": damaged, "after_fallback": after_fallback, "fresh": fresh}
 
 

@@ -1,6 +1,6 @@
 """One training run carried through eight layouts by its checkpoints, under ``Trainer(strategy=HPPStrategy(...))``.
 
-``tests.models.MLP`` (SGD with momentum, a StepLR schedule) trains with the same global batch under each layout
+``tests.harness.zoo.MLP`` (SGD with momentum, a StepLR schedule) trains with the same global batch under each layout
 in turn, each resuming (``resume="auto"``) from the checkpoint the previous one wrote into the same directory:
 the first two in the one 8-rank job (tests/conftest.py, ``eight_rank_job``), the others in a 4-rank job after it:
 
@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.launch import run_script
-from tests.models import MLP, loaders
+from tests.harness.launch import Job, run_job
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, loaders
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +61,7 @@ def eight_rank_runs(out: Path) -> list[dict]:
 def chain(eight_rank_job) -> Path:
     out = eight_rank_job.chain
     assert all((out / f"pp4_tp_rank{r}.pt").exists() for r in range(8)), eight_rank_job.proc.stderr[-8000:]
-    run_script("tests.workers.run_resume", {"runs": _runs(out, 4)}, timeout=1200)
+    run_job(Job("tests.workers.run_resume", {"runs": _runs(out, 4)}, ranks=4, start="forked", timeout=1200))
     return out
 
 
@@ -84,9 +85,7 @@ def _reference(steps: int) -> tuple[MLP, L.Trainer, list[float]]:
     L.seed_everything(0)
     model = MLP()
     losses = _Losses()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, callbacks=[losses])
+    trainer = quiet_trainer(devices=1, max_steps=steps, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[losses])
     train, val = loaders(GLOBAL_BATCH)
     # Lightning shuffles distributed loaders with DistributedSampler(seed=0); over dp replicas the union of
     # one step's replica batches is this sampler's next batch
@@ -114,7 +113,8 @@ def test_losses_after_each_reshard_equal_the_uninterrupted_run(chain: Path) -> N
             match = [p for p in parts if got["losses"] == pytest.approx(expected[p], abs=1e-5)]
             assert match, (tag, r, got["losses"], expected)
             seen += match
-        assert sorted(seen) == (["all"] * ranks if dp == 1 else ["0"] * (ranks // 2) + ["1"] * (ranks // 2)), (tag, seen)
+        assert sorted(
+            seen) == (["all"] * ranks if dp == 1 else ["0"] * (ranks // 2) + ["1"] * (ranks // 2)), (tag, seen)
         start = steps
 
 
@@ -154,7 +154,8 @@ def test_fsdp_and_tp_checkpoints_hold_shards_and_the_ddp_one_whole_tensors(chain
     assert chunks(4, "model/layers.2.weight") == [([0, 0], [8, 16]), ([8, 0], [8, 16])]
 
 
-def test_the_3d_checkpoint_and_the_last_export_to_one_ckpt_equal_to_the_uninterrupted_run(chain: Path, tmp_path) -> None:
+def test_the_3d_checkpoint_and_the_last_export_to_one_ckpt_equal_to_the_uninterrupted_run(
+    chain: Path, tmp_path) -> None:
     from lightning_hpp.checkpoint.export import export_to_lightning_ckpt
 
     for step in (2, 12):

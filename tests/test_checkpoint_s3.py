@@ -6,8 +6,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -36,7 +34,6 @@ from lightning_hpp.errors import CheckpointError, CheckpointSaveError, S3ConfigE
 from tests.ckpt_workers.common import big_state
 from tests.s3_server import FaultProxy, S3Env, fault_proxy, s3_env  # noqa: F401
 
-REPO = Path(__file__).resolve().parents[1]
 FAST = RetryPolicy(attempts=3, base_delay=0.02, max_delay=0.1)
 BOTOCORE_RETRY = "Retry needed, retrying request"  # botocore.retries.standard's debug line
 
@@ -110,7 +107,8 @@ def test_persistent_errors_raise_or_warn_and_keep_earlier_checkpoints(s3_env: S3
     root = s3_env.root
     save_sharded(_state(1), checkpoint_url(root, 1), step=1)
     fault_proxy.fail_always("500", methods=("PUT", "POST"))
-    with pytest.raises(CheckpointSaveError, match=r"step-2.*after up to 3 tries of each request.*Earlier checkpoints are untouched"):
+    with pytest.raises(CheckpointSaveError,
+                       match=r"step-2.*after up to 3 tries of each request.*Earlier checkpoints are untouched"):
         save_sharded(_state(2), checkpoint_url(root, 2), step=2, retry=FAST)
     assert fault_proxy.faults >= 3
     with pytest.warns(CheckpointWarning, match="step-2"):
@@ -142,7 +140,7 @@ def test_async_saves_snapshot_the_state_and_never_overlap(s3_env: S3Env, fault_p
 
 @pytest.mark.parametrize("moment", ["shard upload", "metadata.json upload"])
 def test_kill_during_async_save_never_yields_a_valid_checkpoint(
-    s3_env: S3Env, fault_proxy: FaultProxy, moment: str
+    s3_env: S3Env, fault_proxy: FaultProxy, moment: str, tmp_path: Path
 ) -> None:
     root = s3_env.root
     save_sharded(_state(1), checkpoint_url(root, 1), step=1)
@@ -153,25 +151,20 @@ def test_kill_during_async_save_never_yields_a_valid_checkpoint(
     else:
         fault_proxy.hold("PUT", "/step-2/metadata.json")  # every shard is written, the commit stalls
         reached = lambda: bool(fault_proxy.held)  # noqa: E731
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.ckpt_workers.async_kill_worker", checkpoint_url(root, 2), "2"],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    from tests.harness.launch import Job, finish, start
+
+    proc = start(Job("tests.ckpt_workers.async_kill_worker", [checkpoint_url(root, 2), "2"], start="plain",
+                     timeout=120), tmp_path / "logs")
     try:
         deadline = time.monotonic() + 90
         while not reached() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert proc.poll() is None, proc.stdout.read()
+        assert proc.poll() is None, finish(proc).stdout
         assert reached(), "the save never got to the point of the kill"
         os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert finish(proc, deadline=time.monotonic() + 30).returncode == -signal.SIGKILL
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc.kill()
         fault_proxy.throttle(None)
         fault_proxy.release()
     assert [c.step for c in list_checkpoints(root)] == [1]
@@ -233,7 +226,8 @@ def test_s3_options_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     assert s3_storage_options({"AWS_ENDPOINT_URL": "http://a:1"})["client_kwargs"]["endpoint_url"] == "http://a:1"
     with pytest.raises(S3ConfigError, match=r"AWS_ENDPOINT_URL='localhost:9000' is not an endpoint URL"):
         s3_storage_options({"AWS_ENDPOINT_URL": "localhost:9000"})
-    with pytest.raises(S3ConfigError, match=r"`s3_storage_options\(retry_mode='legacy'\)` is not supported; use one of 'standard'"):
+    with pytest.raises(S3ConfigError,
+                       match=r"`s3_storage_options\(retry_mode='legacy'\)` is not supported; use one of 'standard'"):
         s3_storage_options({}, retry_mode="legacy")
     with pytest.raises(S3ConfigError, match=r"`s3_storage_options\(max_attempts=0\)`: must be a positive integer"):
         s3_storage_options({}, max_attempts=0)
@@ -282,7 +276,8 @@ def test_reads_and_lookups_retry_like_writes_when_botocore_does_not(
     key = "run/step-2/.metadata"
     garbage = bytes(len(s3.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()))
     s3.put_object(Bucket=s3_env.bucket, Key=key, Body=garbage)
-    with pytest.warns(CheckpointWarning, match=r"step-2.*'.metadata' fails its sha256.*Moved it to .*run/corrupt/step-2"):
+    with pytest.warns(CheckpointWarning,
+                      match=r"step-2.*'.metadata' fails its sha256.*Moved it to .*run/corrupt/step-2"):
         chosen = select_and_load(request, lambda url: load_sharded(url, dict(template), retry=policy), retry=policy)
     assert chosen.url == first
     objects = s3_env.objects()
@@ -293,7 +288,8 @@ def test_reads_and_lookups_retry_like_writes_when_botocore_does_not(
 LIST_V2 = "list-type=2"  # the query of every ListObjectsV2 request
 
 
-def test_lightnings_own_filesystem_retries_as_configured_while_storage_is_routed(s3_env: S3Env, fault_proxy: FaultProxy) -> None:
+def test_lightnings_own_filesystem_retries_as_configured_while_storage_is_routed(
+    s3_env: S3Env, fault_proxy: FaultProxy) -> None:
     # ModelCheckpoint.file_exists: fs.exists on a name not taken yet (HEAD 404, then ListObjectsV2 for a directory),
     # on the filesystem Lightning makes itself (get_filesystem). botocore's retries are off in the environment.
     save_sharded(_state(1), checkpoint_url(s3_env.root, 1), step=1)
@@ -325,11 +321,12 @@ def test_lightnings_own_filesystem_retries_as_configured_while_storage_is_routed
 def test_injected_500s_on_list_objects_during_model_checkpoint_do_not_end_a_run(s3_env: S3Env, tmp_path: Path) -> None:
     # 2 ranks, 2 stages; ModelCheckpoint on S3 saves at steps 2 and 4 (top-1): before each save its file_exists
     # lookup meets attempts - 1 injected 500s on ListObjectsV2, with botocore's retries off in the environment
-    from tests.launch import run_script
+    from tests.harness.launch import Job, run_job
 
     failures = RetryPolicy().attempts - 1  # the strategy's one policy: this many failures of a request survive
-    cfg = {"moto_port": s3_env.port, "root": s3_env.root, "out": str(tmp_path), "failures": failures, "steps": 4, "every": 2}
-    run_script("tests.workers.run_s3_faults", cfg, timeout=300)
+    cfg = {"moto_port": s3_env.port, "root": s3_env.root, "out": str(tmp_path), "failures": failures, "steps": 4,
+           "every": 2}
+    run_job(Job("tests.workers.run_s3_faults", cfg, ranks=2, timeout=300))  # rank 0 starts the proxy the others inherit
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["global_step"] == 4 and result["armed"] == 2
     assert result["faults"] == 2 * failures  # every injected 500 was met, and retried
@@ -345,10 +342,12 @@ def test_s3_without_credentials_is_refused_early_with_the_variables_to_set(monke
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    expected = r"'s3://ckpt-bucket/run' is on S3, but no S3 credentials were found\. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+    expected = (r"'s3://ckpt-bucket/run' is on S3, but no S3 credentials were found\. "
+                r"Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
     with pytest.raises(S3ConfigError, match=expected):
         check_checkpoint_dir("s3://ckpt-bucket/run")  # what the strategy runs at setup, before any save
     with pytest.raises(S3ConfigError, match=expected):
-        select_and_load(PendingResume("s3://ckpt-bucket/run", roots=["s3://ckpt-bucket/run"], what="resume='auto'"), len)
+        select_and_load(PendingResume("s3://ckpt-bucket/run", roots=["s3://ckpt-bucket/run"], what="resume='auto'"),
+                        len)
     with pytest.raises(S3ConfigError, match="no S3 credentials"):
         select_and_load("s3://ckpt-bucket/run/step-1", len)

@@ -19,8 +19,9 @@ from lightning_hpp.checkpoint import checkpoint_keys, export_to_lightning_ckpt, 
 from lightning_hpp.checkpoint.export import main as export_main
 from lightning_hpp.checkpoint.store import build_metadata, write_metadata
 from lightning_hpp.errors import CheckpointError
-from tests.bias_workers.launch import run_ranks
 from tests.ckpt_workers.common import HPARAMS, UNITS, reference_model, rng_equal, rng_state, stage_state
+from tests.harness.launch import Job, run_job
+from tests.harness.results import rank_results
 
 WORKERS = Path(__file__).parent / "ckpt_workers"
 
@@ -31,7 +32,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("save")
     root = tmp_path_factory.mktemp("ckpts")
     (out / "config.json").write_text(json.dumps({"root": str(root), "step": 10}))
-    results = run_ranks(WORKERS / "save_worker.py", 2, out, timeout=300)
+    run_job(Job(WORKERS / "save_worker.py", str(out), ranks=2, start="per_rank", script=True, cwd=out, timeout=300))
+    results = rank_results(out, 2)
     return {"root": root, "ranks": results}
 
 
@@ -66,7 +68,9 @@ def test_reshard_two_stage_and_dp2_checkpoints_into_three_ranks(saved: dict, tmp
     root = saved["root"]
     urls = [str(root / "pp2" / "step-10"), str(root / "dp2" / "step-10"), str(root / "pp2" / "step-11")]
     (tmp_path / "config.json").write_text(json.dumps({"urls": urls}))
-    results = run_ranks(WORKERS / "load_worker.py", 3, tmp_path, timeout=300)
+    run_job(Job(WORKERS / "load_worker.py", str(tmp_path), ranks=3, start="per_rank", script=True, cwd=tmp_path,
+                timeout=300))
+    results = rank_results(tmp_path, 3)
     names = [n for r in results for n in r["names"]]
     assert sorted(names) == sorted(reference_model().state_dict())  # 3 different subsets, all keys
     for r in results:

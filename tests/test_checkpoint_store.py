@@ -208,7 +208,8 @@ def test_retention_rejects_bad_settings(kwargs: dict, match: str) -> None:
 
 
 def _client_error(status: int, code: str) -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+    return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                       "PutObject")
 
 
 def test_transient_errors_are_told_apart() -> None:
@@ -294,7 +295,8 @@ def test_failed_async_save_is_reported_once(tmp_path: Path) -> None:
     ("kwargs", "match"),
     [
         ({"step": -1}, r"`save_sharded\(step=-1\)`: must be an integer >= 0"),
-        ({"step": 1, "on_error": "ignore"}, r"`save_sharded\(on_error='ignore'\)` is not supported; use one of 'raise', 'warn'"),
+        ({"step": 1, "on_error": "ignore"},
+         r"`save_sharded\(on_error='ignore'\)` is not supported; use one of 'raise', 'warn'"),
     ],
 )
 def test_save_rejects_bad_arguments(tmp_path: Path, kwargs: dict, match: str) -> None:
@@ -374,7 +376,8 @@ def test_metadata_json_missing_is_named_when_skipped(tmp_path: Path) -> None:
     urls = {step: _save(tmp_path, step) for step in (1, 2, 3)}
     delete_metadata_json(Path(urls[3]))  # a save killed before its commit ...
     os.remove(Path(urls[3]) / ".metadata")  # ... before its index, too
-    with pytest.warns(CheckpointWarning, match=r"Skipping .*step-3': it has no metadata.json, so its save did not finish"):
+    with pytest.warns(CheckpointWarning,
+                      match=r"Skipping .*step-3': it has no metadata.json, so its save did not finish"):
         chosen = select_and_load(PendingResume(str(tmp_path), roots=[str(tmp_path)], what="resume='auto'"), _load_step)
     assert chosen.url == urls[2]
     assert (tmp_path / "step-3").is_dir()  # an unfinished save is not damage: the next save of step 3 reuses it

@@ -6,8 +6,6 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +21,8 @@ from lightning_hpp import HPPStrategy
 from lightning_hpp.examples_data import DigitsDataModule
 from lightning_hpp.options import BiasOptions, CheckpointOptions, TelemetryOptions
 from lightning_hpp.planning.plan import PLAN_FILENAME, StagePlan, StageSpec
-from tests.launch import ROOT
+from tests.harness.launch import ROOT, Job, run_job
+from tests.harness.trainer import quiet_trainer
 
 EXAMPLE = ROOT / "examples" / "cli"
 
@@ -63,8 +62,10 @@ def test_flags_alone_configure_the_strategy_and_each_section(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("flag, message", [
-    ("--trainer.strategy.checkpoint.on_error=explode", "`CheckpointOptions(on_error='explode')` is not supported; use one of 'raise', 'warn'."),
-    ("--trainer.strategy.checkpoint.keep_last=2", "`CheckpointOptions(keep_last=...)` applies to the checkpoints in `dir`, but `dir` is not set"),
+    ("--trainer.strategy.checkpoint.on_error=explode",
+     "`CheckpointOptions(on_error='explode')` is not supported; use one of 'raise', 'warn'."),
+    ("--trainer.strategy.checkpoint.keep_last=2",
+     "`CheckpointOptions(keep_last=...)` applies to the checkpoints in `dir`, but `dir` is not set"),
 ])
 def test_a_bad_section_value_is_refused_with_the_sections_own_message(flag: str, message: str) -> None:
     base = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=lightning_hpp.HPPStrategy"]
@@ -90,8 +91,7 @@ def _reference_losses(steps: int, out: Path) -> list[float]:
         data.setup()
         sampler = DistributedSampler(data.train_set, num_replicas=1, rank=0, shuffle=True, seed=0)
         loader = DataLoader(data.train_set, batch_size=32, sampler=sampler, drop_last=True)
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=CSVLogger(str(out)), log_every_n_steps=1,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer = quiet_trainer(devices=1, max_steps=steps, logger=CSVLogger(str(out)), log_every_n_steps=1)
         trainer.fit(model, loader)
         return _losses(Path(trainer.logger.log_dir) / "metrics.csv")
     finally:
@@ -104,18 +104,17 @@ def test_yaml_and_flags_train_two_stages_like_one_process(tmp_path: Path) -> Non
     # directory), keep_last=2 and the rest; flags on top of it every_n_steps (a field of the YAML's checkpoint
     # section) and n_microbatches
     steps, ckpt, logs = 3, tmp_path / "checkpoints", tmp_path / "logs"
-    cmd = [sys.executable, str(EXAMPLE / "train.py"), "fit", "--config", str(EXAMPLE / "config.yaml"),
+    cmd = ["fit", "--config", str(EXAMPLE / "config.yaml"),
            "--trainer.strategy.checkpoint.every_n_steps=1", "--trainer.strategy.n_microbatches=4",
-           f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0", f"--trainer.logger.init_args.save_dir={logs}",
+           f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
+           f"--trainer.logger.init_args.save_dir={logs}",
            f"--trainer.default_root_dir={tmp_path}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    for name in ("LOCAL_RANK", "WORLD_SIZE"):
-        env.pop(name, None)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_job(Job(EXAMPLE / "train.py", cmd, ranks=2, script=True, cwd=tmp_path, timeout=300), check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
     log_dir = logs / "lightning_logs" / "version_0"
     saved = json.loads((log_dir / PLAN_FILENAME).read_text())
-    assert [s["modules"] for s in saved["stages"]] == [[f"layers.{i}" for i in u] for u in ((0, 1, 2), (3, 4, 5))]  # the YAML's
+    # the YAML's
+    assert [s["modules"] for s in saved["stages"]] == [[f"layers.{i}" for i in u] for u in ((0, 1, 2), (3, 4, 5))]
     assert saved["meta"]["n_microbatches"] == 4 and saved["meta"]["pp_degree"] == 2  # the flag's micro-batches
     # every_n_steps=1 (flag) into dir (YAML, relative), keep_last=2 (YAML): steps 2 and 3 are left
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-3"]

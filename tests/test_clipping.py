@@ -40,7 +40,8 @@ def test_global_clip_equals_torch_over_all_parameters_counting_a_tied_weight_onc
 
 
 def test_global_clip_applies_the_plans_stage_limits_first():
-    stage0, stage1 = [torch.full((4,), 1.5, dtype=torch.float64)], [torch.full((4,), 2.0, dtype=torch.float64)]  # norms 3, 4
+    stage0, stage1 = [torch.full((4,), 1.5,
+                                 dtype=torch.float64)], [torch.full((4,), 2.0, dtype=torch.float64)]  # norms 3, 4
     norms = torch.stack([stage_norm(stage0), stage_norm(stage1)])
     clip_stages({0: stage0, 1: stage1}, norms, {0: 1.5, 1: None}, "norm", "global", 2.0)
     # stage 0 at its own 1.5 first, then the pipeline's norm (of the clipped stage 0 and stage 1) down to 2
@@ -51,7 +52,8 @@ def test_global_clip_applies_the_plans_stage_limits_first():
 
 
 def test_per_stage_mode_uses_the_trainers_value_as_each_stages_limit():
-    stage0, stage1 = [torch.full((4,), 1.5, dtype=torch.float64)], [torch.full((4,), 2.0, dtype=torch.float64)]  # norms 3, 4
+    stage0, stage1 = [torch.full((4,), 1.5,
+                                 dtype=torch.float64)], [torch.full((4,), 2.0, dtype=torch.float64)]  # norms 3, 4
     norms = {0: stage_norm(stage0), 1: stage_norm(stage1)}
     clip_stages({0: stage0, 1: stage1}, norms, {0: 1.0, 1: None}, "norm", "per-stage", 2.0)
     torch.testing.assert_close(stage_norm(stage0), torch.tensor(1.0, dtype=torch.float64), rtol=1e-5, atol=0)

@@ -11,7 +11,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from tests.launch import load_rank, merged_state, run_scripts
+from tests.harness.launch import Job, run_job
+from tests.harness.results import load_rank, merged_state
 from tests.reference import train_reference
 from tests.workers import refusals
 from tests.workers.run_cluster import BUCKET, TIMEOUT_S
@@ -24,7 +25,8 @@ CASES = ["fp8_te_simulated", "fp8_emulated", "fp8_no_te", "fp8_te_recompute", "f
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     out = tmp_path_factory.mktemp("cluster")
-    [proc] = run_scripts([("tests.workers.run_cluster", {"out": str(out), "cases": CASES})], timeout=600, check=False)
+    proc = run_job(Job("tests.workers.run_cluster", {"out": str(out), "cases": CASES}, ranks=2, timeout=600),
+                   check=False)
     # two cases are refused at setup (exit status 1); a rank left waiting would have stopped the job (status 3)
     assert proc.returncode in (0, 1), proc.stderr[-6000:]
     return out

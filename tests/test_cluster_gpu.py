@@ -18,7 +18,6 @@ import subprocess
 import sys
 import textwrap
 import time
-
 from pathlib import Path
 
 import pytest
@@ -82,7 +81,8 @@ def test_the_stages_are_on_the_gpu_at_the_second_entry_point():
     out = _run("""
     import json, lightning as L, torch
     from lightning_hpp import HPPStrategy
-    from tests.models import MLP, loaders
+    from tests.harness.trainer import quiet_trainer
+    from tests.harness.zoo import MLP, loaders
 
     seen = {}
 
@@ -91,9 +91,8 @@ def test_the_stages_are_on_the_gpu_at_the_second_entry_point():
             seen["test"] = sorted({str(p.device) for p in self.parameters()})
 
     model = Model()
-    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=HPPStrategy(n_microbatches=2), max_steps=2,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
-                        limit_test_batches=1, enable_model_summary=False)
+    trainer = quiet_trainer(accelerator="gpu", devices=1, strategy=HPPStrategy(n_microbatches=2), max_steps=2,
+                            limit_val_batches=0, limit_test_batches=1)
     train, _ = loaders(8)
     trainer.fit(model, train)
     seen["after_fit"] = sorted({str(p.device) for p in model.parameters()})  # Lightning's teardown: the CPU

@@ -58,7 +58,7 @@ def test_the_blocks_a_stage_holds_are_compiled_deepest_first_and_a_users_compile
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_compiled_blocks_train_as_one_process(real_model_jobs, name):
-    from tests.launch import load_rank
+    from tests.harness.results import load_rank
     from tests.test_real_models import assert_matches, reference
 
     out = real_model_jobs.compiled / name

@@ -29,7 +29,7 @@ from lightning_hpp.hydra.snapshot import code_version, scrub_hydra_files, write_
 from lightning_hpp.hydra.summary import SweepSummary, load_trials, summarize, swept_parameters
 from lightning_hpp.hydra.train import CONFIG_DIR, build, build_plan, check_config, make_model, object_key, uniform_plan
 from lightning_hpp.options import BiasOptions, CheckpointOptions, PlacementOptions, TelemetryOptions
-from tests.models import MLP
+from tests.harness.zoo import MLP
 
 import sklearn  # noqa: F401,E402 - installed by scripts/setup.sh: a missing one is a broken environment, not a skip
 
@@ -127,14 +127,16 @@ def test_hpp_option_sections_from_the_command_line(tmp_path):
     # nested option sections reach HPPStrategy as plain dicts and lists (`_convert_: all`), a
     # `_target_`ed section or precision plugin as the object it names
     cfg = compose_cfg(
-        tmp_path, "experiment=mlp_tiny", f"+strategy.checkpoint.dir={tmp_path / 'ckpt'}", "+strategy.checkpoint.keep_last=2",
+        tmp_path, "experiment=mlp_tiny", f"+strategy.checkpoint.dir={tmp_path / 'ckpt'}",
+        "+strategy.checkpoint.keep_last=2",
         "+strategy.bias._target_=lightning_hpp.options.BiasOptions", "+strategy.bias.audit=error",
         "+strategy.placement.device_map=[cpu,cpu]", "+strategy.telemetry.trace_step=3",
         "+strategy.precision_plugin._target_=lightning_hpp.HPPPrecision", "+strategy.precision_plugin.clip=global",
     )
     run = build(cfg)
     assert run.strategy._checkpoint == CheckpointOptions(dir=str(tmp_path / "ckpt"), keep_last=2)
-    assert run.trainer.checkpoint_callbacks  # mlp_tiny has no checkpoint group; the strategy's own dir turns checkpointing on
+    # mlp_tiny has no checkpoint group; the strategy's own dir turns checkpointing on
+    assert run.trainer.checkpoint_callbacks
     assert run.strategy._bias == BiasOptions(audit="error")
     assert run.strategy._placement == PlacementOptions(device_map=["cpu", "cpu"])
     assert run.strategy._telemetry == TelemetryOptions(trace_step=3)
@@ -594,7 +596,8 @@ def test_scrub_hydra_files(tmp_path):
     (hydra_dir / "overrides.yaml").write_text("- experiment=mlp_tiny\n- +checkpoint.secret_key=abcdefgh\n")
     (hydra_dir / "config.yaml").write_text("seed: 0\n")
     assert scrub_hydra_files(tmp_path) == [hydra_dir / "overrides.yaml"]
-    assert yaml.safe_load((hydra_dir / "overrides.yaml").read_text()) == ["experiment=mlp_tiny", "+checkpoint.secret_key=***"]
+    assert yaml.safe_load(
+        (hydra_dir / "overrides.yaml").read_text()) == ["experiment=mlp_tiny", "+checkpoint.secret_key=***"]
 
 
 # ------------------------------------------------------------------ sweep summary

@@ -11,8 +11,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.launch import load_rank, merged_state, run_script
-from tests.models import make_dataset
+from tests.harness.launch import Job, run_job
+from tests.harness.results import load_rank, merged_state
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import make_dataset
 from tests.workers.run_edges import CASES
 
 pytestmark = pytest.mark.slow
@@ -23,7 +25,7 @@ SYNC_WARNING = "It is recommended to use `self.log("
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("edges")
-    run_script("tests.workers.run_edges", {"out": str(out)}, timeout=600)
+    run_job(Job("tests.workers.run_edges", {"out": str(out)}, ranks=2, start="forked", timeout=600))
     return out
 
 
@@ -32,11 +34,11 @@ def reference(case: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     cfg = CASES[case]
     L.seed_everything(0)
     model = cfg["model"](depth=cfg["depth"]) if "depth" in cfg else cfg["model"]()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=cfg["steps"], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=cfg.get("limit_val_batches", 0))
+    trainer = quiet_trainer(devices=1, max_steps=cfg["steps"], num_sanity_val_steps=0,
+                            limit_val_batches=cfg.get("limit_val_batches", 0))
     ds = make_dataset(128)
-    train = DataLoader(ds, batch_size=cfg["batch"], sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0),
+    train = DataLoader(ds, batch_size=cfg["batch"],
+                       sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0),
                        drop_last=True)
     val = DataLoader(make_dataset(cfg.get("val_n", 64), seed=1), batch_size=cfg.get("val_batch", 16))
     trainer.fit(model, train, val)
@@ -116,9 +118,9 @@ def test_a_traced_bf16_stage_updates_the_modules_batchnorm_statistics(runs):
     L.seed_everything(0)
     ref = MicroBatchedBN()
     ds = make_dataset(128)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(ref, DataLoader(ds, batch_size=16, sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0),
+    trainer = quiet_trainer(devices=1, max_steps=3, limit_val_batches=0)
+    trainer.fit(ref, DataLoader(ds, batch_size=16,
+                                sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0),
                                 drop_last=True))
     want = {k: v for k, v in ref.net.state_dict().items()}
     held = load_rank(runs / "traced_bn_bf16", 1)
@@ -126,13 +128,17 @@ def test_a_traced_bf16_stage_updates_the_modules_batchnorm_statistics(runs):
     assert int(state["b.1.num_batches_tracked"]) == 3 * 4  # once per micro-batch of the 3 steps
     for key in ("b.1.running_mean", "b.1.running_var"):
         assert state[key].dtype == torch.bfloat16, key
-        assert not torch.equal(state[key], torch.zeros_like(state[key]) if "mean" in key else torch.ones_like(state[key]))
+        assert not torch.equal(state[key],
+                               torch.zeros_like(state[key]) if "mean" in key else torch.ones_like(state[key]))
         # the same micro-batches' statistics in bf16: within one bf16 rounding (measured: equal)
-        torch.testing.assert_close(state[key].float(), want[key].float(), rtol=8e-3, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(state[key].float(), want[key].float(), rtol=8e-3, atol=0,
+                                   msg=lambda m, k=key: f"{k}: {m}")
         # the stage itself reads the very tensors the module holds
         stage_keys = [k for k in held["stage_state"] if k.endswith(key)]
         assert stage_keys and all(torch.equal(held["stage_state"][k], state[key]) for k in stage_keys), stage_keys
     got = merged_state(runs / "traced_bn_bf16", [0, 1])
     assert set(got) == set(want)
-    for name, value in got.items():  # bf16 weights within one rounding of |w| < 0.5 (measured: 9.8e-4; a.0 in fp32 4.7e-4)
-        torch.testing.assert_close(value.float(), want[name].float(), rtol=0, atol=2e-3, msg=lambda m, n=name: f"{n}: {m}")
+    # bf16 weights within one rounding of |w| < 0.5 (measured: 9.8e-4; a.0 in fp32 4.7e-4)
+    for name, value in got.items():
+        torch.testing.assert_close(value.float(), want[name].float(), rtol=0, atol=2e-3,
+                                   msg=lambda m, n=name: f"{n}: {m}")

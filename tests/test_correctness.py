@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launch import load_rank, merged_state
+from tests.harness.results import load_rank, merged_state
+from tests.harness.trainer import quiet_trainer
 from tests.reference import train_reference
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,8 @@ def _assert_matches(reference, out_dir, ranks):
 def _two_rank_runs() -> list[dict]:
     runs = [
         {"name": "gpipe", "stages": TWO, "schedule": "gpipe", "n_micro": 4},
-        {"name": "1f1b", "stages": TWO, "schedule": "1f1b", "n_micro": 4, "validate": True, "predict": True, "limit_val_batches": 1.0},
+        {"name": "1f1b", "stages": TWO, "schedule": "1f1b", "n_micro": 4, "validate": True, "predict": True,
+         "limit_val_batches": 1.0},
         {"name": "interleaved1f1b", "stages": FOUR, "schedule": "interleaved1f1b", "n_micro": 4},
         {"name": "interleaved_zb", "stages": FOUR, "schedule": "interleaved_zb", "n_micro": 4},
         {"name": "zbv", "stages": FOUR, "schedule": "zbv", "n_micro": 4},
@@ -45,14 +47,16 @@ def _two_rank_runs() -> list[dict]:
 
 
 def _three_rank_runs() -> list[dict]:
-    return [{"name": n, "stages": THREE, "schedule": n, "n_micro": 4, "steps": 4, "batch": 16} for n in ("gpipe", "1f1b")]
+    return [{"name": n, "stages": THREE, "schedule": n, "n_micro": 4, "steps": 4,
+             "batch": 16} for n in ("gpipe", "1f1b")]
 
 
 def _four_rank_runs() -> list[dict]:
     # 4 ranks: 2 pipeline stages × 2 replicas; each replica reads batches of 8, global batch 16;
     # accumulate_grad_batches=2, so 3 optimizer steps read 6 global batches.
     runs = [
-        {"name": "1f1b", "stages": TWO, "schedule": "1f1b", "n_micro": 2, "pp": 2, "accumulate": 2, "bias_monitor": True},
+        {"name": "1f1b", "stages": TWO, "schedule": "1f1b", "n_micro": 2, "pp": 2, "accumulate": 2,
+         "bias_monitor": True},
         {"name": "interleaved", "stages": FOUR, "schedule": "interleaved1f1b", "n_micro": 2, "pp": 2, "accumulate": 2},
     ]
     for r in runs:
@@ -96,18 +100,18 @@ def test_two_ranks_every_schedule(jobs):
             assert out["exchange_posted"] == ("before the last backward" if rank == 0 else
                                               "at a weight pass" if zero_bubble else "after the schedule"), r["name"]
             # the last stage's logged loss reached every rank, rank 0 included
-            assert out["metrics"]["train_loss"] == pytest.approx(float(trainer.callback_metrics["train_loss"]), rel=1e-5)
+            want = float(trainer.callback_metrics["train_loss"])
+            assert out["metrics"]["train_loss"] == pytest.approx(want, rel=1e-5)
     # interleaved placement: rank 0 holds stages 0 and 2; V placement: stages 0 and 3
     assert load_rank(tmp_path / "interleaved1f1b", 0)["stage_ids"] == [0, 2]
     assert load_rank(tmp_path / "zbv", 0)["stage_ids"] == [0, 3]
 
     # validation loss and predictions equal the single-process model's, on rank 0
-    import lightning as L
 
-    from tests.models import loaders
+    from tests.harness.zoo import loaders
 
     val = loaders(16)[1]
-    ref_trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    ref_trainer = quiet_trainer(enable_checkpointing=None, devices=1)
     expected = ref_trainer.validate(reference, val, verbose=False)[0]
     preds = torch.cat(ref_trainer.predict(reference, val))
     for rank in (0, 1):

@@ -25,7 +25,7 @@ from lightning_hpp.bias.determinism import (
 )
 from lightning_hpp.bias.fingerprint import HASH_PROBE, CodedBiasWarning
 from lightning_hpp.errors import BiasConfigError
-from tests.bias_workers.spawn import finish, start_module
+from tests.harness.launch import Job, run_jobs
 
 WORKER = "tests.bias_workers.determinism_worker"
 
@@ -99,7 +99,8 @@ def test_unset_or_random_hash_seed_is_replaced_for_children(monkeypatch, value):
 
 @pytest.mark.parametrize("seed", [-1, 1.5, True, "7", None])
 def test_bad_seed_is_refused(seed):
-    with pytest.raises(BiasConfigError, match=rf"`enable_determinism\(seed={re.escape(repr(seed))}\)`: must be an integer >= 0"):
+    with pytest.raises(BiasConfigError,
+                       match=rf"`enable_determinism\(seed={re.escape(repr(seed))}\)`: must be an integer >= 0"):
         enable_determinism(seed)
     with pytest.raises(BiasConfigError, match=re.escape(f"seed={seed!r}")):
         ensure_hash_seed(seed)
@@ -149,8 +150,8 @@ def test_same_seed_gives_bitwise_identical_parameters_under_hpp(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
-    finish([start_module(WORKER, {"out": str(a), "seeds": [7, 8]}, env={"PYTHONHASHSEED": None}),
-            start_module(WORKER, {"out": str(b), "seeds": [7]}, env={"PYTHONHASHSEED": None})])
+    run_jobs([Job(WORKER, {"out": str(a), "seeds": [7, 8]}, ranks=2, env={"PYTHONHASHSEED": None}, timeout=300),
+              Job(WORKER, {"out": str(b), "seeds": [7]}, ranks=2, env={"PYTHONHASHSEED": None}, timeout=300)])
     ra = [torch.load(a / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     rb = [torch.load(b / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 

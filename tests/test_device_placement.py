@@ -12,8 +12,8 @@ from torch import nn
 from lightning_hpp import StagePlan
 from lightning_hpp.model.materialize import init_on_meta
 from tests.device_harness import place_and_run
-from tests.models import MLP
-from tests.real_models import LMWrapper, dataset
+from tests.harness.zoo import MLP
+from tests.harness.zoo.real import LMWrapper, dataset
 from tests.workers.run_edges import BatchNormNet
 
 
@@ -50,7 +50,8 @@ def test_a_model_built_on_the_meta_device_traces_with_its_buffers_on_the_rank_de
     with init_on_meta():
         model = LMWrapper("llama")
     assert next(model.parameters()).is_meta and not next(model.buffers()).is_meta
-    used, problems = place_and_run(model, StagePlan.split_at(["model.model.layers.2"]), lm_call("llama"), frontend="traced")
+    used, problems = place_and_run(model, StagePlan.split_at(["model.model.layers.2"]), lm_call("llama"),
+                                   frontend="traced")
     assert used == "traced"
     assert problems == [], problems
 

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.launch import ROOT
+from tests.harness.launch import ROOT, Job, run_job
 
 pytestmark = pytest.mark.slow
 
@@ -18,13 +15,8 @@ STEPS = 40
 
 
 def test_hf_causal_lm_example_trains_on_the_traced_frontend(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1"}
-    env.pop("LOCAL_RANK", None)
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(
-        [sys.executable, "examples/hf_causal_lm/train.py", "--steps", str(STEPS), "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )
+    proc = run_job(Job("examples/hf_causal_lm/train.py", ["--steps", str(STEPS), "--out", str(tmp_path)], ranks=2,
+                       script=True, env={"PYTHONHASHSEED": "0"}, timeout=300), check=False)
     assert proc.returncode == 0, f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
     assert f"{ROOT}/lightning_hpp/" not in proc.stderr, proc.stderr[-6000:]  # no warnings of the package's own
     report = json.loads((tmp_path / "report.json").read_text())

@@ -17,6 +17,7 @@ from lightning_hpp.examples_data import DigitsDataError, DigitsDataModule
 from lightning_hpp.examples_data.digits import NUM_IMAGES
 
 import sklearn  # noqa: F401,E402 - installed by scripts/setup.sh: a missing one is a broken environment, not a skip
+from tests.harness.trainer import quiet_trainer
 
 MODEL_PATH = Path(__file__).resolve().parents[1] / "examples" / "hybrid_vision" / "model.py"
 
@@ -174,18 +175,7 @@ def test_bad_data_settings_are_refused():
 
 
 def _trainer(tmp_path, **kwargs) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision="32-true",
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **kwargs,
-    )
+    return quiet_trainer(devices=1, precision="32-true", default_root_dir=tmp_path, num_sanity_val_steps=0, **kwargs)
 
 
 def test_single_process_fp32_training_reaches_90_percent(tmp_path, digits):

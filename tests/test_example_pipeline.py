@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 
 import lightning as L
 import pytest
 
-from tests.launch import ROOT
+from tests.harness.launch import ROOT, Job, run_job
+from tests.harness.trainer import quiet_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -26,19 +25,15 @@ def _single_process_fp32_accuracy() -> float:
     from lightning_hpp.examples_data import DigitsDataModule
 
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = quiet_trainer(devices=1, max_epochs=EPOCHS)
     trainer.fit(HybridVisionModel(), DigitsDataModule(batch_size=64, n_microbatches=8, seed=0))
     return float(trainer.callback_metrics["val/acc"])
 
 
 def test_demo_mixed_precision_pipeline_reaches_fp32_accuracy(tmp_path):
     # PYTHONHASHSEED unset (scripts/demo.sh sets it): the guards note it, they do not warn
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"} | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "examples/hybrid_vision/train.py", "--epochs", str(EPOCHS), "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
-    )
+    proc = run_job(Job("examples/hybrid_vision/train.py", ["--epochs", str(EPOCHS), "--out", str(tmp_path)], ranks=2,
+                       script=True, env={"PYTHONHASHSEED": None}, timeout=400), check=False)
     assert proc.returncode == 0, proc.stderr[-5000:]
     # no warning of the coded-bias guards or the monitor (a warning names its file; ours are in lightning_hpp/bias/)
     assert "lightning_hpp/bias/" not in proc.stderr + proc.stdout, proc.stderr[-5000:]

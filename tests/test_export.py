@@ -29,8 +29,9 @@ from lightning_hpp.checkpoint.lightning_state import TIED, to_sharded
 from lightning_hpp.checkpoint.pretrained import find_pretrained, save_keys
 from lightning_hpp.checkpoint.store import CheckpointWarning
 from lightning_hpp.errors import CheckpointError, ShardedCheckpointError
-from tests.launch import forked, load_rank, run_scripts
-from tests.models import MLP
+from tests.harness.launch import Job, run_job
+from tests.harness.results import load_rank
+from tests.harness.zoo import MLP
 from tests.s3_server import S3Env, s3_env  # noqa: F401
 from tests.workers.run_export import ExportLM
 
@@ -46,7 +47,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The job's directory: ``<name>/rank{r}.pt`` (each rank's trained weights), ``<name>/ckpt/last.ckpt``."""
     out = tmp_path_factory.mktemp("export_job")
     runs = [{**cfg, "name": name, "steps": STEPS, "out": str(out / name)} for name, cfg in RUNS.items()]
-    run_scripts([forked("tests.workers.run_export", {"runs": runs}, 2)], timeout=600)
+    run_job(Job("tests.workers.run_export", {"runs": runs}, ranks=2, start="forked", timeout=600))
     return out
 
 
@@ -214,13 +215,13 @@ def test_hf_export_refuses_what_it_cannot_write(tmp_path: Path, capsys: pytest.C
     gpt2 = _saved(tmp_path / "gpt2", ExportLM("gpt2"))
     dst = str(tmp_path / "hf")
     cases = [
-        ([mlp, dst, "--hf", "--module", "tests.models:MLP"], "MLP holds no transformers `PreTrainedModel`"),
+        ([mlp, dst, "--hf", "--module", "tests.harness.zoo:MLP"], "MLP holds no transformers `PreTrainedModel`"),
         ([gpt2, dst, "--hf"], "--hf needs --module package.module:MyModule"),
         ([gpt2, dst, "--hf", "--module", MODULE, "--hf-prefix", "model.lm_head"],
          "ExportLM.model.lm_head is a Linear, not a transformers `PreTrainedModel`"),
         ([gpt2, dst, "--hf", "--module", MODULE, "--max-shard-size", "a lot"], "max_shard_size='a lot' is not a size"),
         ([gpt2, dst, "--hf-prefix", "model"], "apply to the --hf export only"),
-        ([gpt2, dst, "--hf", "--module", "tests.models:NoSuchModule"], "cannot be imported"),
+        ([gpt2, dst, "--hf", "--module", "tests.harness.zoo:NoSuchModule"], "cannot be imported"),
     ]
     for argv, message in cases:
         assert export_main(argv) == 2, argv

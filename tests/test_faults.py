@@ -16,7 +16,7 @@ import socket
 
 import pytest
 
-from tests.launch import run_scripts
+from tests.harness.launch import Job, run_jobs
 
 pytestmark = pytest.mark.slow
 
@@ -43,9 +43,10 @@ CASES = [(layout, i) for layout, spec in LAYOUTS.items() for i in range(len(spec
 @pytest.fixture(scope="module")
 def fault_jobs(tmp_path_factory):
     outs = {name: tmp_path_factory.mktemp(f"faults_{name}") for name in LAYOUTS}
-    jobs = [("tests.workers.run_faults", {"pp": spec["pp"], "ranks": 4, "timeout": TIMEOUT_S, "out": str(outs[name]),
-                                          "attempts": spec["attempts"]}) for name, spec in LAYOUTS.items()]
-    run_scripts(jobs, timeout=900)
+    jobs = [Job("tests.workers.run_faults", {"pp": spec["pp"], "ranks": 4, "timeout": TIMEOUT_S, "out": str(outs[name]),
+                                             "attempts": spec["attempts"]}, ranks=4, timeout=900)
+            for name, spec in LAYOUTS.items()]
+    run_jobs(jobs)
     return outs
 
 

@@ -168,7 +168,8 @@ def test_delayed_scaling_updates_its_amax_history():
     lin(small)  # history of length 2: 50 has rolled out
     assert lin.amax_history[:, 0].tolist() == [0.5, 0.5]
     # most_recent ignores older, larger entries
-    mr = EmulatedFP8Linear(16, 16, bias=False, recipe=FP8Recipe("delayed", amax_history_len=4, amax_compute_algo="most_recent"))
+    mr = EmulatedFP8Linear(16, 16, bias=False,
+                           recipe=FP8Recipe("delayed", amax_history_len=4, amax_compute_algo="most_recent"))
     mr(big)
     mr(small)
     out = mr(big)  # scale from the most recent (0.5): saturates although 50 is in the history
@@ -312,7 +313,8 @@ def test_bad_recipes_are_refused():
 
 def test_labels_and_contexts():
     assert describe_backend("emulate") == "fp8-emulated (quantize-dequantize on cpu; not fp8 speed)"
-    assert describe_backend("emulate", device=torch.device("cuda", 1)).startswith("fp8-emulated (quantize-dequantize on cuda;")
+    assert describe_backend("emulate",
+                            device=torch.device("cuda", 1)).startswith("fp8-emulated (quantize-dequantize on cuda;")
     with fp8_autocast_context("emulate", "current"):
         pass
     lin = EmulatedFP8Linear(16, 16, recipe="current")

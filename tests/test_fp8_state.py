@@ -41,7 +41,7 @@ FRONTENDS = ("sequential", "traced")
 
 # ============================================================================ resume, 2 ranks
 def _run(out: Path, name: str, frontend: str, steps: int, **ckpt) -> dict:
-    # tests.models.MLP: layers.2 (stage 0) and layers.4 (stage 1) are 16x16 GEMMs that run in fp8;
+    # tests.harness.zoo.MLP: layers.2 (stage 0) and layers.4 (stage 1) are 16x16 GEMMs that run in fp8;
     # layers.0 (8->16) and layers.6 (16->4) stay in fp32 (fp8 needs multiples of 16)
     return {"model": "mlp", "points": ["layers.4"], "precision": ["fp8", "fp8"], "fp8_backend": "emulate",
             "frontend": frontend, "schedule": "1f1b", "n_micro": 2, "batch": 8, "steps": steps, "out": str(out / name),

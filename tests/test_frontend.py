@@ -11,8 +11,8 @@ from torch import nn
 from lightning_hpp import PlanError, StagePlan
 from lightning_hpp.errors import TraceError
 from lightning_hpp.model.frontend import balanced_plan, cut_model
-from tests.models import MLP
-from tests.real_models import LMWrapper, dataset
+from tests.harness.zoo import MLP
+from tests.harness.zoo.real import LMWrapper, dataset
 
 
 def _run_chain(cut, mode, args, kwargs):
@@ -58,11 +58,13 @@ def test_non_chain_forwards_and_keyword_calls_fall_back_to_traced():
     ids, mask, _ = dataset("gpt2", 2)[:]
     cut = cut_model(gpt, StagePlan.split_at(["model.transformer.h.2"]), ((ids,), {"attention_mask": mask}))
     assert cut.frontend == "traced"
-    torch.testing.assert_close(_run_chain(cut, "train", (ids,), {"attention_mask": mask}), gpt(ids, attention_mask=mask))
+    torch.testing.assert_close(_run_chain(cut, "train", (ids,), {"attention_mask": mask}),
+                               gpt(ids, attention_mask=mask))
     # the tied embedding / LM head is one parameter used by both stages
     assert cut.shared == {"model.transformer.wte.weight": [0, 1]}
     with pytest.raises(PlanError, match="the cut points lie inside the top-level units \\(model\\)"):
-        cut_model(gpt, StagePlan.split_at(["model.transformer.h.2"]), ((ids,), {"attention_mask": mask}), frontend="sequential")
+        cut_model(gpt, StagePlan.split_at(["model.transformer.h.2"]), ((ids,), {"attention_mask": mask}),
+                  frontend="sequential")
 
 
 class _DataDependent(nn.Module):
@@ -103,7 +105,8 @@ def test_a_model_export_cannot_capture_gets_a_clear_error(model_cls):
 def test_bad_cut_points_are_refused_with_the_names_to_use():
     gpt = LMWrapper("gpt2")
     ids, mask, _ = dataset("gpt2", 2)[:]
-    with pytest.raises(PlanError, match=r"\['model.transformer.h.9'\] is no module of the model.*top-level ones are \['model'\]"):
+    with pytest.raises(PlanError,
+                       match=r"\['model.transformer.h.9'\] is no module of the model.*top-level ones are \['model'\]"):
         cut_model(gpt, StagePlan.split_at(["model.transformer.h.9"]), ((ids,), {"attention_mask": mask}))
 
     class Unused(MLP):
@@ -127,14 +130,16 @@ def test_split_at_and_balanced_plans():
 
     nano = LMWrapper("nanogpt")
     assert balanced_plan(nano, 2).meta["cut_points"] == ["model.transformer.h.2"]
-    assert balanced_plan(nano, 4).meta["cut_points"] == ["model.transformer.h.1", "model.transformer.h.2", "model.transformer.h.3"]
+    assert balanced_plan(nano, 4).meta["cut_points"] == ["model.transformer.h.1", "model.transformer.h.2",
+                                                         "model.transformer.h.3"]
     with pytest.raises(PlanError, match="has no list of at least 2 blocks"):
         balanced_plan(_DataDependent(), 2)
 
 
 UNCAPTURABLE = [
     ("second_call", r"`training_step` calls `self\(...\)` more than once"),
-    ("data_dependent", r"torch.export cannot capture `DataDependent.forward` for the traced frontend at .*run_traced_cases\.py:\d+"),
+    ("data_dependent",
+     r"torch.export cannot capture `DataDependent.forward` for the traced frontend at .*run_traced_cases\.py:\d+"),
 ]
 
 
@@ -142,13 +147,14 @@ UNCAPTURABLE = [
 def uncapturable_job(tmp_path_factory):
     """One 2-rank job whose ranks try every uncapturable step in turn, each in its own Trainer
     (tests/workers/refusals.py)."""
-    from tests.launch import run_script
+    from tests.harness.launch import Job, run_job
 
     out = tmp_path_factory.mktemp("uncapturable")
     from tests.workers.refusals import COLLECTIVE_TIMEOUT_S
 
-    proc = run_script("tests.workers.run_traced_cases", {"cases": [c for c, _ in UNCAPTURABLE], "out": str(out),
-                                                          "timeout": COLLECTIVE_TIMEOUT_S}, check=False, timeout=600)
+    proc = run_job(Job("tests.workers.run_traced_cases", {"cases": [c for c, _ in UNCAPTURABLE], "out": str(out),
+                                                          "timeout": COLLECTIVE_TIMEOUT_S},
+                       ranks=2, start="forked", timeout=600), check=False)
     return proc, out
 
 
@@ -161,7 +167,8 @@ def test_uncapturable_steps_stop_every_rank_at_setup(uncapturable_job, case, mes
     assert proc.returncode != 0 and f"TRAINED {case}" not in proc.stdout
     # both ranks raise the same error themselves (no rank is left waiting in a collective), well before a timeout
     for record in refusals.read(out / case, 2):
-        assert re.match(r"lightning_hpp\.errors\.\w+Error: " + message, record["error"] or ""), (record, proc.stderr[-3000:])
+        assert re.match(r"lightning_hpp\.errors\.\w+Error: " + message,
+                        record["error"] or ""), (record, proc.stderr[-3000:])
         assert record["global_step"] == 0 and record["seconds"] < refusals.BOUND_S, record
 
 
@@ -171,7 +178,7 @@ def test_fp8_emulation_on_a_traced_stage_equals_the_converted_layers():
     from lightning_hpp import HPPPrecision
     from lightning_hpp.pipeline.stage import StageModule
     from lightning_hpp.precision.plugin import StageView
-    from tests.models import Wide
+    from tests.harness.zoo import Wide
 
     x = torch.randn(8, 32)
     plan = StagePlan.split_at(["layers.2"], precision=["fp8", "32-true"])
@@ -181,7 +188,8 @@ def test_fp8_emulation_on_a_traced_stage_equals_the_converted_layers():
         cut = cut_model(model, plan, ((x,), {}), frontend=frontend)
         stages = {k: StageModule(cut.plan.stages[k].modules, cut.bodies["train"][k], k, spread=cut.spread[k],
                                  captured=frontend == "traced") for k in range(2)}
-        HPPPrecision(fp8_backend="emulate").configure_stages(cut.plan, StageView(stages), "32-true", torch.device("cpu"), "cpu")
+        HPPPrecision(
+            fp8_backend="emulate").configure_stages(cut.plan, StageView(stages), "32-true", torch.device("cpu"), "cpu")
         for _ in range(2):  # the second step uses the first one's amax history (delayed scaling)
             y = stages[1](stages[0](x))
             y.square().sum().backward()
@@ -204,8 +212,11 @@ def test_stage_specs_name_modules_at_any_depth_and_are_checked_against_the_cut()
     cut = cut_model(gpt, plan, example)
     assert cut.plan.meta["cut_points"] == ["model.transformer.h.2"]  # a range begins at its first item
     assert cut.plan.stages[1].precision == "bf16-mixed"
-    assert "model.transformer.h.3" in cut.plan.stages[1].modules and "model.transformer.h.1" in cut.plan.stages[0].modules
+    assert "model.transformer.h.3" in cut.plan.stages[1].modules
+    assert "model.transformer.h.1" in cut.plan.stages[0].modules
     wrong = StagePlan([StageSpec(modules=["model.transformer.wte", "model.transformer.ln_f"]),
                        StageSpec(modules=["model.transformer.h.2-3"])])
-    with pytest.raises(PlanError, match="Stage 0 lists 'model.transformer.ln_f', but with the cut points .* forward runs it in stage 1"):
+    with pytest.raises(PlanError,
+                       match="Stage 0 lists 'model.transformer.ln_f', but with the cut points .* "
+                             "forward runs it in stage 1"):
         cut_model(gpt, wrong, example)

@@ -171,7 +171,8 @@ def test_a_parameter_of_two_local_stages_is_reduced_after_both(group, started):
     handover = GradHandover({0: a, 1: b}, group, 2, bucket_numel=1)
     handover._observing = False  # (the first step's watching is tested on its own)
     x = torch.randn(3, 5)
-    ref = nn.Sequential(nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5)), nn.Sequential(nn.Linear(5, 5), nn.Tanh()))
+    ref = nn.Sequential(nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5)),
+                        nn.Sequential(nn.Linear(5, 5), nn.Tanh()))
     with torch.no_grad():
         for dst, src in zip(ref.parameters(), [*a.parameters(), *list(b.parameters())[:2]]):
             dst.copy_(src)

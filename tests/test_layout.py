@@ -302,7 +302,8 @@ def _trainer_kinds(imp: ImportStmt) -> set[str]:
     for n in imp.names:
         if imp.module in _LIGHTNING_TOPS and n == "Trainer":
             kinds.add(TRAINER)
-        elif kind := of_module(f"{imp.module}.{n}" if imp.module in _LIGHTNING_TOPS + _TRAINER_PACKAGES else imp.module):
+        elif kind := of_module(f"{imp.module}.{n}" if imp.module in _LIGHTNING_TOPS + _TRAINER_PACKAGES
+                               else imp.module):
             kinds.add(kind)
     return kinds
 
@@ -452,7 +453,8 @@ def test_scan_finds_a_known_cycle_and_trainer_import(tmp_path):
         "toypkg/d.py": "import toypkg.c\nD = 1\n",
         "toypkg/e.py": "def g():\n    from lightning.pytorch.trainer.states import TrainerFn\n",
         "toypkg/f.py": "import pytorch_lightning.trainer.trainer\nfrom lightning import Trainer as T\n",
-        "toypkg/strategy.py": "from lightning.pytorch import Trainer\nfrom lightning.pytorch.trainer.states import TrainerFn\n",
+        "toypkg/strategy.py": "from lightning.pytorch import Trainer\n"
+                              "from lightning.pytorch.trainer.states import TrainerFn\n",
         "toypkg/entry.py": "from lightning.pytorch.trainer import Trainer, states\n",
     }
     for rel, text in files.items():

@@ -41,4 +41,5 @@ def test_every_row_has_a_verdict_and_names_a_test_that_exists():
 
 
 def test_the_documented_table_is_the_table_of_the_rows():
-    assert TABLE.read_text() == table(rows()), "docs/lightning-coverage.md is stale: run `python -m tests.lightning_coverage`"
+    assert TABLE.read_text() == table(rows()), \
+        "docs/lightning-coverage.md is stale: run `python -m tests.lightning_coverage`"

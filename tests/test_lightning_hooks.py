@@ -9,13 +9,15 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.launch import load_rank, merged_state, run_script
-from tests.models import MLP, make_dataset
+from tests.harness.launch import Job, run_job
+from tests.harness.results import load_rank, merged_state
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, make_dataset
 from tests.workers import run_hooks as worker
 
 pytestmark = pytest.mark.slow
 
-STAGE_OF_LAYER = {0: 0, 2: 0, 4: 1, 6: 1}  # the Linear layers of tests.models.MLP(depth=4), by stage
+STAGE_OF_LAYER = {0: 0, 2: 0, 4: 1, 6: 1}  # the Linear layers of tests.harness.zoo.MLP(depth=4), by stage
 
 
 def stage_params(model: MLP) -> list[list[torch.nn.Parameter]]:
@@ -47,18 +49,8 @@ def reference(cls: type[MLP], **trainer_kw) -> dict[str, torch.Tensor]:
     """One process, fp32, the same global batches in the same (shuffled) order, the same steps."""
     L.seed_everything(0)
     model = cls()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=worker.STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        **trainer_kw,
-    )
+    trainer = quiet_trainer(devices=1, max_steps=worker.STEPS, num_sanity_val_steps=0, limit_val_batches=0,
+                            **trainer_kw)
     ds = make_dataset(128)
     sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0)
     trainer.fit(model, DataLoader(ds, batch_size=worker.BATCH, sampler=sampler, drop_last=True))
@@ -68,7 +60,7 @@ def reference(cls: type[MLP], **trainer_kw) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hooks")
-    run_script("tests.workers.run_hooks", {"out": str(out)})
+    run_job(Job("tests.workers.run_hooks", {"out": str(out)}, ranks=2, start="forked"))
     return out
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,8 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from tests.launch import ROOT, run_script
+from tests.harness.launch import Job, run_jobs
+from tests.harness.runs import Runs
 
 pytestmark = pytest.mark.slow
 
@@ -29,25 +29,16 @@ def jobs(tmp_path_factory):
     fit_dir.mkdir()
     torchrun_dir.mkdir()
     port = find_free_network_port()
-    cfg = json.dumps({"devices": 1, "num_nodes": 2, "runs": [{"name": "tr", "stages": [["layers.0-3"], ["layers.4-6"]], "schedule": "1f1b", "n_micro": 4, "steps": 4, "batch": 16, "out": str(torchrun_dir)}]})
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    agents = []
-    for n in (0, 1):
-        with open(root / f"agent{n}.log", "w") as log:  # the agent keeps its own copy
-            agents.append(subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n),
-                 "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "tests.workers.run_hpp", cfg],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
-            ))
-    try:
-        fit = run_script("tests.workers.run_cases", {"case": "lightning_integration", "devices": 2, "out": str(fit_dir)})
-        for p in agents:
-            p.wait(timeout=240)
-        outs = [(root / f"agent{n}.log").read_text() for n in (0, 1)]
-    finally:
-        for p in agents:
-            if p.poll() is None:
-                p.kill()
+    runs = Runs.of(1, "hpp", [{"name": "tr", "stages": [["layers.0-3"], ["layers.4-6"]], "schedule": "1f1b",
+                                "n_micro": 4, "steps": 4, "batch": 16, "num_nodes": 2, "out": str(torchrun_dir)}])
+    agents = [Job((sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                   "--node-rank",
+                   str(n), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "tests.workers.run_hpp"),
+                  runs, script=True, timeout=480) for n in (0, 1)]
+    fit, *agents = run_jobs([Job("tests.workers.run_cases", {"case": "lightning_integration", "devices": 2,
+                                                             "out": str(fit_dir)}, ranks=2), *agents], check=False)
+    fit.check()
+    outs = [a.stdout + a.stderr for a in agents]
     return fit_dir, fit, torchrun_dir, (agents, outs)
 
 
@@ -77,13 +68,14 @@ def test_last_stage_metrics_reach_rank0_loggers_and_callbacks(jobs):
 
     assert re.search(r"train_loss[=:] ?\d\.\d+", proc.stderr + proc.stdout)
     plan = json.loads((Path(r0["log_dir"]) / "stage_plan.json").read_text())
-    assert [s["modules"] for s in plan["stages"]] == [["layers.0", "layers.1", "layers.2", "layers.3"], ["layers.4", "layers.5", "layers.6"]]
+    assert [s["modules"] for s in plan["stages"]] == [["layers.0", "layers.1", "layers.2", "layers.3"],
+                                                      ["layers.4", "layers.5", "layers.6"]]
     assert plan["meta"]["schedule"] == "1f1b" and plan["meta"]["pp_degree"] == 2
 
 
 def test_two_node_torchrun_matches_single_process(jobs):
     """Two torchrun node agents on loopback (--nnodes 2, one process each) train 2 stages."""
-    from tests.launch import merged_state
+    from tests.harness.results import merged_state
     from tests.reference import train_reference
 
     _, _, tmp_path, (procs, outs) = jobs

@@ -10,8 +10,8 @@ import lightning as L
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.launch import run_script
-from tests.models import loaders
+from tests.harness.launch import Job, run_job
+from tests.harness.zoo import loaders
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,8 @@ def _reference() -> tuple[list[dict[str, float]], dict[str, float]]:
 
 
 def test_logged_values_reduce_fx_metrics_and_collective_devices(tmp_path):
-    run_script("tests.workers.run_logging", {"out": str(tmp_path), "devices": 4}, timeout=300)
+    run_job(Job("tests.workers.run_logging", {"out": str(tmp_path), "devices": 4}, ranks=4, start="forked",
+                timeout=300))
     ranks = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(4)]
     ref_steps, ref_final = _reference()
     for rank, got in enumerate(ranks):  # every rank logs what one process logs, not only rank 0

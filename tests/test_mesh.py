@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.bias_workers.launch import run_ranks
+from tests.harness.launch import Job, run_job
+from tests.harness.results import rank_results
 
 WORLD = 4
 CASES = [
@@ -38,7 +39,9 @@ def _grid(case: dict) -> list[list[int]]:
 def results(tmp_path_factory) -> list[list[dict]]:
     out = tmp_path_factory.mktemp("mesh")
     (out / "cases.json").write_text(json.dumps(CASES))
-    per_rank = run_ranks(Path(__file__).parent / "workers" / "mesh_worker.py", WORLD, out, timeout=120)
+    run_job(Job(Path(__file__).parent / "workers" / "mesh_worker.py", str(out), ranks=WORLD, start="per_rank",
+                script=True, cwd=out, timeout=120))
+    per_rank = rank_results(out, WORLD)
     return [[per_rank[rank][i] for rank in range(WORLD)] for i in range(len(CASES))]
 
 

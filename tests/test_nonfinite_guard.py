@@ -7,13 +7,15 @@ import json
 
 import pytest
 
-from tests.launch import run_script
+from tests.harness.launch import Job, run_job
 
 pytestmark = pytest.mark.slow
 
 
 def test_one_ranks_nan_stops_every_rank_at_that_step_or_warns_where_it_is(tmp_path):
-    run_script("tests.workers.run_nonfinite", {"out": str(tmp_path), "poison_step": 2, "steps": 4}, timeout=300)
+    run_job(Job("tests.workers.run_nonfinite", {"out": str(tmp_path), "poison_step": 2, "steps": 4}, ranks=4,
+                start="forked",
+                timeout=300))
     ranks = {p: [json.loads((tmp_path / p / f"rank{r}.json").read_text()) for r in range(4)]
              for p in ("warn", "raise", "gradient")}
 
@@ -43,5 +45,6 @@ def test_one_ranks_nan_stops_every_rank_at_that_step_or_warns_where_it_is(tmp_pa
     for r in ranks["gradient"]:
         assert r["error"] is not None and r["error"]["type"] == "NonFiniteError" and r["global_step"] == 2, r
         assert r["finite_params"], r
-    assert "gradient arriving at stage 0 from stage 1 (micro-batch 0, step 2)" in ranks["gradient"][0]["error"]["message"]
+    message = ranks["gradient"][0]["error"]["message"]
+    assert "gradient arriving at stage 0 from stage 1 (micro-batch 0, step 2)" in message
     assert "pipeline position(s) [0]" in ranks["gradient"][1]["error"]["message"]

@@ -10,7 +10,7 @@ from lightning_hpp.errors import PlacementError
 from lightning_hpp.pipeline.dims import ParallelDims
 from lightning_hpp.planning.plan import StagePlan, StageSpec
 from lightning_hpp.planning.profile import CostProfile, ProfileEntry, UnitCost
-from tests.launch import load_rank, merged_state
+from tests.harness.results import load_rank, merged_state
 from tests.reference import train_reference
 
 pytestmark = pytest.mark.slow
@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 def _synthetic_profile(path, names):
     """Equal units; kind 'slow' takes twice as long as kind 'fast' (the cgroup-halved core)."""
     def entry(kind, scale):
-        return ProfileEntry(kind, "32-true", [UnitCost(n, 1.0 * scale, 2.0 * scale, 1024, 256) for n in names], source="synthetic")
+        return ProfileEntry(kind, "32-true", [UnitCost(n, 1.0 * scale, 2.0 * scale, 1024, 256) for n in names],
+                            source="synthetic")
 
     prof = CostProfile(model="MLP", unit_names=list(names), param_counts=[0] * len(names), input_shapes=[[4, 8]],
                        entries=[entry("fast", 1.0), entry("slow", 2.0)])
@@ -39,7 +40,8 @@ def two_rank_runs(tmp_path) -> list[dict]:
         # each replica taking half of the loader's batch, so the global batch and the training stay the same
         {"name": "free", "strategy": {}, "depth": 4, "steps": 6},
         # a profile of two device kinds, rank 0 'fast' and rank 1 'slow' (2x): a pipeline, the fast rank gets ~2/3
-        {"name": "kinds", "depth": 6, "strategy": {"placement": {"device_map": "0:fast,1:slow", "profile": str(tmp_path / "profile.json")}}},
+        {"name": "kinds", "depth": 6,
+         "strategy": {"placement": {"device_map": "0:fast,1:slow", "profile": str(tmp_path / "profile.json")}}},
     ]
     for r in runs:
         r.setdefault("steps", 4)
@@ -51,7 +53,7 @@ def four_rank_runs(tmp_path) -> list[dict]:
     """This module's configurations for the shared 4-rank ``run_hpp`` job: pp_degree=1 on 4 ranks with 1 byte less
     per device than ddp's whole model needs (4 x its parameter bytes with Adam's state), so only fsdp over the 4
     replicas fits (3 x the parameters, plus the activations); and plan="auto" over two kinds of two ranks each."""
-    from tests.models import MLP
+    from tests.harness.zoo import MLP
 
     params = sum(p.numel() * p.element_size() for p in MLP(depth=4).parameters())
     _synthetic_profile(tmp_path / "profile.json", [f"layers.{i}" for i in range(11)])  # MLP(depth=6)
@@ -60,7 +62,8 @@ def four_rank_runs(tmp_path) -> list[dict]:
             # two fast and two slow ranks, nothing fixed: plan="auto" chooses two replicas of a two-stages-per-rank
             # pipeline (test_auto_plan_on_four_ranks_...)
             {"name": "kinds4", "depth": 6, "steps": 4, "batch": 16, "out": str(tmp_path / "kinds4"),
-             "strategy": {"placement": {"device_map": "0:fast,1:fast,2:slow,3:slow", "profile": str(tmp_path / "profile.json")}}}]
+             "strategy": {"placement": {"device_map": "0:fast,1:fast,2:slow,3:slow",
+                                        "profile": str(tmp_path / "profile.json")}}}]
 
 
 def test_auto_plan_shards_the_stages_where_only_sharded_stages_fit(hpp_jobs):
@@ -95,7 +98,8 @@ def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(hpp_job
 
     free = [load_rank(tmp_path / "free", r) for r in (0, 1)]
     predicted = free[0]["plan_meta"]["predicted"]
-    assert (predicted["pp_degree"], predicted["dp_degree"], predicted["microbatch_size"] * predicted["n_microbatches"]) == (1, 2, 8)
+    assert (predicted["pp_degree"], predicted["dp_degree"],
+            predicted["microbatch_size"] * predicted["n_microbatches"]) == (1, 2, 8)
     assert free[0]["grid"] == [[0, 1]] and free[0]["stage_ids"] == free[1]["stage_ids"] == [0]
     reference, _ = train_reference(steps=6, batch=16)
     for k, v in reference.state_dict().items():
@@ -115,7 +119,8 @@ def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(hpp_job
     assert 0 < meta["predicted"]["pipeline_ms"] <= 5 * max(meta["predicted"]["stage_ms"]) + 1e-6
     assert metrics["placement/step_measured_ms"] > 0
     # the telemetry plan="auto" started for that report stopped after it (steps 5 and 10 recorded, 15 not)
-    assert load_rank(tmp_path / "measured", 0)["telemetry_steps"] and max(load_rank(tmp_path / "measured", 0)["telemetry_steps"]) <= 10
+    assert load_rank(tmp_path / "measured",
+                     0)["telemetry_steps"] and max(load_rank(tmp_path / "measured", 0)["telemetry_steps"]) <= 10
 
     plan = load_rank(tmp_path / "kinds", 0)["plan"]
     predicted = plan["meta"]["predicted"]
@@ -126,7 +131,8 @@ def test_auto_plan_trains_like_single_process_and_balances_unequal_kinds(hpp_job
     assert [s["device"] for s in plan["stages"]] == ["fast", "slow", "slow", "fast"]
     assert sizes[0] + sizes[3] in (7, 8) and sum(sizes) == 11, sizes  # the fast rank holds about 2/3 of the units
     assert load_rank(tmp_path / "kinds", 1)["plan"] == plan  # every rank chose the same plan
-    assert load_rank(tmp_path / "kinds", 0)["stage_ids"] == [0, 3] and load_rank(tmp_path / "kinds", 1)["stage_ids"] == [1, 2]
+    assert load_rank(tmp_path / "kinds",
+                     0)["stage_ids"] == [0, 3] and load_rank(tmp_path / "kinds", 1)["stage_ids"] == [1, 2]
     # and the auto-chosen multi-stage plan trains as one process does
     reference, _ = train_reference(steps=4, batch=16, depth=6)
     got = merged_state(tmp_path / "kinds", [0, 1])
@@ -163,4 +169,5 @@ def test_stages_follow_device_kinds_and_absent_kinds_are_refused():
     assert grid == [[0], [1]]
     with pytest.raises(PlacementError, match="cpu"):
         kind_grid(plan, [[0], [1]], ["cpu", "cpu"], ParallelDims(pp=2))
-    assert kind_grid(StagePlan([StageSpec(modules=["a"]), StageSpec(modules=["b"])]), [[0], [1]], ["cpu", "cpu"], ParallelDims(pp=2)) is None
+    assert kind_grid(StagePlan([StageSpec(modules=["a"]), StageSpec(modules=["b"])]), [[0], [1]], ["cpu", "cpu"],
+                     ParallelDims(pp=2)) is None

@@ -137,7 +137,8 @@ def test_decorators_of_one_stage_must_agree_on_activation_checkpointing():
             super().__init__()
             self.a, self.b = A(2, 2), second(2, 2)
 
-    with pytest.raises(PlanError, match="Stage 0 is declared twice with different activation_checkpointing: True and False"):
+    with pytest.raises(PlanError,
+                       match="Stage 0 is declared twice with different activation_checkpointing: True and False"):
         StagePlan.from_decorators(find_units(M(B)))
     # a declaration that leaves it unset takes the stage's value
     assert StagePlan.from_decorators(find_units(M(C))).stages[0].activation_checkpointing is True

@@ -369,7 +369,7 @@ def test_rebatch_makes_loader_batches_smaller_once():
         rebatch(loader, 5)
 
 
-# ---------------------------------------------------------------------------- data_parallel: ddp, or fsdp where memory decides
+# ------------------------------------------------------------ data_parallel: ddp, or fsdp where memory decides
 BIG, SMALL = 1e6, 1e4  # parameter bytes of the two units of _lopsided()
 
 
@@ -404,7 +404,8 @@ def test_where_only_sharded_stages_fit_auto_chooses_fsdp_with_the_memory_model_o
     assert (got.pp_degree, got.dp_degree, got.data_parallel, got.dp_shard) == (1, 4, "fsdp", 4), got.format_table()
     est = got.stages[0]
     scale = got.microbatch_size / prof.microbatch_size
-    want = stage_memory_bytes(BIG + SMALL, 3.0, est.in_flight, 600 * scale, dp_shard=4, n_microbatches=got.n_microbatches,
+    want = stage_memory_bytes(BIG + SMALL, 3.0, est.in_flight, 600 * scale, dp_shard=4,
+                              n_microbatches=got.n_microbatches,
                               largest_unit_bytes=BIG)
     assert est.memory_bytes == pytest.approx(want, rel=1e-12) and est.memory_bytes <= 3.5e6
     assert got.plan.meta["predicted"]["data_parallel"] == "fsdp" and got.plan.meta["predicted"]["dp_shard"] == 4
@@ -502,7 +503,8 @@ def test_tensor_parallel_splits_compute_and_memory_and_pays_its_per_layer_all_re
     from lightning_hpp.planning.memory import stage_memory_bytes
 
     est = two.stages[0]
-    assert est.memory_bytes == pytest.approx(stage_memory_bytes(2 * (1 << 20) * share, 3.0, 1, est.in_flight * 2 * 8192))
+    assert est.memory_bytes == pytest.approx(
+        stage_memory_bytes(2 * (1 << 20) * share, 3.0, 1, est.in_flight * 2 * 8192))
     assert two.plan.meta["predicted"]["tp_degree"] == 2 and "x tp=2" in two.format_table()
 
 
@@ -518,7 +520,8 @@ def test_tp_is_searched_only_among_the_degrees_the_model_divides_and_where_memor
     assert max(s.memory_bytes for s in got.stages) <= 25e6
     assert "tp in [1, 2, 4]" in got.format_table()
     # a plan that splits nothing (no byte, no compute) only pays the all-reduces: never chosen
-    assert search_plan(_blocks(split=0.0), ["fast"] * 8, batch_size=8, tp_degree=None, data_parallel=None).tp_degree == 1
+    assert search_plan(_blocks(split=0.0), ["fast"] * 8, batch_size=8, tp_degree=None,
+                       data_parallel=None).tp_degree == 1
     # a model without a tp plan (the profile records [1]) is never split
     with pytest.raises(PartitionError, match="no cut fits in memory"):
         search_plan(_blocks(params=8 << 20, degrees=(1,)), ["fast"] * 8, batch_size=8, tp_degree=None,
@@ -541,7 +544,7 @@ def test_a_tp_group_stays_on_one_host_unless_told_otherwise():
 
 def test_the_profile_records_what_the_models_tp_plan_splits(tmp_path):
     from lightning_hpp.pipeline.tensor_parallel import plan_shape, resolve_tp_plan, tp_degrees
-    from tests.real_models import LMWrapper
+    from tests.harness.zoo.real import LMWrapper
 
     model = LMWrapper("llama", layers=2)
     units = ["model.model.embed_tokens", "model.model.layers.0", "model.model.layers.1", "model.model.norm",

@@ -9,8 +9,8 @@ from lightning_hpp import StagePlan, StageSpec
 from lightning_hpp.errors import FP8Error
 from lightning_hpp.pipeline.stage import StageModule
 from lightning_hpp.precision.plugin import HPPPrecision, StageView
-from tests.launch import load_rank, merged_state
-from tests.models import MLP
+from tests.harness.results import load_rank, merged_state
+from tests.harness.zoo import MLP
 from tests.reference import train_reference
 
 TWO = [["layers.0-3"], ["layers.4-6"]]
@@ -25,7 +25,8 @@ MODES = ["16-mixed", "bf16-mixed", "16-true", "bf16-true", "fp8"]
 
 def _mode_runs() -> list[dict]:
     runs = [
-        {"name": m, "stages": TWO, "schedule": "1f1b", "n_micro": 4, "steps": 5, "batch": 16, "precisions": ["32-true", m],
+        {"name": m, "stages": TWO, "schedule": "1f1b", "n_micro": 4, "steps": 5, "batch": 16,
+         "precisions": ["32-true", m],
          "precision": {"fp8_backend": "emulate"}}
         for m in MODES
     ]
@@ -95,18 +96,24 @@ def test_clipping_per_stage_and_global_equal_hand_computed_reference(two_rank_ru
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from tests.models import make_dataset
+    from tests.harness.zoo import make_dataset
 
     ds = make_dataset(128)
-    x, y = next(iter(DataLoader(ds, batch_size=16, sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0))))
+    x, y = next(iter(DataLoader(ds, batch_size=16,
+                                sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0))))
     model = MLP()
     F.cross_entropy(model(x), y).backward()
-    stage_params = [[p for n, p in model.named_parameters() if int(n.split(".")[1]) <= 3], [p for n, p in model.named_parameters() if int(n.split(".")[1]) >= 4]]
+    stage_params = [[p for n, p in model.named_parameters() if int(n.split(".")[1]) <= 3],
+                    [p for n, p in model.named_parameters() if int(n.split(".")[1]) >= 4]]
     norms = [torch.sqrt(sum((p.grad**2).sum() for p in ps)) for ps in stage_params]
     expected = {}
     for mode in ("per_stage", "global"):
-        coefs = [min(1.0, 0.05 / float(norms[0])), min(1.0, 0.02 / float(norms[1]))] if mode == "per_stage" else [min(1.0, 0.03 / float(torch.sqrt(norms[0] ** 2 + norms[1] ** 2)))] * 2
-        expected[mode] = {n: (p - 0.1 * p.grad * coefs[0 if int(n.split(".")[1]) <= 3 else 1]).detach() for n, p in model.named_parameters()}
+        if mode == "per_stage":
+            coefs = [min(1.0, 0.05 / float(norms[0])), min(1.0, 0.02 / float(norms[1]))]
+        else:
+            coefs = [min(1.0, 0.03 / float(torch.sqrt(norms[0] ** 2 + norms[1] ** 2)))] * 2
+        expected[mode] = {n: (p - 0.1 * p.grad * coefs[0 if int(n.split(".")[1]) <= 3 else 1]).detach()
+                          for n, p in model.named_parameters()}
         assert max(coefs) < 1.0  # the thresholds really clip
     for mode in ("per_stage", "global"):
         got = merged_state(tmp_path / mode, [0, 1])
@@ -130,7 +137,8 @@ def _stage_modules(model, precisions):
     plan = StagePlan([StageSpec(modules=m, precision=p) for m, p in zip(TWO, precisions)])
     names = [f"layers.{i}" for i in range(7)]
     plan = plan.with_modules(plan.resolve(names))
-    sms = {k: StageModule(ms, [model.get_submodule(n) for n in ms], k, spread=(k == 0)) for k, ms in enumerate(plan.stages[i].modules for i in range(2))}
+    sms = {k: StageModule(ms, [model.get_submodule(n) for n in ms], k,
+                          spread=(k == 0)) for k, ms in enumerate(plan.stages[i].modules for i in range(2))}
     view = StageView(stages=sms, microbatch=lambda s: 3)  # no process group; step -1
     return plan, sms, view
 
@@ -214,7 +222,9 @@ def test_bad_precision_options_are_refused():
 def test_precision_options_given_to_the_strategy_name_hpp_precision():
     from lightning_hpp import HPPStrategy, PlanError
 
-    for name, value in (("clip", "global"), ("fp8_backend", "emulate"), ("fp8_recipe", "current"), ("nonfinite", "warn")):
+    for name, value in (("clip", "global"), ("fp8_backend", "emulate"), ("fp8_recipe", "current"),
+                        ("nonfinite", "warn")):
         # the error names the option's new home
-        with pytest.raises(PlanError, match=rf"unexpected keyword argument '{name}'\. It moved: .*HPPPrecision\({name}=\.\.\.\)"):
+        with pytest.raises(PlanError,
+                           match=rf"unexpected keyword argument '{name}'\. It moved: .*HPPPrecision\({name}=\.\.\.\)"):
             HPPStrategy(**{name: value})

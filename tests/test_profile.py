@@ -159,7 +159,8 @@ def test_identical_units_get_the_mean_of_their_times(monkeypatch):
     assert got["b1"] == got["b2"] == got["b4"] == got["b6"] == pytest.approx(((2 + 3 + 5 + 4) / 4, (3 + 4 + 6 + 5) / 4))
     assert got["b0"] == (1.0, 2.0) and got["sliding"] == (9.0, 9.0) and got["dropped"] == (7.0, 7.0)
     assert got["hooked"] == (10.0, 10.0) and got["wide"] == (8.0, 8.0) and got["b8"] == (6.0, 6.0)
-    assert CostProfile.from_dict(json.loads(json.dumps(prof.to_dict()))).meta["identical_units"] == [["b1", "b2", "b4", "b6"]]
+    assert CostProfile.from_dict(
+        json.loads(json.dumps(prof.to_dict()))).meta["identical_units"] == [["b1", "b2", "b4", "b6"]]
 
 
 @pytest.mark.parametrize("precision, param_scale, act_scale", [("bf16-true", 0.5, 0.5), ("bf16-mixed", 1.0, 0.5)])

@@ -14,8 +14,9 @@ import lightning as L
 import pytest
 import torch
 
-from tests.launch import load_rank, merged_state
-from tests.real_models import LMWrapper, loader
+from tests.harness.results import load_rank, merged_state
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo.real import LMWrapper, loader
 
 pytestmark = pytest.mark.slow
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -31,9 +32,8 @@ def reference(kind: str, steps: int, batch: int, n_micro: int, gradient_clip_val
         def on_train_batch_end(self, trainer, *args):
             losses.append(float(trainer.callback_metrics["train/loss"]))
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, callbacks=[Record()],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, gradient_clip_val=gradient_clip_val)
+    trainer = quiet_trainer(devices=1, max_steps=steps, callbacks=[Record()], num_sanity_val_steps=0,
+                            limit_val_batches=0, gradient_clip_val=gradient_clip_val)
     trainer.fit(model, loader(kind, batch, shuffle_like_lightning=True))
     return model, losses
 
@@ -64,7 +64,8 @@ def _traced_runs() -> list[dict]:
          "gradient_clip_val": 0.5},
         {"name": "nanogpt_balanced", "model": "nanogpt", "points": None, "schedule": "1f1b"},
         {"name": "gpt2_interleaved", "model": "gpt2", "points": ["model.transformer.h.1", "model.transformer.h.2",
-                                                                 "model.transformer.h.3"], "schedule": "interleaved1f1b"},
+                                                                 "model.transformer.h.3"],
+         "schedule": "interleaved1f1b"},
     ]
     for r in runs:
         r.update(n_micro=4, steps=3, batch=8)
@@ -80,9 +81,11 @@ def _batchnorm_runs() -> list[dict]:
     return runs
 
 
-LLAMA3 = {"name": "llama3", "model": "llama", "points": ["model.model.layers.1", "model.model.layers.2"], "schedule": "1f1b",
+LLAMA3 = {"name": "llama3", "model": "llama", "points": ["model.model.layers.1", "model.model.layers.2"],
+          "schedule": "1f1b",
           "n_micro": 4, "steps": 3, "batch": 8}
-GPT2_PP2_DP2 = {"name": "gpt2_pp2_dp2", "model": "gpt2", "points": ["model.transformer.h.2"], "schedule": "1f1b", "pp": 2,
+GPT2_PP2_DP2 = {"name": "gpt2_pp2_dp2", "model": "gpt2", "points": ["model.transformer.h.2"], "schedule": "1f1b",
+                "pp": 2,
                 "n_micro": 2, "steps": 3, "batch": 4}
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,8 +13,8 @@ import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from lightning_hpp.checkpoint import export_to_lightning_ckpt, list_checkpoints
-from tests.launch import ROOT, run_scripts
-from tests.models import MLP
+from tests.harness.launch import Job, run_job, run_jobs
+from tests.harness.zoo import MLP
 from tests.s3_server import FAKE_SECRET_KEY, UNSET_AWS, aws_variables, fresh_bucket
 
 pytestmark = pytest.mark.slow
@@ -37,7 +36,8 @@ def _assert_bitwise(out: Path, a: str, b: str, ranks=(0, 1)) -> None:
             assert torch.equal(x["state"][k], y["state"][k]), f"rank {r}: parameter {k} differs"
         assert sorted(x["optim"]) == sorted(y["optim"])
         for k in x["optim"]:
-            assert torch.equal(x["optim"][k]["momentum_buffer"], y["optim"][k]["momentum_buffer"]), f"rank {r}: momentum of {k}"
+            assert torch.equal(x["optim"][k]["momentum_buffer"],
+                               y["optim"][k]["momentum_buffer"]), f"rank {r}: momentum of {k}"
 
 
 @pytest.fixture(scope="module")
@@ -62,26 +62,32 @@ def shared(tmp_path_factory):
     with fresh_bucket() as s3:
         env = {**aws_variables(s3), **dict.fromkeys(UNSET_AWS)}
         root = s3.root
-        run_scripts([
-            ("tests.workers.run_resume", {"stages": TWO, "pp": 2, "devices": 4, "steps": 4, "batch": 8, "tag": "saved", "out": o, "ckpt_dir": ckpt4, "every": 4}),
-            ("tests.workers.run_resume", {"runs": [
+        run_jobs([
+            Job("tests.workers.run_resume",
+                {"stages": TWO, "pp": 2, "devices": 4, "steps": 4, "batch": 8, "tag": "saved", "out": o,
+                 "ckpt_dir": ckpt4, "every": 4}, ranks=4, start="forked", timeout=400),
+            Job("tests.workers.run_resume", {"runs": [
                 {"stages": TWO, "steps": 12, "tag": "full", "out": o},
                 {"stages": TWO, "steps": 8, "tag": "full8", "out": o},
                 {"stages": TWO, "steps": 6, "tag": "s3_first", "out": o, "mc_dirpath": root, "every": 3},
                 # stops after 5 of the 8 batches of epoch 0; the step-5 checkpoint is written asynchronously
                 {"stages": TWO, "steps": 5, "tag": "first", "out": o, "ckpt_dir": ckpt, "every": 5, "async_save": True},
-            ]}, env),
-        ], timeout=400)
+            ]}, ranks=2, start="forked", env=env, timeout=400),
+        ])
         s3_names = sorted({k.split("/")[1] for k in s3.objects()})
         shutil.copytree(ckpt, out / "ckpt_resumed")
-        run_scripts([
-            ("tests.workers.run_resume", {"stages": THREE, "devices": 3, "steps": 4, "tag": "three", "out": o, "ckpt_dir": ckpt4, "resume": "auto"}),
-            ("tests.workers.run_resume", {"runs": [
+        run_jobs([
+            Job("tests.workers.run_resume",
+                {"stages": THREE, "devices": 3, "steps": 4, "tag": "three", "out": o, "ckpt_dir": ckpt4,
+                 "resume": "auto"}, ranks=3, start="forked", timeout=400),
+            Job("tests.workers.run_resume", {"runs": [
                 {"stages": TWO, "devices": 2, "steps": 4, "tag": "dp1", "out": o, "ckpt_dir": ckpt4, "resume": "auto"},
-                {"stages": TWO, "steps": 12, "tag": "resumed", "out": o, "ckpt_dir": str(out / "ckpt_resumed"), "every": 5, "resume": "auto", "keep_last": 1},
-                {"stages": TWO, "steps": 8, "tag": "s3_resumed", "out": o, "mc_dirpath": root, "every": 3, "ckpt_path": "last"},
-            ]}, env),
-        ], timeout=400)
+                {"stages": TWO, "steps": 12, "tag": "resumed", "out": o, "ckpt_dir": str(out / "ckpt_resumed"),
+                 "every": 5, "resume": "auto", "keep_last": 1},
+                {"stages": TWO, "steps": 8, "tag": "s3_resumed", "out": o, "mc_dirpath": root, "every": 3,
+                 "ckpt_path": "last"},
+            ]}, ranks=2, start="forked", env=env, timeout=400),
+        ])
         yield out, s3, s3_names
 
 
@@ -120,7 +126,8 @@ def test_checkpoint_loads_under_other_cuts_and_dp_degrees(shared):
         for k in saved:
             assert torch.equal(got[k], saved[k]), f"{tag}: {k}"
         for k in saved_optim:
-            assert torch.equal(optim[k]["momentum_buffer"], saved_optim[k]["momentum_buffer"]), f"{tag}: momentum of {k}"
+            assert torch.equal(optim[k]["momentum_buffer"],
+                               saved_optim[k]["momentum_buffer"]), f"{tag}: momentum of {k}"
 
 
 @pytest.mark.parametrize("launcher", ["torch.distributed.run", "lightning_hpp.torchrun"])
@@ -130,13 +137,12 @@ def test_kill_9_under_torchrun_restarts_resumes_and_matches(shared, tmp_path, la
     ckpt = str(tmp_path / "ckpt")
     for r in (0, 1):
         shutil.copy(shared[0] / f"full_rank{r}.pt", tmp_path)  # the uninterrupted 12-step run
-    cfg = {"stages": TWO, "steps": 12, "tag": "elastic", "out": str(tmp_path), "ckpt_dir": ckpt, "every": 2, "resume": "auto", "kill_at": 5, "kill_rank": 1}
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", launcher, "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.5",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{find_free_network_port()}", "-m", "tests.workers.run_resume", json.dumps(cfg)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
-    )
+    cfg = {"stages": TWO, "steps": 12, "tag": "elastic", "out": str(tmp_path), "ckpt_dir": ckpt, "every": 2,
+           "resume": "auto", "kill_at": 5, "kill_rank": 1}
+    proc = run_job(Job((sys.executable, "-m", launcher, "--nproc-per-node", "2", "--max-restarts", "1",
+                        "--monitor-interval", "0.5", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                        f"127.0.0.1:{find_free_network_port()}", "-m", "tests.workers.run_resume"),
+                       cfg, ranks=2, script=True, timeout=400), check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     killed_at = float((tmp_path / "killed_at").read_text())
     first = json.loads((tmp_path / "first_step_after_restart").read_text())

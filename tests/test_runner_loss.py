@@ -84,5 +84,6 @@ def test_gradients_are_the_mean_over_micro_batches_times_the_loss_scale(mesh, sc
 def test_a_loss_that_is_not_one_value_is_refused_with_its_shape(mesh):
     module = Regressor("none")
     runner = _runner(module, mesh)
-    with pytest.raises(PlanError, match=r"`training_step` returned a loss of shape \(2,\); the loss must hold one value"):
+    with pytest.raises(PlanError,
+                       match=r"`training_step` returned a loss of shape \(2,\); the loss must hold one value"):
         runner.train_step(module.training_step, _batch(), 0)

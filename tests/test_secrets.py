@@ -11,7 +11,7 @@ import yaml
 
 from lightning_hpp.hydra.train import main
 from lightning_hpp.redaction import redact_loggers, secret_overrides
-from tests.launch import run_script
+from tests.harness.launch import Job, run_job
 from tests.workers.run_errors import PLANTED_ENV, PLANTED_HPARAMS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,9 +25,8 @@ def _leaks(files: list[Path], *texts: str) -> list[str]:
 
 @pytest.mark.slow
 def test_planted_secrets_reach_no_logger_file_and_no_log_line(tmp_path):
-    proc = run_script(
-        "tests.workers.run_errors", {"out": str(tmp_path), "raise_rank": -1, "timeout": 120}, env=PLANTED_ENV
-    )
+    proc = run_job(Job("tests.workers.run_errors", {"out": str(tmp_path), "raise_rank": -1, "timeout": 120},
+                       env=PLANTED_ENV))
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert any(p.name.startswith("events.out.tfevents") for p in files)  # TensorBoard wrote its events
     assert not _leaks(files, proc.stdout, proc.stderr)

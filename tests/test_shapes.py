@@ -194,12 +194,12 @@ def test_telemetry_counts_a_step_of_new_shapes_and_what_it_cost():
 @pytest.fixture(scope="module")
 def shape_jobs(tmp_path_factory):
     """The jobs of tests/workers/run_shapes.py, side by side: {case: finished process (``out``: its directory)}."""
-    from tests.launch import run_scripts
+    from tests.harness.launch import Job, run_jobs
 
     cases = ("sequential_bounded", "traced_bounded", "microbatches_differ", "schedules")
     outs = {c: tmp_path_factory.mktemp(c) for c in cases}
-    done = run_scripts([("tests.workers.run_shapes", {"case": c, "out": str(outs[c])}) for c in cases], timeout=400,
-                       check=False)
+    done = run_jobs([Job("tests.workers.run_shapes", {"case": c, "out": str(outs[c])}, ranks=2, timeout=400)
+                     for c in cases], check=False)
     for c, proc in zip(cases, done):
         proc.out = outs[c]
     return dict(zip(cases, done))

@@ -7,6 +7,7 @@ import pytest
 
 from lightning_hpp import HPPStrategy, PlanError, ShardingOptions
 from lightning_hpp.errors import ShardingError
+from tests.harness.trainer import quiet_trainer
 
 
 @pytest.mark.parametrize(
@@ -108,7 +109,8 @@ RUNS = {
     # pp2 x fsdp2 Llama (RoPE, grouped-query attention), per-stage clipping and activation checkpointing, its
     # blocks freed after every forward (reshard_after_forward=True)
     "llama_fsdp": {"model": "llama", "model_kw": {"tie": False}, "points": LLAMA_CUT, "gradient_clip_val": 0.3,
-                   "clip": "per-stage", "strategy": {"sharding": {"data_parallel": "fsdp", "reshard_after_forward": True},
+                   "clip": "per-stage",
+                   "strategy": {"sharding": {"data_parallel": "fsdp", "reshard_after_forward": True},
                                                      "activation_checkpointing": True}},
     # a bf16-mixed stage 0 (autocast, fp32 parameters, a bf16 boundary), fp32 stage 1
     "gpt2_bf16": {"model": "gpt2", "points": GPT2_CUT, "precision": ["bf16-mixed", "32-true"], "steps": 4, "n": 8,
@@ -129,14 +131,15 @@ REFUSED = {
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    from tests.launch import forked, run_scripts
+    from tests.harness.launch import Job, run_job
 
     out = tmp_path_factory.mktemp("sharded")
     runs = [{**DEFAULTS, **cfg, "name": name, "out": str(out / name)} for name, cfg in RUNS.items()]
-    runs += [{**DEFAULTS, **cfg, "name": name, "out": str(out / name), "refused": True} for name, cfg in REFUSED.items()]
+    runs += [{**DEFAULTS, **cfg, "name": name, "out": str(out / name),
+              "refused": True} for name, cfg in REFUSED.items()]
     # the 4 ranks forked from one process that imported Lightning (lightning_hpp.torchrun), not 4 imports
-    [proc] = run_scripts([forked("tests.workers.run_sharded", {"devices": 4, "runs": runs}, 4)], timeout=1800,
-                         check=False)
+    proc = run_job(Job("tests.workers.run_sharded", {"devices": 4, "runs": runs}, ranks=4, start="forked",
+                       timeout=1800), check=False)
     return out, proc
 
 
@@ -149,7 +152,7 @@ def sharded_runs(job):
 
 
 def _ranks(out, name):
-    from tests.launch import load_rank
+    from tests.harness.results import load_rank
 
     return [load_rank(out / name, r) for r in range(4)]
 
@@ -159,7 +162,7 @@ def one_process(model, steps: int, batch: int, n: int = 32, clip: float | None =
     import lightning as L
     import torch
 
-    from tests.real_models import loader
+    from tests.harness.zoo.real import loader
 
     losses = []
 
@@ -167,9 +170,8 @@ def one_process(model, steps: int, batch: int, n: int = 32, clip: float | None =
         def on_train_batch_end(self, trainer, *args):
             losses.append(float(trainer.callback_metrics["train/loss"]))
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, callbacks=[Record()],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, gradient_clip_val=clip)
+    trainer = quiet_trainer(devices=1, max_steps=steps, callbacks=[Record()], num_sanity_val_steps=0,
+                            limit_val_batches=0, gradient_clip_val=clip)
     trainer.fit(model, loader(model.kind, batch, n=n, shuffle_like_lightning=True))
     return {k: v.detach() for k, v in model.state_dict().items()}, torch.tensor(losses)
 
@@ -204,7 +206,7 @@ class PerStageClipped:
     def make(kind: str, stages: list[set[str]], **kw):
         import torch
 
-        from tests.real_models import LMWrapper
+        from tests.harness.zoo.real import LMWrapper
 
         class Clipped(LMWrapper):
             def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
@@ -220,7 +222,7 @@ def test_pp2_fsdp2_gpt2_with_global_clipping_and_validation_equals_one_process(s
     import lightning as L
     import torch
 
-    from tests.real_models import LMWrapper
+    from tests.harness.zoo.real import LMWrapper
 
     outs = _ranks(sharded_runs, "gpt2_fsdp")
     L.seed_everything(0)
@@ -250,7 +252,7 @@ def test_pp2_fsdp2_llama_with_per_stage_clipping_and_activation_checkpointing_eq
     assert_params(outs, want)
     torch.testing.assert_close(replica_mean_losses(outs, [0, 1]), want_losses, **TOL)
     # per-stage clipping is not global clipping: the reference clipping the whole model's norm ends elsewhere
-    from tests.real_models import LMWrapper
+    from tests.harness.zoo.real import LMWrapper
 
     L.seed_everything(0)
     globally, _ = one_process(LMWrapper("llama", reference_microbatches=4, tie=False), 3, 8, clip=0.3)
@@ -285,7 +287,7 @@ def test_hsdp_replicate2_x_shard2_equals_one_process(sharded_runs):
     import lightning as L
     import torch
 
-    from tests.real_models import LMWrapper
+    from tests.harness.zoo.real import LMWrapper
 
     outs = _ranks(sharded_runs, "gpt2_hsdp")
     assert sorted((o["dp_replicate"], o["dp_shard"]) for o in outs) == [(2, 2)] * 4
@@ -300,7 +302,7 @@ def test_hsdp_replicate2_x_shard2_equals_one_process(sharded_runs):
 def test_an_fp16_overflow_skips_the_step_on_every_rank_of_a_sharded_pipeline(sharded_runs):
     import lightning as L
 
-    from tests.real_models import LMWrapper
+    from tests.harness.zoo.real import LMWrapper
 
     outs = _ranks(sharded_runs, "gpt2_fp16_overflow")
     for o in outs:  # the stage-0 shards overflowed; the stage-1 ranks skipped with them
@@ -320,7 +322,7 @@ def _replica_ordered_staged_reference(run: dict, replicas: int, bf16: bool = Tru
     import lightning as L
     import torch
 
-    from tests.real_models import loader
+    from tests.harness.zoo.real import loader
     from tests.test_traced_stages import StagedGPT2, _bf16_autocast
 
     class ReplicaOrdered(StagedGPT2):
@@ -338,9 +340,8 @@ def _replica_ordered_staged_reference(run: dict, replicas: int, bf16: bool = Tru
         def on_train_batch_end(self, trainer, *args):
             losses.append(float(trainer.callback_metrics["train/loss"]))
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=run["steps"], logger=False, callbacks=[Record()],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = quiet_trainer(devices=1, max_steps=run["steps"], callbacks=[Record()], num_sanity_val_steps=0,
+                            limit_val_batches=0)
     trainer.fit(model, loader("gpt2", run["batch"] * replicas, n=run["n"], shuffle_like_lightning=True))
     return {k: v.detach() for k, v in model.state_dict().items()}, torch.tensor(losses)
 

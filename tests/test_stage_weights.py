@@ -22,7 +22,7 @@ from lightning_hpp.checkpoint import save_sharded
 from lightning_hpp.checkpoint.sharded import parse_key
 from lightning_hpp.checkpoint.weights import load_stage_weights
 from lightning_hpp.errors import CheckpointError
-from tests.real_models import SEQ, VOCAB, LMWrapper, gpt2, llama
+from tests.harness.zoo.real import SEQ, VOCAB, LMWrapper, gpt2, llama
 
 import transformers  # noqa: F401,E402 - installed by scripts/setup.sh: a missing one is a broken environment, not a skip
 
@@ -255,7 +255,8 @@ def test_index_file_as_source(saved_llama):
     module = fresh()
     names = stage_names(module, (2,))
     load_stage_weights(module, os.path.join(path, "model.safetensors.index.json"), names=names, rename="model.")
-    assert torch.equal(module.model.model.layers[2].self_attn.q_proj.weight, saved.model.layers[2].self_attn.q_proj.weight)
+    assert torch.equal(module.model.model.layers[2].self_attn.q_proj.weight,
+                       saved.model.layers[2].self_attn.q_proj.weight)
 
 
 # ---------------------------------------------------------------------------- this project's checkpoints

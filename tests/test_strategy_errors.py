@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_hpp import HPPStrategy, PlanError
-from tests.launch import run_scripts
+from tests.harness.launch import Job, run_jobs
+from tests.harness.trainer import quiet_trainer
 from tests.workers import refusals
 from tests.workers.run_errors import PLANTED_ENV, PLANTED_HPARAMS
 
@@ -41,9 +42,12 @@ def test_option_sections_refuse_unknown_keys_and_wrong_types():
     from lightning_hpp.errors import BiasConfigError, CheckpointError
     from lightning_hpp.options import CheckpointOptions
 
-    with pytest.raises(CheckpointError, match=r"`HPPStrategy\(checkpoint=...\)` has unknown keys \['every_n_step'\]; `CheckpointOptions` takes"):
+    with pytest.raises(CheckpointError,
+                       match=r"`HPPStrategy\(checkpoint=...\)` has unknown keys \['every_n_step'\]; "
+                             r"`CheckpointOptions` takes"):
         HPPStrategy(checkpoint={"dir": "x", "every_n_step": 5})
-    with pytest.raises(CheckpointError, match=r"`CheckpointOptions\(async_save='false'\)`: must be True or False \(not a str\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"`CheckpointOptions\(async_save='false'\)`: must be True or False \(not a str\)"):
         CheckpointOptions(async_save="false")
     with pytest.raises(CheckpointError, match=r"`CheckpointOptions\(async_save='false'\)`"):  # also as a dict
         HPPStrategy(checkpoint={"dir": "x", "async_save": "false"})
@@ -59,8 +63,10 @@ BAD_SETUPS = [
     ("non_sequential", 2, "`forward` is not sequential at unit 'layers.4'"),
     ("int_boundary", 2, "boundary after unit 'layers.3' carries Tensor\\(shape=\\(4, 16\\), dtype=torch.int64\\)"),
     ("batch_not_divisible", 2, "Batch size 10 is not divisible by n_microbatches=4"),
-    ("pp_exceeds_world", 2, "`HPPStrategy\\(pp_degree=3\\)` needs at least 3 processes, one per pipeline position, but the job has 2"),
-    ("device_map_rank7", 2, "`PlacementOptions\\(device_map='0:cpu,7:cpu'\\)` names rank\\(s\\) \\[7\\], but the job has 2 processes"),
+    ("pp_exceeds_world", 2,
+     "`HPPStrategy\\(pp_degree=3\\)` needs at least 3 processes, one per pipeline position, but the job has 2"),
+    ("device_map_rank7", 2,
+     "`PlacementOptions\\(device_map='0:cpu,7:cpu'\\)` names rank\\(s\\) \\[7\\], but the job has 2 processes"),
 ]
 
 
@@ -70,9 +76,10 @@ def bad_setup_jobs(tmp_path_factory):
     that size in turn, each case in its own Trainer (tests/workers/refusals.py). {devices: (process, out dir)}."""
     sizes = sorted({d for _, d, _ in BAD_SETUPS})
     outs = {d: tmp_path_factory.mktemp(f"bad_setups_{d}") for d in sizes}
-    jobs = [("tests.workers.run_cases", {"cases": [c for c, n, _ in BAD_SETUPS if n == d], "devices": d, "out": str(outs[d]),
-                                         "timeout": refusals.COLLECTIVE_TIMEOUT_S}) for d in sizes]
-    procs = run_scripts(jobs, timeout=600, check=False)
+    jobs = [Job("tests.workers.run_cases", {"cases": [c for c, n, _ in BAD_SETUPS if n == d], "devices": d,
+                                            "out": str(outs[d]), "timeout": refusals.COLLECTIVE_TIMEOUT_S},
+                ranks=d, start="forked", timeout=600) for d in sizes]
+    procs = run_jobs(jobs, check=False)
     return {d: (proc, outs[d]) for d, proc in zip(sizes, procs)}
 
 
@@ -97,9 +104,9 @@ def first_error_jobs(tmp_path_factory):
     """The two jobs of test_the_first_error_ends_every_rank, side by side (they share nothing): rank 0, then
     rank 1, raises at step 2. {failing rank: finished process}."""
     outs = [tmp_path_factory.mktemp(f"first_error_{r}") for r in (0, 1)]
-    jobs = [("tests.workers.run_errors", {"out": str(outs[r]), "raise_rank": r, "raise_step": 2, "timeout": 300}, PLANTED_ENV)
-            for r in (0, 1)]
-    done = dict(enumerate(run_scripts(jobs, timeout=280, check=False)))
+    jobs = [Job("tests.workers.run_errors", {"out": str(outs[r]), "raise_rank": r, "raise_step": 2, "timeout": 300},
+                ranks=2, env=PLANTED_ENV, timeout=280) for r in (0, 1)]
+    done = dict(enumerate(run_jobs(jobs, check=False)))
     for r, proc in done.items():
         proc.out = outs[r]
     return done
@@ -120,7 +127,8 @@ def test_the_first_error_ends_every_rank(first_error_jobs, failing):
     assert own[-1] == f"[rank{failing}]: RuntimeError: boom on rank {failing} at step 2", proc.stderr[-3000:]
     last = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank{peer}]: ")][-1]
     assert re.match(rf"\[rank{peer}\]: lightning_hpp.errors.RankFailedError: rank {failing} failed first: "
-                    rf"RuntimeError: boom on rank {failing} at step 2 \(rank {peer} stopped because", last), proc.stderr[-3000:]
+                    rf"RuntimeError: boom on rank {failing} at step 2 \(rank {peer} stopped because",
+                    last), proc.stderr[-3000:]
     assert elapsed < 240, f"the job took {elapsed:.0f}s to end"
 
 
@@ -138,8 +146,7 @@ def test_a_run_that_raises_leaks_no_secret(first_error_jobs):
 
 
 def test_registered_with_lightning_as_hpp():
-    import lightning as L
 
-    trainer = L.Trainer(strategy="hpp", accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
+    trainer = quiet_trainer(enable_model_summary=None, enable_checkpointing=None, strategy="hpp", devices=2)
     assert isinstance(trainer.strategy, HPPStrategy)
     assert trainer.strategy.schedule == "1f1b" and trainer.strategy.n_microbatches == 4

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,28 +18,24 @@ import pytest
 
 from lightning_hpp.hydra.storage import open_storage
 from lightning_hpp.hydra.study import configurations
-from lightning_hpp.hydra.train import end_process_group
-from tests.launch import processes_mentioning
+from tests.harness.launch import Job, Running, finish, processes_mentioning, start
 
-ROOT = Path(__file__).resolve().parents[1]
 N_TRIALS = 4
 MAX_STEPS = 6  # validations at steps 2, 4, 6
 KILLED = 1  # the trial that is running when the driver is killed
 pytestmark = pytest.mark.slow
 
 
-def _env() -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")
-    }
-    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    return env
+def _driver(args: list[str], timeout: float, env: dict[str, str] | None = None) -> Job:
+    """The sweep's driver, ``python -m lightning_hpp.hydra.train <args>``: a job of its own process group."""
+    return Job("lightning_hpp.hydra.train", args, start="plain", env=env or {}, timeout=timeout)
 
 
 def _command(sweep: Path) -> list[str]:
     return [
-        sys.executable, "-m", "lightning_hpp.hydra.train", "-m", "hparams_search=asha", "experiment=mlp_sweep",
-        f"trainer.max_steps={MAX_STEPS}", "trainer.val_check_interval=2", "strategy.timeout=60", f"hydra.sweep.dir={sweep}",
+        "-m", "hparams_search=asha", "experiment=mlp_sweep",
+        f"trainer.max_steps={MAX_STEPS}", "trainer.val_check_interval=2", "strategy.timeout=60",
+        f"hydra.sweep.dir={sweep}",
         f"hydra.sweeper.n_trials={N_TRIALS}", "hydra.sweeper.pruner.min_resource=1",
         "hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=2",
         # every trial checkpoints every step into its own directory, so a retried trial can resume
@@ -48,14 +43,12 @@ def _command(sweep: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def _wait_until(
-    condition, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None
-) -> None:
+def _wait_until(condition, timeout: float, what: str, proc: Running | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if proc is not None and proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-4000:] if log is not None and log.exists() else ""
-            pytest.fail(f"the sweep exited with {proc.returncode} before {what}\n{tail}")
+            done = finish(proc)
+            pytest.fail(f"the sweep exited with {done.returncode} before {what}\n{(done.stdout + done.stderr)[-4000:]}")
         if time.monotonic() > deadline:
             pytest.fail(f"{what} did not happen within {timeout}s")
         time.sleep(0.05)
@@ -73,28 +66,25 @@ def killed_and_resumed(tmp_path_factory):
     """Start the sweep, SIGKILL its driver while trial 1 runs, check the trial died with it, run it again."""
     sweep = tmp_path_factory.mktemp("asha") / "study"
     cmd = _command(sweep)
-    with open(sweep.parent / "first.log", "wb") as log:
-        first = subprocess.Popen(
-            cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    first = start(_driver(cmd, 600), sweep.parent / "first_logs")
+    try:
+        # trial 1 has committed its step-1 checkpoint: it is training its second step
+        _wait_until(
+            lambda: any((sweep / str(KILLED) / "ckpt").glob("*/metadata.json")),
+            240,
+            "trial 1's first checkpoint",
+            first,
         )
-        try:
-            # trial 1 has committed its step-1 checkpoint: it is training its second step
-            _wait_until(
-                lambda: any((sweep / str(KILLED) / "ckpt").glob("*/metadata.json")),
-                240,
-                "trial 1's first checkpoint",
-                first,
-            )
-            os.kill(first.pid, signal.SIGKILL)  # the driver only: its trial must end by itself
-            first.wait(timeout=30)
-            _wait_until(
-                lambda: not processes_mentioning(str(sweep)), 30, "the end of every process of the killed trial"
-            )
-        finally:
-            end_process_group(first.pid, wait=0.0, grace=2.0)
+        os.kill(first.pid, signal.SIGKILL)  # the driver only: its trial must end by itself
+        finish(first, deadline=time.monotonic() + 30)
+        _wait_until(
+            lambda: not processes_mentioning(str(sweep)), 30, "the end of every process of the killed trial"
+        )
+    finally:
+        first.kill()
     before = {t.number: t.state.name for t in _trials(sweep)}
     done_before = {n: json.loads((sweep / str(n) / "trial.json").read_text()) for n in before if n != KILLED}
-    second = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    second = finish(start(_driver(cmd, 600), sweep.parent / "second_logs"))
     assert second.returncode == 0, f"exit {second.returncode}\n{second.stdout[-3000:]}\n{second.stderr[-6000:]}"
     return sweep, before, done_before, second
 
@@ -113,8 +103,8 @@ def test_asha_prunes_trials_and_every_rank_of_a_pruned_trial_exits(killed_and_re
     assert all(r["state"] == "PRUNED" for r in pruned) and all(r["state"] == "COMPLETE" for r in completed)
     # a completed trial reported every validation (steps 2, 4, 6) from the step it started at (the retry resumes
     # from the killed trial's newest checkpoint, at step 1 or later); a pruned one stopped at its rung
-    assert all([s for s, _ in r["curve"]] == [s for s in (2, 4, 6) if s > r["study"]["start_step"]] for r in completed), [
-        (r["num"], r["study"]["start_step"], r["curve"]) for r in completed]
+    assert all([s for s, _ in r["curve"]] == [s for s in (2, 4, 6) if s > r["study"]["start_step"]]
+               for r in completed), [(r["num"], r["study"]["start_step"], r["curve"]) for r in completed]
     for r in pruned:
         steps = [s for s, _ in r["curve"]]
         assert len(steps) < min(len(c["curve"]) for c in completed if c["retry_of"] is None), r
@@ -206,11 +196,8 @@ def test_optuna_dashboard_serves_the_study_over_http(killed_and_resumed, tmp_pat
     exe = Path(sys.executable).with_name("optuna-dashboard")
     assert exe.exists(), "optuna-dashboard is installed by scripts/setup.sh (the hydra and dev extras)"
     port = find_free_network_port()
-    with open(tmp_path / "dashboard.log", "wb") as log:
-        dashboard = subprocess.Popen(
-            [str(exe), f"sqlite:///{sweep / 'study.db'}", "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+    dashboard = start(Job((str(exe),), [f"sqlite:///{sweep / 'study.db'}", "--host", "127.0.0.1", "--port", str(port)],
+                          start="plain", script=True, timeout=120), tmp_path / "dashboard")
     try:
         def get(path: str) -> dict:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
@@ -223,7 +210,9 @@ def test_optuna_dashboard_serves_the_study_over_http(killed_and_resumed, tmp_pat
                 break
             except OSError:
                 if dashboard.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"optuna-dashboard did not answer: {(tmp_path / 'dashboard.log').read_text()[-3000:]}")
+                    dashboard.kill()
+                    done = finish(dashboard)
+                    pytest.fail(f"optuna-dashboard did not answer: {(done.stdout + done.stderr)[-3000:]}")
                 time.sleep(0.2)
         (study,) = [s for s in studies if s["study_name"] == "mlp_sweep_asha"]
         served = {t["number"]: t for t in get(f"/api/studies/{study['study_id']}")["trials"]}
@@ -231,7 +220,7 @@ def test_optuna_dashboard_serves_the_study_over_http(killed_and_resumed, tmp_pat
         assert {n: t["state"].upper() for n, t in served.items()} == {n: t.state.name for n, t in held.items()}
         assert all(len(served[n]["params"]) == len(t.params) == 2 for n, t in held.items())
     finally:
-        end_process_group(dashboard.pid, wait=0.0, grace=2.0)
+        dashboard.kill()
 
 
 def test_search_space_from_hydra_sweep_overrides():
@@ -367,7 +356,7 @@ def two_drivers(postgres, tmp_path_factory):
     root = tmp_path_factory.mktemp("pg_sweep")
     sweep = root / "study"
     cmd = [
-        sys.executable, "-m", "lightning_hpp.hydra.train", "-m", "hparams_search=asha", "experiment=mlp_sweep",
+        "-m", "hparams_search=asha", "experiment=mlp_sweep",
         # a loaded machine can take minutes to start a rank: the rendezvous waits as long as by default
         "trainer.max_steps=4", "trainer.val_check_interval=2", "strategy.timeout=300", f"hydra.sweep.dir={sweep}",
         f"hydra.sweeper.n_trials={PG_TRIALS}", "hydra.sweeper.pruner.min_resource=1",
@@ -375,12 +364,7 @@ def two_drivers(postgres, tmp_path_factory):
         "hydra.sweeper.storage=${oc.env:HPP_STUDY_STORAGE}",  # the password stays in the environment
         "+strategy.checkpoint.dir=${paths.output_dir}/ckpt", "+strategy.checkpoint.every_n_steps=1",
     ]  # fmt: skip
-    env = {**_env(), "HPP_STUDY_STORAGE": postgres}
-    drivers = []
-    for i in range(2):
-        with open(root / f"driver{i}.log", "wb") as log:
-            drivers.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True))  # fmt: skip
+    drivers = [start(_driver(cmd, 900, {"HPP_STUDY_STORAGE": postgres}), root / f"driver{i}") for i in range(2)]
     victim, survivor = drivers
     try:
         killed: list[int] = []
@@ -392,16 +376,18 @@ def two_drivers(postgres, tmp_path_factory):
                 return True
             return False
 
-        _wait_until(victim_checkpointed, 300, "a checkpoint of the first driver's trial", victim, root / "driver0.log")
+        _wait_until(victim_checkpointed, 300, "a checkpoint of the first driver's trial", victim)
         os.kill(victim.pid, signal.SIGKILL)
-        victim.wait(timeout=30)
+        ended = [finish(victim, deadline=time.monotonic() + 30)]
         _wait_until(lambda: not processes_mentioning(f"hydra.run.dir={sweep / str(killed[0])}"), 30,
                     "the end of every process of the killed driver's trial")  # fmt: skip
-        survivor.wait(timeout=600)
+        ended.append(finish(survivor, deadline=time.monotonic() + 600))
     finally:
         for proc in drivers:
-            end_process_group(proc.pid, wait=0.0, grace=2.0)
-    return sweep, root, killed[0], survivor.returncode, postgres
+            proc.kill()
+    for i, done in enumerate(ended):  # each driver's output, as a user redirecting it would keep it
+        (root / f"driver{i}.log").write_text(done.stdout + done.stderr)
+    return sweep, root, killed[0], ended[1].returncode, postgres
 
 
 def test_two_drivers_on_postgresql_share_one_study_and_retry_the_killed_drivers_trial(two_drivers):
@@ -424,7 +410,8 @@ def test_two_drivers_on_postgresql_share_one_study_and_retry_the_killed_drivers_
     assert retry.state.name in ("COMPLETE", "PRUNED")
     # the retry ran in the killed trial's directory and resumed from its checkpoint
     record = json.loads((sweep / str(killed) / "trial.json").read_text())
-    assert record["retry_of"] == killed and "ckpt_path=last" in record["overrides"] and record["study"]["start_step"] >= 1
+    assert record["retry_of"] == killed and "ckpt_path=last" in record["overrides"]
+    assert record["study"]["start_step"] >= 1
     log = (sweep / str(killed) / "trial.log").read_text()
     assert f"Restoring states from the checkpoint path at {sweep / str(killed) / 'ckpt'}" in log
     # each trial drew from its own stream, seed + trial number: what a fresh sampler with that seed draws
@@ -436,10 +423,12 @@ def test_two_drivers_on_postgresql_share_one_study_and_retry_the_killed_drivers_
         assert t.params == pytest.approx(drawn), t.number
     # the summary names the storage with its password hidden; the password is in no file the sweep wrote
     summary = json.loads((sweep / "summary.json").read_text())
-    assert summary["storage"] == public_url(url) and summary["storage"].startswith("postgresql+psycopg2://hpp:***@/hpp?")
+    assert summary["storage"] == public_url(url)
+    assert summary["storage"].startswith("postgresql+psycopg2://hpp:***@/hpp?")
     assert summary["study_name"] == "mlp_sweep_asha"
     files = [p for p in root.rglob("*") if p.is_file()]
-    assert {"summary.json", "study.json", "trial.log", "config.yaml", "snapshot.json", "driver1.log"} <= {p.name for p in files}
+    assert {"summary.json", "study.json", "trial.log", "config.yaml", "snapshot.json",
+            "driver1.log"} <= {p.name for p in files}
     leaks = [str(p) for p in files if PG_SECRET.encode() in p.read_bytes()]
     assert not leaks, f"the database password was written to {leaks}"
     assert processes_mentioning(str(sweep)) == []

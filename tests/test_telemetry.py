@@ -7,7 +7,6 @@ import json
 import math
 from pathlib import Path
 
-import lightning as L
 import pytest
 from PIL import Image
 
@@ -17,8 +16,9 @@ from lightning_hpp.telemetry.callback import PipelineTelemetry
 from lightning_hpp.telemetry.model import Act, schedule_actions, simulate, theoretical_bubble
 from lightning_hpp.telemetry.recorder import RankStep, ScheduleInfo, analyze
 from lightning_hpp.telemetry.render import schedule_grid
-from tests.launch import run_script
-from tests.models import MLP, loaders
+from tests.harness.launch import Job, run_job
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, loaders
 
 COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
@@ -45,11 +45,13 @@ def test_theory_equals_replay_of_torch_orders(name, pp, m):
     every_mb = sorted((a.stage, a.kind, a.mb) for acts in orders.values() for a in acts if a.kind == "F")
     assert every_mb == sorted((s, "F", i) for s in range(pp * v) for i in range(m))
     unheld = {r: [a._replace(held=False) for a in acts] for r, acts in orders.items()}
-    assert simulate(unheld, lambda a: COSTS[a.kind]).bubble == pytest.approx(theoretical_bubble(name, pp, m, v), abs=1e-9)
+    assert simulate(unheld,
+                    lambda a: COSTS[a.kind]).bubble == pytest.approx(theoretical_bubble(name, pp, m, v), abs=1e-9)
     pairs = any(a.held for acts in orders.values() for a in acts)
     assert pairs == (name == "dualpipev")
     replayed = simulate(orders, lambda a: COSTS[a.kind]).bubble
-    assert replayed > theoretical_bubble(name, pp, m, v) + 0.01 if pairs else replayed == pytest.approx(theoretical_bubble(name, pp, m, v))
+    assert replayed > theoretical_bubble(
+        name, pp, m, v) + 0.01 if pairs else replayed == pytest.approx(theoretical_bubble(name, pp, m, v))
 
 
 def test_an_overlapped_pair_sends_after_its_last_action():
@@ -174,10 +176,7 @@ def test_bad_input():
 
 
 def test_refuses_a_non_pipeline_strategy(tmp_path):
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=1, callbacks=[PipelineTelemetry()], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(devices=1, max_steps=1, callbacks=[PipelineTelemetry()], default_root_dir=tmp_path)
     train, _ = loaders(16)
     with pytest.raises(TelemetryError, match="SingleDeviceStrategy"):
         trainer.fit(MLP(), train)
@@ -192,24 +191,29 @@ def _csv_rows(path: Path) -> list[dict[str, str]]:
 @pytest.mark.slow
 def test_two_rank_run_logs_traces_and_measures_the_bubble(tmp_path):
     m = 4
-    run_script("tests.workers.run_telemetry", {"devices": 2, "runs": [
+    run_job(Job("tests.workers.run_telemetry", {"devices": 2, "runs": [
         # equal stages, 10 ms forward and backward each: the bubble should be the theory's
-        {"name": "even", "schedule": "1f1b", "n_micro": m, "batch": 16, "steps": 6, "ms0": 10, "ms1": 10, "out": str(tmp_path), "trace_step": 3},
+        {"name": "even", "schedule": "1f1b", "n_micro": m, "batch": 16, "steps": 6, "ms0": 10, "ms1": 10,
+         "out": str(tmp_path), "trace_step": 3},
         # stage 1 four times slower: GPipe's bubble grows well past (p-1)/(m+p-1)
-        {"name": "slow", "schedule": "gpipe", "n_micro": m, "batch": 16, "steps": 6, "ms0": 5, "ms1": 20, "out": str(tmp_path)},
+        {"name": "slow", "schedule": "gpipe", "n_micro": m, "batch": 16, "steps": 6, "ms0": 5, "ms1": 20,
+         "out": str(tmp_path)},
         # the default every_n_steps follows log_every_n_steps: every exchange reaches the logger
-        {"name": "every2", "schedule": "gpipe", "n_micro": m, "batch": 16, "steps": 4, "ms0": 1, "ms1": 1, "out": str(tmp_path), "log_every_n_steps": 2},
-    ]}, timeout=180)
+        {"name": "every2", "schedule": "gpipe", "n_micro": m, "batch": 16, "steps": 4, "ms0": 1, "ms1": 1,
+         "out": str(tmp_path), "log_every_n_steps": 2},
+    ]}, ranks=2, start="forked", timeout=180))
 
     # Logged through Lightning's CSVLogger on rank 0, every step.
     rows = _csv_rows(tmp_path / "even" / "csv" / "version_0" / "metrics.csv")
     logged = [r for r in rows if r.get("pipeline/bubble")]
     assert len(logged) == 6
-    for name in ["bubble", "bubble_theory", "bubble_expected", "bubble_replayed", "comm_share"] + [f"stage_{k}/{t}_ms" for k in (0, 1) for t in ("fwd", "bwd", "comm", "idle")]:
+    for name in ["bubble", "bubble_theory", "bubble_expected", "bubble_replayed",
+                 "comm_share"] + [f"stage_{k}/{t}_ms" for k in (0, 1) for t in ("fwd", "bwd", "comm", "idle")]:
         assert all(math.isfinite(float(r[f"pipeline/{name}"])) for r in logged), name
     assert float(logged[-1]["pipeline/bubble_theory"]) == pytest.approx(0.2)
 
-    every2 = [r for r in _csv_rows(tmp_path / "every2" / "csv" / "version_0" / "metrics.csv") if r.get("pipeline/bubble")]
+    every2 = [r for r in _csv_rows(tmp_path / "every2" / "csv" / "version_0" / "metrics.csv")
+              if r.get("pipeline/bubble")]
     assert [int(r["step"]) for r in every2] == [1, 3]  # Lightning's rows of global steps 2 and 4
     history2 = json.loads((tmp_path / "every2" / "rank0.json").read_text())["history"]
     assert [h["step"] for h in history2] == [0, 1, 2, 3]  # every step analyzed, two per log
@@ -240,7 +244,8 @@ def test_two_rank_run_logs_traces_and_measures_the_bubble(tmp_path):
     tracks = {e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert tracks == {"rank 0", "rank 1"}
     for rank in (0, 1):
-        compute = sorted((e for e in events if e["ph"] == "X" and e["pid"] == rank and e["cat"] in ("forward", "backward")), key=lambda e: e["ts"])
+        compute = sorted((e for e in events if e["ph"] == "X" and e["pid"] == rank
+                          and e["cat"] in ("forward", "backward")), key=lambda e: e["ts"])
         assert len(compute) == 2 * m
         assert [e["name"] for e in compute] == [str(a) for a in schedule_actions("1f1b", 2, m)[rank]]
         waits = [e for e in events if e["ph"] == "X" and e["pid"] == rank and e["cat"] in ("send", "recv")]

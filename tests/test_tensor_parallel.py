@@ -21,8 +21,8 @@ from torch import nn
 
 from lightning_hpp.errors import PlanError
 from lightning_hpp.pipeline.tensor_parallel import HOOK, TPPlan, check_frontend, resolve_tp_plan, torch_style
-from tests.launch import load_rank
-from tests.real_models import LMWrapper
+from tests.harness.results import load_rank
+from tests.harness.zoo.real import LMWrapper
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 META_LAYERS = 2
@@ -52,7 +52,8 @@ def test_head_counts_that_tp_does_not_divide_are_refused_naming_them():
         def __init__(self) -> None:
             super().__init__()
             self.model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1))
+                                                      num_hidden_layers=1, num_attention_heads=4,
+                                                      num_key_value_heads=1))
 
     with pytest.raises(PlanError, match=r"tp_degree=2 does not divide: LlamaConfig.num_key_value_heads=1") as err:
         resolve_tp_plan(Wrapper(), 2)
@@ -80,7 +81,8 @@ def test_styles_are_torch_styles_and_unknown_ones_are_refused():
 
     assert isinstance(torch_style("colwise", "linear"), ColwiseParallel)
     row = torch_style("rowwise", "linear")
-    assert isinstance(row, RowwiseParallel) and row.input_layouts == (Shard(-1),) and row.output_layouts == (Replicate(),)
+    assert isinstance(row,
+                      RowwiseParallel) and row.input_layouts == (Shard(-1),) and row.output_layouts == (Replicate(),)
     assert torch_style("colwise_rep", "linear").output_layouts == (Replicate(),)
     with pytest.raises(PlanError, match=r"'packed_colwise' is not one lightning_hpp applies"):
         torch_style("packed_colwise", "linear")
@@ -98,7 +100,8 @@ def test_fp8_stages_are_what_tensor_parallel_refuses_and_clipping_composes():
 
     tp2 = ShardingOptions(tp_degree=2)
     refuse_stage_precisions(tp2, ["bf16-mixed", "32-true"])
-    with pytest.raises(ShardingError, match=r"`ShardingOptions\(tp_degree=2\)` cannot split fp8 stages yet \(stage\(s\) "
+    with pytest.raises(ShardingError,
+                       match=r"`ShardingOptions\(tp_degree=2\)` cannot split fp8 stages yet \(stage\(s\) "
                                             r"\[1\]\).*whole amax"):
         refuse_stage_precisions(tp2, ["bf16-mixed", "fp8"])
     with pytest.raises(ShardingError, match=r"data_parallel='fsdp'\)` cannot shard fp8 stages yet"):
@@ -123,7 +126,8 @@ def _reference():
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    from tests.bias_workers.launch import run_ranks
+    from tests.harness.launch import Job, run_job
+    from tests.harness.results import rank_results
 
     out = tmp_path_factory.mktemp("tp")
     torch.manual_seed(0)
@@ -132,7 +136,9 @@ def job(tmp_path_factory):
     (out / "cases.json").write_text(json.dumps({"weights": str(out / "hf"), "meta_layers": META_LAYERS}))
     from pathlib import Path
 
-    ranks = run_ranks(Path(__file__).parent / "workers" / "tp_worker.py", 2, out, timeout=300)
+    run_job(Job(Path(__file__).parent / "workers" / "tp_worker.py", str(out), ranks=2, start="per_rank", script=True,
+                cwd=out, timeout=300))
+    ranks = rank_results(out, 2)
     return out, ranks, eager
 
 
@@ -182,12 +188,14 @@ def test_a_meta_llama_reads_only_its_shards_from_a_sharded_save_pretrained_direc
         rep = r["meta_weights"]
         assert rep["meta_left"] == [] and rep["materialized"] > 0
         # every byte read is one of this rank's shards (or a whole tensor it holds whole), each read once
-        assert rep["read_bytes"] == rep["local_bytes"] < 0.75 * file_bytes, (rep["read_bytes"], rep["local_bytes"], file_bytes)
+        assert rep["read_bytes"] == rep["local_bytes"] < 0.75 * file_bytes, \
+            (rep["read_bytes"], rep["local_bytes"], file_bytes)
         local = torch.load(out / f"meta_weights.rank{rank}.pt")
         for name, value in local.items():
             if name not in rep["shards"]:
                 continue  # buffers: built real, not read
-            whole = full[name.removeprefix("model.")] if name.removeprefix("model.") in full else full["model.embed_tokens.weight"]
+            short = name.removeprefix("model.")
+            whole = full[short] if short in full else full["model.embed_tokens.weight"]
             dim = rep["shards"][name]["dim"]
             expected = whole if dim is None else whole.chunk(2, dim=dim)[rank]
             torch.testing.assert_close(value, expected, rtol=0, atol=0, msg=name)
@@ -244,7 +252,8 @@ def four_rank_runs(out, weights) -> list[dict]:
 
 def refused_runs(out) -> list[dict]:
     """pp 1 × tp 2 setups that must fail, tried in turn by the 2 ranks of the refusal job."""
-    return [{**TP2, "pp": 1, **kw, "name": name, "out": str(out / name), "refused": True} for name, kw in REFUSED.items()]
+    return [{**TP2, "pp": 1, **kw, "name": name, "out": str(out / name),
+             "refused": True} for name, kw in REFUSED.items()]
 
 
 @pytest.fixture(scope="module")
@@ -327,9 +336,11 @@ def test_tp_without_a_plan_or_with_indivisible_heads_is_refused_at_setup_on_ever
 
     _, proc, out = strategy_jobs
     assert proc.returncode != 0
-    for name, expected in (("tp_no_plan", r"PlanError: HPPStrategy\(sharding=\{'tp_degree': 2\}\) splits every stage by "
+    for name, expected in (("tp_no_plan",
+                            r"PlanError: HPPStrategy\(sharding=\{'tp_degree': 2\}\) splits every stage by "
                                           r"tensor parallel, but `LMWrapper` has no plan"),
-                           ("tp_kv_heads", r"PlanError: tp_degree=2 does not divide: LlamaConfig.num_key_value_heads=1")):
+                           ("tp_kv_heads",
+                            r"PlanError: tp_degree=2 does not divide: LlamaConfig.num_key_value_heads=1")):
         records = refusals.read(out / name, 2)  # every rank raised itself; none was left waiting in a collective
         assert all(rec["error"] is not None for rec in records), records
         for r in (0, 1):

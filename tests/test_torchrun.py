@@ -1,19 +1,19 @@
 """``python -m lightning_hpp.torchrun``'s refusals (its restarts are in ``test_resume.py``)."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from lightning_hpp import torchrun
-from tests.launch import ROOT
+from tests.harness.launch import Job, run_job
 
 
 @pytest.mark.parametrize(("argv", "said"), [
     (["--no-python", "train.sh"], "--no-python: lightning-hpp-torchrun forks Python workers"),
-    (["--start-method", "spawn", "-m", "json.tool"], "--start-method spawn: lightning-hpp-torchrun starts workers from a preloaded forkserver"),
+    (["--start-method", "spawn", "-m", "json.tool"],
+     "--start-method spawn: lightning-hpp-torchrun starts workers from a preloaded forkserver"),
     (["--preload", "json,no_such_module_xyz", "-m", "json.tool"], "--preload no_such_module_xyz: no such module here"),
     (["--nproc-per-node", "2", "no/such/train.py"], "training script 'no/such/train.py' not found"),
 ])
@@ -25,7 +25,8 @@ def test_bad_launches_are_refused_before_any_worker_starts(argv, said, capsys):
 
 
 def test_a_script_option_named_like_a_launcher_option_is_the_script_s():
-    assert not torchrun._given(["--nproc-per-node", "2", "train.py", "--start-method", "x"], "train.py", "--start-method")
+    assert not torchrun._given(["--nproc-per-node", "2", "train.py", "--start-method", "x"], "train.py",
+                               "--start-method")
     assert torchrun._given(["--start_method=spawn", "train.py"], "train.py", "--start-method", "--start_method")
 
 
@@ -50,9 +51,9 @@ def test_workers_run_the_script_as_python_would_with_lightning_imported_and_atex
     script.write_text(SCRIPT)
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "lightning_hpp.torchrun", "--standalone", "--nproc-per-node", "2",
-                           str(script.relative_to(tmp_path)), str(out), "--flag"],
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=240)
+    proc = run_job(Job((sys.executable, "-m", "lightning_hpp.torchrun", "--standalone", "--nproc-per-node", "2"),
+                       [str(script.relative_to(tmp_path)), str(out), "--flag"], ranks=2, script=True, cwd=tmp_path,
+                       timeout=240), check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # what a fresh interpreter starts processes with (fork on Linux before Python 3.14), not the launcher's forkserver
     fresh = subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],

@@ -21,8 +21,9 @@ import torch
 from lightning_hpp.checkpoint.lightning_state import from_sharded, load_template, tensor_aliases, to_sharded
 from lightning_hpp.checkpoint.sharded import checkpoint_keys, load_sharded, save_sharded
 from lightning_hpp.precision.fp8 import EmulatedFP8Mode
-from tests.launch import load_rank, merged_state
-from tests.real_models import LMWrapper, loader
+from tests.harness.results import load_rank, merged_state
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo.real import LMWrapper, loader
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 WTE, HEAD = "model.transformer.wte.weight", "model.lm_head.weight"
@@ -187,7 +188,8 @@ def three_rank_runs(out: Path) -> list[dict]:
 
 def refused_runs(out: Path) -> list[dict]:
     """The traced GPT-2s whose setup must fail, tried in turn by the ranks of one job (tests/workers/refusals.py)."""
-    return [{**_gpt2_run(name, out, precision=["32-true", "fp8"], **kw), "refused": True} for name, kw in REFUSED.items()]
+    return [{**_gpt2_run(name, out, precision=["32-true", "fp8"], **kw),
+             "refused": True} for name, kw in REFUSED.items()]
 
 
 @pytest.fixture(scope="module")
@@ -297,9 +299,8 @@ def staged_reference(run: dict, contexts: list[Callable[[], contextlib.AbstractC
         def on_train_batch_end(self, trainer, *args):
             losses.append(float(trainer.callback_metrics["train/loss"]))
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=run["steps"], logger=False, callbacks=[Record()],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = quiet_trainer(devices=1, max_steps=run["steps"], callbacks=[Record()], num_sanity_val_steps=0,
+                            limit_val_batches=0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small tensors: one intra-op thread is faster on a shared 2-core machine
     try:

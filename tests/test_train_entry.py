@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket
 import subprocess
 import sys
@@ -19,45 +18,20 @@ import yaml
 
 from lightning_hpp.checkpoint import export_to_lightning_ckpt
 from lightning_hpp.hydra.train import _group_members, end_process_group, main
-from tests.launch import processes_mentioning
-from tests.models import MLP, make_dataset
+from tests.harness.launch import ROOT, Job, finish, processes_mentioning, start
+from tests.harness.zoo import MLP, make_dataset
 from tests.s3_server import UNSET_AWS, aws_variables, fresh_bucket
 
-ROOT = Path(__file__).resolve().parents[1]
 SECRET = "hpp-Entry-Secret-5d2b8e41c7"
 pytestmark = pytest.mark.slow
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    return env
-
-
-def _start(*args: str, cwd: Path = ROOT, exe: list[str] | None = None, env: dict[str, str] | None = None,
-           logs: Path | None = None) -> subprocess.Popen:
-    """Start the entry point in a session of its own, its output into ``logs``.out/.err."""
-    cmd = (exe or [sys.executable, "-m", "lightning_hpp.hydra.train"]) + list(args)
-    full = {k: v for k, v in {**_env(), **(env or {})}.items() if v is not None}  # None: unset it
-    with open(f"{logs}.out", "w") as out, open(f"{logs}.err", "w") as err:  # the child keeps its own copies
-        proc = subprocess.Popen(cmd, cwd=cwd, env=full, stdout=out, stderr=err, text=True, start_new_session=True)
-    proc.logs = logs
-    return proc
-
-
-def _finish(proc: subprocess.Popen, deadline: float) -> subprocess.CompletedProcess:
-    """Wait for ``proc`` until ``deadline`` (monotonic); past it end its whole process group and fail with its output."""
-    try:
-        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        end_process_group(proc.pid, wait=0.0, grace=5.0)
-        proc.wait()
-        timed_out = True
-    out, err = (Path(f"{proc.logs}.{x}").read_text() for x in ("out", "err"))
-    if timed_out:
-        pytest.fail(f"{proc.args} ran too long\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-6000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+def _start(*args: str, cwd: Path = ROOT, exe: tuple[str, ...] | None = None, env: dict[str, str | None] | None = None,
+           logs: Path | None = None):
+    """Start the entry point (a job of tests.harness.launch: a session of its own), its output under ``logs``."""
+    job = Job(exe or "lightning_hpp.hydra.train", list(args), start="plain", script=exe is not None, cwd=cwd,
+              env=env or {}, timeout=600)
+    return start(job, logs)
 
 
 CONSOLE = Path(sys.executable).with_name("lightning-hpp-train")
@@ -76,11 +50,14 @@ def jobs(tmp_path_factory):
             single_env.pop(name, None)
         started = {
             # moto accepts any key; this one must leak nowhere
-            "single": _start("experiment=mlp_tiny", "checkpoint=s3", "strategy.timeout=60", f"hydra.run.dir={root / 'single' / 'run'}",
+            "single": _start("experiment=mlp_tiny", "checkpoint=s3", "strategy.timeout=60",
+                             f"hydra.run.dir={root / 'single' / 'run'}",
                              cwd=root / "single", env=single_env, logs=root / "single_log"),
-            "sweep": _start("-m", "experiment=mlp_tiny", "model.optimizer.lr=0.05,0.2", "plan.stages.1.clip_norm=0.05,1.0",
+            "sweep": _start("-m", "experiment=mlp_tiny", "model.optimizer.lr=0.05,0.2",
+                            "plan.stages.1.clip_norm=0.05,1.0",
                             "strategy.timeout=60", f"hydra.sweep.dir={root / 'sweep'}", logs=root / "sweep_log"),
-            "optuna": _start("hparams_search=optuna", "experiment=mlp_tiny", "hydra.sweeper.n_trials=2", "strategy.timeout=60",
+            "optuna": _start("hparams_search=optuna", "experiment=mlp_tiny", "hydra.sweeper.n_trials=2",
+                             "strategy.timeout=60",
                              f"hydra.sweep.dir={root / 'optuna'}", logs=root / "optuna_log"),
             # the quickest run, as a user types it (PYTHONHASHSEED unset): it must end quietly
             "quiet": _start("experiment=mlp_tiny", "trainer.max_steps=2", f"hydra.run.dir={root / 'quiet'}",
@@ -88,13 +65,14 @@ def jobs(tmp_path_factory):
         }
         if CONSOLE.exists():
             started["console"] = _start("-m", "experiment=mlp_tiny", "plan=hybrid", f"hydra.sweep.dir={root / 'bad'}",
-                                        exe=[str(CONSOLE)], logs=root / "console_log")
+                                        exe=(str(CONSOLE),), logs=root / "console_log")
         deadline = time.monotonic() + 600
-        yield root, {name: _finish(proc, deadline) for name, proc in started.items()}, s3
+        yield root, {name: finish(proc, deadline) for name, proc in started.items()}, s3
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, \
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
 
 
 def _val_loss_reference(state: dict) -> float:
@@ -135,7 +113,8 @@ def test_single_run_s3_checkpoint_snapshot_without_secrets(jobs, tmp_path, monke
     assert config["checkpoint"]["dirpath"] == f"s3://{s3_env.bucket}/checkpoints/run"
     assert config["model"]["optimizer"]["lr"] == 0.1 and config["trainer"]["devices"] == 2
     plan = json.loads((snap / "stage_plan.json").read_text())
-    assert [s["modules"] for s in plan["stages"]] == [[f"layers.{i}" for i in range(4)], [f"layers.{i}" for i in range(4, 7)]]
+    assert [s["modules"] for s in plan["stages"]] == [[f"layers.{i}" for i in range(4)],
+                                                      [f"layers.{i}" for i in range(4, 7)]]
     info = json.loads((snap / "snapshot.json").read_text())
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     assert info["code"]["cwd"]["root"] is None  # tmp_path is not a git tree; the package's is recorded
@@ -158,7 +137,8 @@ def test_sweep_2x2_trials_are_separate_multiprocess_runs(jobs):
     trials = [json.loads((sweep / str(i) / "trial.json").read_text()) for i in range(4)]
     assert not (sweep / "4").exists()
     assert {tuple(t["overrides"][1:3]) for t in trials} == {
-        (f"model.optimizer.lr={lr}", f"plan.stages.1.clip_norm={clip}") for lr in ("0.05", "0.2") for clip in ("0.05", "1.0")
+        (f"model.optimizer.lr={lr}",
+         f"plan.stages.1.clip_norm={clip}") for lr in ("0.05", "0.2") for clip in ("0.05", "1.0")
     }
     assert all(t["status"] == "ok" and t["returncode"] == 0 and t["leftover_processes"] == 0 for t in trials)
     values = [t["value"] for t in trials]
@@ -206,7 +186,8 @@ def test_optuna_search_two_trials(jobs):
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     best = min(trials, key=lambda t: t["value"])
     assert results["best_value"] == pytest.approx(best["value"])
-    assert results["best_params"]["model.optimizer.lr"] == pytest.approx(float(dict(o.split("=", 1) for o in best["overrides"])["model.optimizer.lr"]))
+    best_lr = float(dict(o.split("=", 1) for o in best["overrides"])["model.optimizer.lr"])
+    assert results["best_params"]["model.optimizer.lr"] == pytest.approx(best_lr)
     assert "2/2 trial(s) completed" in (sweep / "summary.md").read_text()
 
 

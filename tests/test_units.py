@@ -83,7 +83,8 @@ def test_integer_tensor_at_a_boundary_is_refused():
 
     m = M()
     check_sequential_forward(m, find_units(m), (torch.randn(3, 4),), boundaries=[0])
-    with pytest.raises(SequentialForwardError, match=r"boundary after unit 'b' carries Tensor\(shape=\(3,\), dtype=torch.int64\)"):
+    with pytest.raises(SequentialForwardError,
+                       match=r"boundary after unit 'b' carries Tensor\(shape=\(3,\), dtype=torch.int64\)"):
         check_sequential_forward(m, find_units(m), (torch.randn(3, 4),), boundaries=[1])
 
 

@@ -3,12 +3,8 @@ no false alarm over 200 steps, "stop" and "replan" with their exit codes and che
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,8 +18,9 @@ from lightning_hpp.options import PlacementOptions
 from lightning_hpp.planning.profile import CostProfile, Overheads, ProfileEntry, UnitCost
 from lightning_hpp.planning.speeds import with_rank_speeds
 from lightning_hpp.planning.search import search_plan
-from lightning_hpp.telemetry.watch import REPLAN_EXIT_CODE, STOP_EXIT_CODE, SlowdownDetector, StragglerWatch, WatchOptions
-from tests.launch import ROOT, run_scripts
+from lightning_hpp.telemetry.watch import (REPLAN_EXIT_CODE, STOP_EXIT_CODE, SlowdownDetector, StragglerWatch,
+                                           WatchOptions)
+from tests.harness.launch import Job, finish, run_jobs, start
 
 TWO = [["layers.0-3"], ["layers.4-6"]]
 WORKER = "tests.workers.run_watch"
@@ -149,7 +146,8 @@ def test_one_observation_per_optimizer_step_under_gradient_accumulation():
 def _profile(n_units: int = 8) -> CostProfile:
     units = [UnitCost(f"u{i}", 1.0, 2.0, 4000, 4000, fixed_ms=0.1) for i in range(n_units)]
     return CostProfile("toy", [u.name for u in units], [1000] * n_units, [[8, 8]],
-                       entries=[ProfileEntry("cpu", "32-true", units, overheads=Overheads(microbatch_ms=0.2, p2p_gbps=1.0))])
+                       entries=[ProfileEntry("cpu", "32-true", units,
+                                             overheads=Overheads(microbatch_ms=0.2, p2p_gbps=1.0))])
 
 
 def test_with_rank_speeds_gives_a_slowed_rank_its_own_scaled_kind():
@@ -203,11 +201,13 @@ def jobs(tmp_path_factory):
         "quiet": {**base, "tag": "quiet", "steps": 200},
         "stop": {**base, "tag": "stop", "steps": 40, "slow": slow, "watch": "stop", "ckpt_dir": str(out / "stop_ckpt"),
                  "resume": "auto"},
-        "replan": {"out": str(out), "tag": "replan", "steps": 40, "plan": "auto", "pp": 2, "slow": slow, "watch": "replan",
+        "replan": {"out": str(out), "tag": "replan", "steps": 40, "plan": "auto", "pp": 2, "slow": slow,
+                   "watch": "replan",
                    "ckpt_dir": str(out / "replan_ckpt"), "resume": "auto"},
         "reference": {"reference": True, "out": str(out), "tag": "reference", "steps": 40},
     }
-    first = dict(zip(cfg, run_scripts([(WORKER, c) for c in cfg.values()], timeout=900, check=False)))
+    first = dict(zip(cfg, run_jobs([Job(WORKER, c, ranks=1 if tag == "reference" else 2, timeout=900)
+                                    for tag, c in cfg.items()], check=False)))
     for tag, proc in first.items():  # a job that failed to start says why, instead of a missing file
         assert all((out / f"{tag}_rank{r}.json").exists() for r in ((0,) if tag == "reference" else (0, 1))), \
             f"{tag} exited with {proc.returncode}:\n{proc.stderr[-6000:]}"
@@ -216,20 +216,17 @@ def jobs(tmp_path_factory):
     resumed = {**cfg["stop"], "tag": "stop_resumed", "watch": "warn", "slow": None}
     # torchrun starts both ranks at once, so the rendezvous fits in the short timeout (Lightning's launcher would
     # start rank 1 only once rank 0 has imported everything)
-    timed_out = {**base, "tag": "timeout", "steps": 10, "timeout": 20, "slow": {"rank": 1, "after": 5, "ms": 40000, "once": True}}
-    torchrun = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-         f"127.0.0.1:{find_free_network_port()}", "-m", WORKER, json.dumps(timed_out)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
-    second = dict(zip(("replan", "stop_resumed"), run_scripts([(WORKER, cfg["replan"]), (WORKER, resumed)], timeout=600,
-                                                              check=False)))
+    timed_out = {**base, "tag": "timeout", "steps": 10, "timeout": 20,
+                 "slow": {"rank": 1, "after": 5, "ms": 40000, "once": True}}
+    torchrun = start(Job((sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
+                          "c10d", "--rdzv-endpoint", f"127.0.0.1:{find_free_network_port()}", "-m", WORKER),
+                         timed_out, ranks=2, script=True, timeout=600), out / "logs")
+    second = dict(zip(("replan", "stop_resumed"), run_jobs([Job(WORKER, cfg["replan"], ranks=2, timeout=600),
+                                                            Job(WORKER, resumed, ranks=2, timeout=600)], check=False)))
     try:
-        log, _ = torchrun.communicate(timeout=600)
+        second["timeout"] = finish(torchrun)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(torchrun.pid, signal.SIGKILL)  # the sleeping rank, if it is still asleep
-    second["timeout"] = subprocess.CompletedProcess(torchrun.args, torchrun.returncode, log, "")
+        torchrun.kill()  # the sleeping rank, if it is still asleep
     return {"out": out, "first": first, "second": second, "snapshot": snapshot, "stop_ckpts": stop_ckpts}
 
 
@@ -246,7 +243,8 @@ def test_a_slowed_rank_is_named_within_10_steps(jobs):
     assert 30 - 3 <= f["since_step"] <= 35 and 30 <= f["step"] < 40, _summary(jobs["out"], "warn")
     assert f["measured_ms"] > 2 * f["expected_ms"]
     assert "straggler: rank 1 (host" in proc.stderr and "since step" in proc.stderr
-    assert r0["alerts"] == r1["alerts"] and r0["alerts"][0][2] == {"1": pytest.approx(f["measured_ms"] / f["expected_ms"])}
+    assert r0["alerts"] == r1["alerts"]
+    assert r0["alerts"][0][2] == {"1": pytest.approx(f["measured_ms"] / f["expected_ms"])}
 
 
 @pytest.mark.slow
@@ -255,7 +253,8 @@ def test_no_false_alarm_over_200_ordinary_steps(jobs):
     assert proc.returncode == 0, proc.stderr[-4000:]
     for r in (0, 1):
         got = _read(jobs["out"], "quiet", r)
-        assert got["global_step"] == 200 and got["findings"] == [] and got["alerts"] == [], _summary(jobs["out"], "quiet")
+        assert got["global_step"] == 200 and got["findings"] == [] and got["alerts"] == [], \
+            _summary(jobs["out"], "quiet")
 
 
 @pytest.mark.slow
@@ -295,7 +294,8 @@ def test_replan_resumes_on_a_new_cut_with_the_losses_of_the_uninterrupted_run(jo
     assert after["rank_speeds"]["1"] < 0.5 and after["rank_speeds"]["0"] == 1.0
     units, units_after = before["units_per_rank"], after["units_per_rank"]
     assert sum(units.values()) == sum(units_after.values()) == 7
-    assert units_after["1"] < units["1"], (before["stages"], after["stages"], units, units_after)  # rank 1 holds fewer now
+    assert units_after["1"] < units["1"], (before["stages"], after["stages"], units,
+                                           units_after)  # rank 1 holds fewer now
     ref = _read(jobs["out"], "reference", 0)["losses"]
     losses = {**before["losses"], **after["losses"]}
     assert sorted(map(int, losses)) == list(range(40))
@@ -308,6 +308,7 @@ def test_a_timed_out_transfer_names_both_ranks(jobs):
     proc = jobs["second"]["timeout"]
     assert proc.returncode != 0
     r0 = _read(jobs["out"], "timeout", 0)
-    assert r0["error"].startswith("TransferError: A pipeline transfer timed out after the timeout of 20 s"), proc.stdout[-3000:]
+    assert r0["error"].startswith("TransferError: A pipeline transfer timed out after the timeout of 20 s"), \
+        proc.stdout[-3000:]
     assert "rank 0 (host" in r0["error"] and "rank 1 (device kind 'cpu', stage(s) [1])" in r0["error"]
     assert r0["global_step"] == 5

@@ -241,7 +241,7 @@ def report(rec: dict[str, Any] | None, stall: dict[str, Any] | None, job: dict[s
         lines.append(f"\nsuccessful runs: {len(ok)}; failed restarts: {len(rec['failed'])}"
                      + "".join(f"\n- failed: {f.get('cause')}" for f in rec["failed"]))
         if ok:
-            from tests.models import MLP
+            from tests.harness.zoo import MLP
 
             n = sum(p.numel() for p in MLP().parameters())
             lines.append(f"field report: {FIELD_REPORT_S} s average on 256 GPUs (not like for like: 2 CPU processes on one "

@@ -32,8 +32,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 from lightning_hpp import HPPStrategy, StagePlan  # noqa: E402
 from lightning_hpp.model.materialize import init_on_meta  # noqa: E402
 from tests.device_harness import place_and_run  # noqa: E402
-from tests.models import MLP  # noqa: E402
-from tests.real_models import LMWrapper, dataset  # noqa: E402
+from tests.harness.zoo import MLP  # noqa: E402
+from tests.harness.zoo.real import LMWrapper, dataset  # noqa: E402
 from tests.workers.run_edges import BatchNormNet  # noqa: E402
 
 CUT = ["model.model.layers.2"]

@@ -31,7 +31,8 @@ from lightning_hpp.bias.guard import BiasGuard
 from lightning_hpp.bias.monitor import BiasMonitor
 from lightning_hpp.bias.samplers import DistributedWeightedSampler
 from lightning_hpp.errors import CodedBiasError, FingerprintMismatchError
-from tests.models import MLP, make_dataset
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, make_dataset
 
 N = 128
 BATCH = 8
@@ -77,20 +78,8 @@ def fit(case: str, out: Path, sampler_of_rank, steps: int, deterministic: bool =
             timeout=60,
             bias={"audit": "error", "fingerprint": "error", "deterministic": deterministic},
         )
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=4,
-            strategy=strategy,
-            max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            default_root_dir=str(out / case),
-            callbacks=[monitor, seen],
-        )
+        trainer = quiet_trainer(devices=4, strategy=strategy, max_steps=steps, num_sanity_val_steps=0,
+                                limit_val_batches=0, default_root_dir=str(out / case), callbacks=[monitor, seen])
         model = DropoutMLP()
         error = None
         try:

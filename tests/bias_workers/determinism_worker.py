@@ -13,14 +13,14 @@ import os
 import sys
 from pathlib import Path
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
 from lightning_hpp.bias.determinism import enable_determinism
 from lightning_hpp.bias.fingerprint import HASH_PROBE
-from tests.models import MLP, make_dataset
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, make_dataset
 
 TWO = [["layers.0-3"], ["layers.4-6"]]
 
@@ -45,10 +45,8 @@ def run(seed: int, out: Path) -> dict:
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     strategy = HPPStrategy(plan=StagePlan([StageSpec(modules=m) for m in TWO]), schedule="gpipe",
                            n_microbatches=2, timeout=60)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=6, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(out),
-    )
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=6, num_sanity_val_steps=0,
+                            default_root_dir=str(out))
     loader = DataLoader(NoisyDataset(), batch_size=16, shuffle=True, num_workers=1, drop_last=True)
     trainer.fit(model, loader)
     held = list(model.state_dict())  # units held by other ranks were replaced by parameterless stand-ins

@@ -32,7 +32,8 @@ from lightning_hpp.bias.determinism import ensure_hash_seed
 from lightning_hpp.bias.guard import BiasGuard
 from lightning_hpp.bias.samplers import DistributedWeightedSampler
 from lightning_hpp.errors import CodedBiasError, FingerprintMismatchError
-from tests.models import MLP, make_dataset
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, make_dataset
 
 N = 64
 BATCH = 8
@@ -57,11 +58,8 @@ class StepProbe(L.Callback):
 
 
 def trainer_for(strategy, out: Path, steps: int, **kw) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, default_root_dir=str(out), **kw,
-    )
+    return quiet_trainer(devices=2, strategy=strategy, max_steps=steps, num_sanity_val_steps=0,
+                         default_root_dir=str(out), **kw)
 
 
 def hpp(stages) -> HPPStrategy:

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 from lightning_hpp.bias.fingerprint import CodedBiasWarning
 from lightning_hpp.bias.monitor import BiasMonitor
 from lightning_hpp.bias.samplers import DistributedWeightedSampler
+from tests.harness.trainer import quiet_trainer
 
 N = 64
 BATCH = 8
@@ -108,12 +109,10 @@ class ContractStrategy(DDPStrategy):
 def fit(name: str, out: Path, sampler, use_distributed_sampler: bool, strategy="ddp", epochs=EPOCHS) -> None:
     L.seed_everything(SEED)
     monitor, probe = BiasMonitor(), _Probe()
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs,
-        use_distributed_sampler=use_distributed_sampler, logger=CSVLogger(out, name=name, version=0),
-        callbacks=[monitor, probe], enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, log_every_n_steps=1,
-    )
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_epochs=epochs,
+                            use_distributed_sampler=use_distributed_sampler,
+                            logger=CSVLogger(out, name=name, version=0), callbacks=[monitor, probe],
+                            log_every_n_steps=1)
     loader = DataLoader(data(), batch_size=BATCH, sampler=sampler)
     sampler_cls = type(sampler)
     with warnings.catch_warnings(record=True) as caught:

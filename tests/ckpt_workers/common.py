@@ -81,7 +81,8 @@ def stage_state(layout: str, stage: int, rank: int, step: int) -> dict[str, Any]
         "model": {n: full[n] for n in names},
         "optimizer": {
             "state": {
-                n: {"exp_avg": exp_avg(n, full[n].shape), "step": torch.tensor(float(step))} for n in names if n in params
+                n: {"exp_avg": exp_avg(n, full[n].shape),
+                    "step": torch.tensor(float(step))} for n in names if n in params
             },
             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8}],
         },

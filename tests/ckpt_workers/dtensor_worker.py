@@ -94,7 +94,8 @@ def fsdp_model(mesh, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 def tp_model(mesh, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = Net()
-    plan = {"embed": ColwiseParallel(), "blocks.0": RowwiseParallel(), "blocks.1": ColwiseParallel(), "blocks.2": RowwiseParallel()}
+    plan = {"embed": ColwiseParallel(), "blocks.0": RowwiseParallel(), "blocks.1": ColwiseParallel(),
+            "blocks.2": RowwiseParallel()}
     parallelize_module(model, mesh, plan)
     return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
 

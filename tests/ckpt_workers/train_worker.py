@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
 from lightning_hpp.options import CheckpointOptions
-from tests.models import MLP, make_dataset
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, make_dataset
 
 STAGES = [["layers.0-3"], ["layers.4-6"]]
 
@@ -65,20 +66,9 @@ def main(cfg: dict) -> None:
         timeout=60,
     )
     batches = _Batches()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=cfg["steps"],
-        logger=False,
-        enable_checkpointing=bool(cfg.get("dir")),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[batches],
-        default_root_dir=cfg["out"],
-    )
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=cfg["steps"],
+                            enable_checkpointing=bool(cfg.get("dir")), num_sanity_val_steps=0, limit_val_batches=0,
+                            callbacks=[batches], default_root_dir=cfg["out"])
     workers = cfg.get("num_workers", 0)
     train = DataLoader(
         make_dataset(128),

@@ -18,7 +18,8 @@ from tests.conformance import shape_scenarios  # noqa: F401 - and the scenarios 
 from tests.conformance.harness import LAYOUTS, SCENARIOS, Layout, replica_of, result_path
 
 REL, ABS = 1e-5, 1e-6
-"""Logged values: fp32 on CPU, the same data and steps; only the order of summation differs (micro-batches, replicas)."""
+"""Logged values: fp32 on CPU, the same data and steps; only the order of summation differs (micro-batches,
+replicas)."""
 PARAM_REL, PARAM_ABS = 1e-5, 1e-5
 """Parameters: as values, with 1e-5 absolute for entries near zero (the largest difference seen over every
 scenario is 1.8e-7, after 24 steps at lr 0.1). A scenario must not diverge: at lr 0.5 with momentum the
@@ -186,13 +187,15 @@ def diff_run(got: dict, ref: dict, where: str, layout: Layout, skip: tuple[str, 
     for key in ("global_step", "epoch", "should_stop"):
         if got[key] != ref[key]:
             problems.append(f"{where}: {key} {got[key]} (reference {ref[key]})")
-    for key, what in (("callback", "callback_metrics"), ("logged", "logged_metrics"), ("progress", "progress_bar_metrics")):
+    for key, what in (("callback", "callback_metrics"), ("logged", "logged_metrics"),
+                      ("progress", "progress_bar_metrics")):
         problems += diff_values(where, what, got[key], ref[key], skip)
     problems += diff_state(where, got["state"], ref["state"])
     problems += diff_list(where, "lr", got["lr"], ref["lr"])
     problems += diff_steps(where, got["steps"], ref["steps"], losses=layout.dp == 1, skip=skip)
     problems += diff_validations(where, got["validations"], ref["validations"], skip)
-    problems += diff_list(where, "epoch ends (epoch, step, lr)", [(e["epoch"], e["global_step"], e["lr"]) for e in got["epochs"]],
+    problems += diff_list(where, "epoch ends (epoch, step, lr)",
+                          [(e["epoch"], e["global_step"], e["lr"]) for e in got["epochs"]],
                           [(e["epoch"], e["global_step"], e["lr"]) for e in ref["epochs"]])
     problems += diff_logger(where, got["logger"], ref["logger"], skip)
     return problems
@@ -218,18 +221,22 @@ def diff_resumed(outcome: Outcome) -> list[str]:
     for r in outcome.ranks:
         got, where, losses = r.result, r.where, r.layout.dp == 1
         first = got["start_step"]  # the checkpoint's step
-        problems += diff_steps(f"{where} (first fit)", got["first"]["steps"], ref["steps"][: len(got["first"]["steps"])],
+        problems += diff_steps(f"{where} (first fit)", got["first"]["steps"],
+                               ref["steps"][: len(got["first"]["steps"])],
                                losses=losses)
         for key in ("global_step", "epoch", "should_stop"):
             if got[key] != ref[key]:
                 problems.append(f"{where}: {key} {got[key]} (reference {ref[key]})")
-        for key, what in (("callback", "callback_metrics"), ("logged", "logged_metrics"), ("progress", "progress_bar_metrics")):
+        for key, what in (("callback", "callback_metrics"), ("logged", "logged_metrics"),
+                          ("progress", "progress_bar_metrics")):
             problems += diff_values(where, what, got[key], ref[key])
         problems += diff_state(where, got["state"], ref["state"])
         problems += diff_list(where, "lr", got["lr"], ref["lr"])
-        problems += diff_steps(where, got["steps"], [s for s in ref["steps"] if s["global_step"] > first], losses=losses,
+        problems += diff_steps(where, got["steps"], [s for s in ref["steps"] if s["global_step"] > first],
+                               losses=losses,
                                skip=("val_",))
-        problems += diff_validations(where, got["validations"], [v for v in ref["validations"] if v["global_step"] > first])
+        problems += diff_validations(where, got["validations"],
+                                     [v for v in ref["validations"] if v["global_step"] > first])
         problems += diff_logger(where, got["logger"], [x for x in ref["logger"] if x[0] >= first])
     for layout in sorted({r.layout.name for r in outcome.ranks}):
         problems += diff_held(outcome, layout)

@@ -42,13 +42,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from tests.models import make_dataset
+from tests.harness.zoo import make_dataset
 
 GLOBAL_BATCH = 8
 TRAIN_SIZE = 96
 EVAL_SIZE = 48
 STAGES = (["layers.0-1"], ["layers.2-4"])
-"""The pp=2 cut of :class:`tests.conformance.scenarios.Net`: ``Linear(8, 16), Tanh`` | ``Linear(16, 16), Tanh, Linear(16, 4)``."""
+"""The pp=2 cut of :class:`tests.conformance.scenarios.Net`: ``Linear(8, 16), Tanh`` |
+``Linear(16, 16), Tanh, Linear(16, 4)``."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,8 @@ class Recorder(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.steps.append({"global_step": trainer.global_step, "epoch": trainer.current_epoch, "batch_idx": batch_idx,
-                           "loss": float(loss), "callback": floats(trainer.callback_metrics), "lr": learning_rates(trainer)})
+                           "loss": float(loss), "callback": floats(trainer.callback_metrics),
+                           "lr": learning_rates(trainer)})
 
     def on_validation_end(self, trainer, pl_module):
         if not trainer.sanity_checking:
@@ -134,7 +136,8 @@ class Recorder(Callback):
                                      "fn": str(trainer.state.fn.value), "callback": floats(trainer.callback_metrics)})
 
     def on_train_epoch_end(self, trainer, pl_module):
-        self.epochs.append({"epoch": trainer.current_epoch, "global_step": trainer.global_step, "lr": learning_rates(trainer)})
+        self.epochs.append({"epoch": trainer.current_epoch, "global_step": trainer.global_step,
+                            "lr": learning_rates(trainer)})
 
 
 def _callback(trainer: L.Trainer, kind: type) -> Any:
@@ -202,7 +205,8 @@ class Ctx:
         return str(self.out / name)
 
     def strategy(self, **kwargs: Any) -> Any:
-        """HPPStrategy over :data:`STAGES` (1F1B, 2 micro-batches) on the pipeline layouts; with no plan on ``single``."""
+        """HPPStrategy over :data:`STAGES` (1F1B, 2 micro-batches) on the pipeline layouts; with no plan on
+        ``single``."""
         from lightning_hpp import HPPStrategy, StagePlan, StageSpec
 
         if self.layout.pp == 1:
@@ -238,7 +242,8 @@ class Ctx:
 
 
 def replica_loader(dp: int, replica: int, n: int = EVAL_SIZE, seed: int = 1) -> DataLoader:
-    """What replica ``replica`` of ``dp`` predicts (Lightning's unrepeated sampler: samples ``replica::dp``, in order)."""
+    """What replica ``replica`` of ``dp`` predicts (Lightning's unrepeated sampler: samples ``replica::dp``, in
+    order)."""
     ds = make_dataset(n, seed=seed)
     return DataLoader(Subset(ds, range(replica, n, dp)), batch_size=GLOBAL_BATCH // dp)
 

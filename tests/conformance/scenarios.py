@@ -26,13 +26,13 @@ from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, Mode
 from torch import nn
 
 from tests.conformance.harness import Ctx, checkpoint_state, rank, replica_loader, scenario, seeded, snapshot
-from tests.models import MLP
+from tests.harness.zoo import MLP
 
 # ---------------------------------------------------------------------------------------------- models
 
 
 class Net(MLP):
-    """tests.models.MLP of depth 3 (units ``layers.0`` … ``layers.4``), SGD with momentum, values logged with
+    """tests.harness.zoo.MLP of depth 3 (units ``layers.0`` … ``layers.4``), SGD with momentum, values logged with
     ``sync_dist=True``; ``scheduler``: ``None``, ``"epoch"`` (StepLR every epoch), ``"step"`` (StepLR, interval
     "step") or ``"plateau"`` (ReduceLROnPlateau on ``val_loss``)."""
 
@@ -109,7 +109,8 @@ def probe_record(callbacks: list[Callback]) -> dict | None:
     return callbacks[0].record() if callbacks else None
 
 
-def fit_once(ctx: Ctx, model: L.LightningModule, *, val: bool = True, callbacks: list | tuple = (), train_kw: dict | None = None,
+def fit_once(ctx: Ctx, model: L.LightningModule, *, val: bool = True, callbacks: list | tuple = (),
+             train_kw: dict | None = None,
              **trainer_kw) -> L.Trainer:
     trainer = ctx.trainer(callbacks=callbacks, **trainer_kw)
     trainer.fit(model, ctx.train_loader(**(train_kw or {})), ctx.eval_loader() if val else None)
@@ -330,7 +331,8 @@ class Mixed(Net):
         x, y = batch
         logits = self(x)
         loss = F.cross_entropy(logits, y)
-        self.log_dict({"val_loss": loss, "val_acc": (logits.argmax(1) == y).float().mean()}, prog_bar=True, sync_dist=True)
+        self.log_dict({"val_loss": loss, "val_acc": (logits.argmax(1) == y).float().mean()}, prog_bar=True,
+                      sync_dist=True)
         self.log("val_hidden", loss * 2, logger=False, sync_dist=True)
 
 
@@ -411,13 +413,15 @@ PREDICT = {"n": 44, "seed": 3}  # 44 samples: a last batch of 4 (dp=1) or 2 (eac
 
 @scenario()
 def predict(ctx):
-    """``trainer.predict`` after one epoch: the ordered list of per-batch predictions (on dp=2, each replica's share)."""
+    """``trainer.predict`` after one epoch: the ordered list of per-batch predictions (on dp=2, each replica's
+    share)."""
     model = seeded(Net)
     trainer = fit_once(ctx, model, val=False, max_epochs=1)
     if ctx.hpp:
         predictions = [p.clone() for p in trainer.predict(model, ctx.eval_loader(**PREDICT))]
     else:
-        predictions = {dp: [[p.clone() for p in trainer.predict(model, replica_loader(dp, r, **PREDICT))] for r in range(dp)]
+        predictions = {
+            dp: [[p.clone() for p in trainer.predict(model, replica_loader(dp, r, **PREDICT))] for r in range(dp)]
                        for dp in (1, 2)}
     return snapshot(trainer, model, predictions=predictions)
 
@@ -447,7 +451,8 @@ def trainer_test_around_fit(ctx):
 # ---------------------------------------------------------------------------------------------- resume
 
 
-def two_fits(ctx: Ctx, first: dict, second: dict, ckpt_path=lambda d: None, callbacks=lambda d: [], strategy=lambda: None,
+def two_fits(ctx: Ctx, first: dict, second: dict, ckpt_path=lambda d: None, callbacks=lambda d: [],
+             strategy=lambda: None,
              val: bool = True, train_kw: dict | None = None, directory: str = "ckpt") -> dict:
     """Fit a fresh model with Trainer arguments ``first``, then another fresh model with ``second`` from
     ``ckpt_path(dir)``; ``callbacks(dir)`` for each, ``dir`` a directory of this scenario's."""
@@ -470,7 +475,8 @@ def resumed(ctx: Ctx, uninterrupted: dict, **two: object) -> dict:
         return two_fits(ctx, **two)
     model = seeded(Net)
     trainer = ctx.trainer(callbacks=two.get("callbacks", lambda d: [])(ctx.path("uninterrupted")), **uninterrupted)
-    trainer.fit(model, ctx.train_loader(**(two.get("train_kw") or {})), ctx.eval_loader() if two.get("val", True) else None)
+    trainer.fit(model, ctx.train_loader(**(two.get("train_kw") or {})),
+                ctx.eval_loader() if two.get("val", True) else None)
     out = snapshot(trainer, model)
     if "strategy" not in two:  # the HPPStrategy checkpoint options have no counterpart under the default strategy
         out["lightning_resumed"] = two_fits(ctx, **two, directory="lightning_resumed")
@@ -541,7 +547,8 @@ def resume_workers(ctx):
 
 
 class Unseeded(Net):
-    """Built without a common seed: each rank's weights differ (``1000 + LOCAL_RANK``), as with no ``seed_everything``."""
+    """Built without a common seed: each rank's weights differ (``1000 + LOCAL_RANK``), as with no
+    ``seed_everything``."""
 
     def __init__(self) -> None:
         super().__init__(seed=1000 + rank())
@@ -567,7 +574,8 @@ def single_device(ctx):
 
 
 class DropoutNet(Net):
-    """Units ``layers.0`` … ``layers.4`` with a dropout in the last stage: ``Linear, Tanh | Linear, Dropout, Linear``."""
+    """Units ``layers.0`` … ``layers.4`` with a dropout in the last stage: ``Linear, Tanh | Linear, Dropout,
+    Linear``."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tests.conformance.harness import Ctx, scenario, seeded, snapshot
@@ -154,7 +153,8 @@ def lambda_callback(ctx):
     from lightning.pytorch.callbacks import LambdaCallback
 
     seen: list = []
-    callback = LambdaCallback(on_train_batch_end=lambda t, m, outputs, batch, i: seen.append((i, float(outputs["loss"]))),
+    callback = LambdaCallback(on_train_batch_end=lambda t, m, outputs, batch,
+                              i: seen.append((i, float(outputs["loss"]))),
                               on_train_epoch_end=lambda t, m: seen.append(("epoch", t.current_epoch)))
     trainer, model = _fit(ctx, callbacks=(callback,))
     return snapshot(trainer, model, seen=seen)
@@ -184,7 +184,7 @@ def scale_batch_size(ctx):
         def train_dataloader(self):
             from torch.utils.data import DataLoader
 
-            from tests.models import make_dataset
+            from tests.harness.zoo import make_dataset
 
             return DataLoader(make_dataset(96), batch_size=self.batch_size, drop_last=True)
 
@@ -209,7 +209,8 @@ def device_stats_and_throughput_monitors(ctx):
     monitors = (DeviceStatsMonitor(cpu_stats=True), ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0)))
     trainer, model = _fit(ctx, callbacks=monitors)
     logged = sorted({k for _, metrics in trainer.logger.records for k in metrics})  # the monitors write to the logger
-    return {"keys": logged, "callback_keys": sorted(trainer.callback_metrics), "state": snapshot(trainer, model)["state"]}
+    return {"keys": logged, "callback_keys": sorted(trainer.callback_metrics),
+            "state": snapshot(trainer, model)["state"]}
 
 
 @scenario("pp2")
@@ -282,7 +283,7 @@ def without_the_distributed_sampler(ctx):
     process does (the pipeline's ranks then see the same batches)."""
     from torch.utils.data import DataLoader
 
-    from tests.models import make_dataset
+    from tests.harness.zoo import make_dataset
 
     model = seeded(Net)
     trainer = ctx.trainer(use_distributed_sampler=False, max_epochs=1, limit_train_batches=6)

@@ -285,7 +285,8 @@ def backbone_finetuning_unfreezes_in_a_hook(ctx):
     from lightning.pytorch.callbacks import BackboneFinetuning
 
     model = seeded(FineTune, frozen=False)
-    callback = BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5, backbone_initial_ratio_lr=0.5)
+    callback = BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5,
+                                  backbone_initial_ratio_lr=0.5)
     trainer = ctx.trainer(strategy=finetune_strategy(ctx), callbacks=[callback], max_epochs=3, limit_train_batches=3)
     trainer.fit(model, ctx.train_loader())
     return snapshot(trainer, model)
@@ -381,7 +382,7 @@ def ema_weight_averaging(ctx):
     return snapshot(trainer, model)
 
 
-# ---------------------------------------------------------------------------------------------- loggers, writers, summary
+# ---------------------------------------------------------------------------------------- loggers, writers, summary
 def logged_files(root) -> dict:
     """What the offline loggers wrote under ``root``: ``metrics.csv`` rows, TensorBoard scalars, MLflow metrics and
     params, each by name with its steps and values."""
@@ -396,7 +397,8 @@ def logged_files(root) -> dict:
     for path in sorted(root.rglob("events.out.tfevents.*")):
         acc = EventAccumulator(str(path.parent))
         acc.Reload()
-        out["tensorboard"] = {tag: [(e.step, float(e.value)) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+        out["tensorboard"] = {tag: [(e.step,
+                                     float(e.value)) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
     for metrics in sorted(root.rglob("mlruns/*/*/metrics")):
         out["mlflow"] = {p.name: [(int(line.split()[2]), float(line.split()[1])) for line in p.read_text().splitlines()]
                          for p in sorted(metrics.iterdir())}
@@ -500,7 +502,8 @@ def refused_setups(ctx):
 
     limits = {"max_epochs": 1, "limit_train_batches": 2}
     return {
-        "pruning": _refusal(ctx, lambda: ctx.trainer(callbacks=[ModelPruning("l1_unstructured", amount=0.2)], **limits)),
+        "pruning": _refusal(ctx,
+                            lambda: ctx.trainer(callbacks=[ModelPruning("l1_unstructured", amount=0.2)], **limits)),
         "sync_batchnorm": _refusal(ctx, lambda: ctx.trainer(sync_batchnorm=True, **limits)),
         "backward": _refusal(ctx, lambda: ctx.trainer(**limits), model=seeded(OwnBackward)),
     }

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from tests.conformance.harness import GLOBAL_BATCH, Ctx, scenario, snapshot
 
-VOCAB = 64  # tests.real_models.VOCAB: the Llama's vocabulary
+VOCAB = 64  # tests.harness.zoo.real.VOCAB: the Llama's vocabulary
 TRAIN = {"n": 96, "lengths": (3, 15), "seed": 0}
 EVAL = {"n": 48, "lengths": (5, 16), "seed": 1}  # longer than the training sequences; 16: the Llama's position table
 EVAL_BATCH = 12  # evaluation batches of another size than the training batches (GLOBAL_BATCH)
@@ -162,7 +162,7 @@ class LlamaLM(_Steps):
 
     def __init__(self, token_mean: bool = True) -> None:
         super().__init__()
-        from tests.real_models import llama
+        from tests.harness.zoo.real import llama
 
         torch.manual_seed(0)
         self.token_mean = token_mean

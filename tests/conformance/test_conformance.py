@@ -72,7 +72,8 @@ def test_gradient_clip_val_is_one_norm_over_all_stages(conformance):
     # logged values; everything Lightning itself holds is compared
     check(diff_all(o, skip=("grad_norm/",)))
     # the threshold binds: the global norm (over both stages, as logged on every rank) exceeds 0.05
-    norms = [math.hypot(s["callback"]["grad_norm/stage_0"], s["callback"]["grad_norm/stage_1"]) for s in o.ranks[0].result["steps"]]
+    norms = [math.hypot(s["callback"]["grad_norm/stage_0"],
+                        s["callback"]["grad_norm/stage_1"]) for s in o.ranks[0].result["steps"]]
     assert max(norms) > 0.05, norms
 
 
@@ -160,11 +161,13 @@ def test_sync_dist_reduces_over_replicas_and_unsynced_values_stay_per_replica(co
                                 f"(replica {r.replica}: {mine[i]:.7g})")
         epoch = statistics.fmean(mine[-12:])
         if not close(r.result["callback"]["loss_local_epoch"], epoch):
-            problems.append(f"{r.where}: loss_local_epoch {r.result['callback']['loss_local_epoch']:.7g} (replica: {epoch:.7g})")
+            problems.append(f"{r.where}: loss_local_epoch {r.result['callback']['loss_local_epoch']:.7g} "
+                            f"(replica: {epoch:.7g})")
         for v, (val, batches) in enumerate(zip(r.result["validations"], probe["val"])):
             want = statistics.fmean(b[r.replica] for b in batches)
             if not close(val["callback"]["val_local"], want):
-                problems.append(f"{r.where} validation {v}: val_local {val['callback']['val_local']:.7g} (replica: {want:.7g})")
+                problems.append(f"{r.where} validation {v}: val_local {val['callback']['val_local']:.7g} "
+                                f"(replica: {want:.7g})")
     # the replicas do differ, so the per-replica values say something
     assert probe["train"][0][0] != probe["train"][0][1]
     check(problems + replica_losses(o))
@@ -324,7 +327,8 @@ def test_unseeded_model_replicas_start_from_rank_0_weights(conformance):
         if any(not torch.equal(initial[0][k], v) for k, v in o.ref["initial"].items()):
             problems.append(f"{layout}: rank 0 built other weights than the reference started from")
         # every other rank built weights of its own, so equal ends mean the replicas were made equal
-        problems += [f"{r.where}: built rank 0's weights (the scenario proves nothing)" for r, init in zip(ranks[1:], initial[1:])
+        problems += [f"{r.where}: built rank 0's weights (the scenario proves nothing)" for r, init in zip(
+            ranks[1:], initial[1:])
                      if torch.equal(init["layers.0.weight"], initial[0]["layers.0.weight"])]
     check(problems)
 
@@ -366,7 +370,8 @@ def test_torchmetrics_objects_logged_by_name(conformance):
         per_replica = ("train_acc",) if r.layout.dp > 1 else ()
         problems += diff_run(r.result, outcome.ref, r.where, r.layout, per_replica)
         if per_replica:
-            problems += diff_values(r.where, "callback_metrics", {k: r.result["callback"][k] for k in ("train_acc_epoch",)},
+            problems += diff_values(r.where, "callback_metrics",
+                                    {k: r.result["callback"][k] for k in ("train_acc_epoch",)},
                                     {k: outcome.ref["callback"][k] for k in ("train_acc_epoch",)})
     for layout in sorted({r.layout.name for r in outcome.ranks}):
         problems += diff_held(outcome, layout)

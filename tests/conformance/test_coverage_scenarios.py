@@ -16,7 +16,8 @@ def check(problems: list[str]) -> None:
 
 
 def extras(o, *keys: str) -> list[str]:
-    return [f"{r.where}: {key}{p}: {d}" for r in o.ranks for key in keys for p, d in diff_data(r.result[key], o.ref[key])]
+    return [
+        f"{r.where}: {key}{p}: {d}" for r in o.ranks for key in keys for p, d in diff_data(r.result[key], o.ref[key])]
 
 
 @pytest.mark.parametrize("name", ["overfit_batches", "fast_dev_run", "min_epochs_and_min_steps", "log_every_n_steps",
@@ -46,7 +47,8 @@ def test_profiler_simple(conformance):
 
 def test_barebones(conformance):
     o = load(conformance, "barebones")
-    check([p for r in o.ranks for p in diff_state(r.where, r.result["state"], o.ref["state"])] + extras(o, "global_step"))
+    check([p for r in o.ranks for p in diff_state(r.where, r.result["state"],
+                                                  o.ref["state"])] + extras(o, "global_step"))
 
 
 def test_deterministic_and_benchmark(conformance):
@@ -74,7 +76,8 @@ def test_scale_batch_size_is_refused_on_every_rank_as_under_ddp(conformance):
     o = load(conformance, "scale_batch_size")
     assert o.ref["found"] > 2 and o.ref["refused"] is None
     check([f"{r.where}: {r.result['refused']!r}" for r in o.ranks
-           if "not supported with distributed strategies" not in (r.result["refused"] or "") or r.result["global_step"]])
+           if "not supported with distributed strategies" not in (r.result["refused"] or "")
+           or r.result["global_step"]])
 
 
 def test_device_stats_and_throughput_monitors_log_the_same_keys(conformance):

@@ -42,7 +42,8 @@ def test_every_hook_with_the_module_s_own_loaders(conformance):
 
 def test_hooks_when_a_hook_raises(conformance):
     o = load(conformance, "hooks_when_a_hook_raises")
-    assert {("callback", "on_exception"), ("datamodule", "on_exception")} <= {(owner, name) for owner, name, *_ in o.ref["hooks"]}
+    assert {("callback", "on_exception"),
+            ("datamodule", "on_exception")} <= {(owner, name) for owner, name, *_ in o.ref["hooks"]}
     problems = hook_problems(o)
     problems += [f"{r.where}: raised {r.result['raised']!r} (reference {o.ref['raised']!r})" for r in o.ranks
                  if r.result["raised"] != o.ref["raised"]]

@@ -4,8 +4,8 @@ Usage: python -m tests.conformance.worker '<json: {"layout": "ref" | "pp2" | "pp
 
 Each scenario saves what each rank recorded to DIR/<scenario>/<layout>/rank{r}.pt. The pipeline layouts
 start their ranks through Lightning (the script is launched again per rank) or are started by a launcher
-(``tests.launch.forked``); the reference job runs every scenario's reference with Lightning's default strategy,
-then the one-process HPPStrategy scenarios (layout ``single``).
+(``Job(start="forked")`` of tests.harness.launch); the reference job runs every scenario's reference with
+Lightning's default strategy, then the one-process HPPStrategy scenarios (layout ``single``).
 """
 
 import json

@@ -19,10 +19,10 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
-from tests.models import MLP, loaders
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, loaders
 
 TWO = StagePlan([StageSpec(modules=["layers.0-3"]), StageSpec(modules=["layers.4-6"])])
-QUIET = dict(enable_model_summary=False, num_sanity_val_steps=0)
 
 
 class NonSequential(MLP):
@@ -73,7 +73,8 @@ def _build(cfg: dict) -> tuple:
     model = {"non_sequential": NonSequential, "int_boundary": IntBoundary}.get(case, MLP)()
     batch = 16
     if case == "too_many_stages":
-        strategy_kw["plan"] = StagePlan([StageSpec(modules=["layers.0-1"]), StageSpec(modules=["layers.2-3"]), StageSpec(modules=["layers.4-6"])])
+        strategy_kw["plan"] = StagePlan([StageSpec(modules=["layers.0-1"]), StageSpec(modules=["layers.2-3"]),
+                                         StageSpec(modules=["layers.4-6"])])
     if case in ("non_sequential", "int_boundary"):  # the traced frontend would cut these; the sequential one refuses
         strategy_kw["frontend"] = "sequential"
     if case == "pp_not_divisor":
@@ -85,13 +86,15 @@ def _build(cfg: dict) -> tuple:
     if case == "batch_not_divisible":
         batch = 10
     callbacks = []
-    kw: dict = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, max_steps=6, limit_val_batches=0)
+    kw: dict = dict(max_steps=6, limit_val_batches=0)
     if case == "lightning_integration":
         ckpt = ModelCheckpoint(dirpath=os.path.join(cfg["out"], "ckpt"), monitor="val_loss", mode="min", save_top_k=1)
         stop = EarlyStopping(monitor="val_loss", patience=1, min_delta=10.0, mode="min")  # stops after 2 epochs
         callbacks = [ckpt, stop]
-        kw = dict(logger=CSVLogger(cfg["out"], name="csv"), max_epochs=5, log_every_n_steps=1, enable_progress_bar=True)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=HPPStrategy(**strategy_kw), callbacks=callbacks, **QUIET, **kw)
+        kw = dict(logger=CSVLogger(cfg["out"], name="csv"), max_epochs=5, log_every_n_steps=1, enable_progress_bar=True,
+                  enable_checkpointing=None)
+    trainer = quiet_trainer(devices=devices, strategy=HPPStrategy(**strategy_kw), callbacks=callbacks,
+                            num_sanity_val_steps=0, **kw)
     train, val = loaders(batch)
     return trainer, model, train, val
 

@@ -36,8 +36,9 @@ import torch
 from lightning_hpp import HPPPrecision, HPPStrategy, StagePlan, StageSpec
 from lightning_hpp import _dist
 from lightning_hpp.options import CheckpointOptions
-from tests.models import MLP, loaders
+from tests.harness.zoo import MLP, loaders
 from tests.workers.refusals import exit_status, try_case
+from tests.harness.trainer import quiet_trainer
 
 TIMEOUT_S = 120  # also what the ranks' start-up may take on a loaded machine (rank 1 imports Lightning after rank 0)
 KINDS = ["a100", "h100"]
@@ -90,9 +91,9 @@ def run_case(case: str, out: Path) -> None:
     strategy = HPPStrategy(plan=plan, n_microbatches=4, timeout=TIMEOUT_S, placement={"device_map": KINDS},
                            precision_plugin=precision, activation_checkpointing=case == "fp8_te_recompute", **kw)
     model = Placed(depth=6, hidden=64) if case == "setup_bytes" else Placed()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=4, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, limit_test_batches=2, callbacks=callbacks, **trainer_kw)
+    trainer = quiet_trainer(enable_checkpointing=None, devices=2, strategy=strategy, max_steps=4,
+                            num_sanity_val_steps=0, limit_val_batches=0, limit_test_batches=2, callbacks=callbacks,
+                            **trainer_kw)
     train, _ = loaders(16)
     staged = _watch_staging() if case == "setup_bytes" else None
 

@@ -1,6 +1,6 @@
 """Setups that used to be refused or to crash where Lightning works, run one after another in one launch.
 
-Each case trains (or validates) tests.models-style modules on 2 ranks and saves, per rank, what it holds,
+Each case trains (or validates) tests.harness.zoo-style modules on 2 ranks and saves, per rank, what it holds,
 its logged values and the warnings Lightning raised to OUT/<case>/rank{r}.pt.
 Usage: python -m tests.workers.run_edges '<json: {"out": dir}>'
 """
@@ -19,7 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hpp import HPPStrategy, StagePlan
-from tests.models import MLP, make_dataset
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, make_dataset
 
 
 class SyncDistVal(MLP):
@@ -90,7 +91,8 @@ CASES = {
     "traced_one_sample": dict(model=MLP, plan=["layers.4"], schedule="1f1b", n_micro=4, batch=4, steps=3, val_batch=8,
                               limit_val_batches=2, frontend="traced"),
     # a traced bf16-true stage with BatchNorm: the cast replaces the buffers; the module's statistics must still move
-    "traced_bn_bf16": dict(model=BatchNormNet, plan=["b"], schedule="1f1b", n_micro=4, batch=16, steps=3, frontend="traced",
+    "traced_bn_bf16": dict(model=BatchNormNet, plan=["b"], schedule="1f1b", n_micro=4, batch=16, steps=3,
+                           frontend="traced",
                            precision=["32-true", "bf16-true"]),
 }
 
@@ -100,12 +102,11 @@ def run(case: str, out: str) -> None:
     L.seed_everything(0)
     model = cfg["model"](depth=cfg["depth"]) if "depth" in cfg else cfg["model"]()
     stage_fields = {"precision": cfg["precision"]} if "precision" in cfg else {}
-    strategy = HPPStrategy(plan=StagePlan.split_at(cfg["plan"], **stage_fields), schedule=cfg["schedule"], n_microbatches=cfg["n_micro"],
+    strategy = HPPStrategy(plan=StagePlan.split_at(cfg["plan"], **stage_fields), schedule=cfg["schedule"],
+                           n_microbatches=cfg["n_micro"],
                            frontend=cfg.get("frontend", "auto"), timeout=120)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=cfg["steps"], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=cfg.get("limit_val_batches", 0),
-                        default_root_dir=os.path.join(out, case))
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=cfg["steps"], num_sanity_val_steps=0,
+                            limit_val_batches=cfg.get("limit_val_batches", 0), default_root_dir=os.path.join(out, case))
     train = DataLoader(make_dataset(128), batch_size=cfg["batch"], drop_last=True)
     val = DataLoader(make_dataset(cfg.get("val_n", 64), seed=1), batch_size=cfg.get("val_batch", 16))
     with warnings.catch_warnings(record=True) as caught:

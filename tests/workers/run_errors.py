@@ -15,7 +15,8 @@ import lightning as L
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_hpp import HPPStrategy
-from tests.models import MLP, loaders
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, loaders
 from tests.workers.run_cases import TWO
 
 PLANTED_ENV = {
@@ -66,18 +67,8 @@ def main(cfg: dict) -> None:
     )
     loggers = [CSVLogger(cfg["out"], name="csv"), TensorBoardLogger(cfg["out"], name="tb")]
     strategy = HPPStrategy(plan=TWO, n_microbatches=4, timeout=cfg["timeout"])
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        logger=loggers,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=4,
-        limit_val_batches=0,
-        log_every_n_steps=1,
-    )
+    trainer = quiet_trainer(devices=2, strategy=strategy, logger=loggers, max_steps=4, limit_val_batches=0,
+                            log_every_n_steps=1)
     train, _ = loaders(16)
     trainer.fit(model, train)
 

@@ -19,11 +19,12 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from tests.real_models import LMWrapper, loader
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo.real import LMWrapper, loader
 
 
 class ExportLM(LMWrapper):
-    """:class:`~tests.real_models.LMWrapper` whose hyper-parameters are saved, so that
+    """:class:`~tests.harness.zoo.real.LMWrapper` whose hyper-parameters are saved, so that
     ``ExportLM.load_from_checkpoint(path)`` and ``--module tests.workers.run_export:ExportLM`` rebuild it:
     ``kind="gpt2"`` (embedding and LM head tied) or ``"llama"`` (tied or not, ``tie``)."""
 
@@ -39,9 +40,9 @@ def run(cfg: dict) -> None:
     model = ExportLM(cfg["kind"], tie=cfg.get("tie", True))
     strategy = HPPStrategy(plan=StagePlan.split_at(cfg["points"]), schedule="1f1b", n_microbatches=2, timeout=120)
     checkpoints = ModelCheckpoint(dirpath=os.path.join(cfg["out"], "ckpt"), save_last=True)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=cfg["steps"], logger=False,
-                        callbacks=[checkpoints], enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=cfg["out"])
+    trainer = quiet_trainer(enable_checkpointing=None, devices=2, strategy=strategy, max_steps=cfg["steps"],
+                            callbacks=[checkpoints], num_sanity_val_steps=0, limit_val_batches=0,
+                            default_root_dir=cfg["out"])
     trainer.fit(model, loader(cfg["kind"], 4, n=16))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     os.makedirs(cfg["out"], exist_ok=True)

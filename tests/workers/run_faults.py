@@ -39,7 +39,8 @@ import torch
 
 from lightning_hpp import HPPStrategy, StagePlan
 from lightning_hpp.options import CheckpointOptions
-from tests.models import MLP, loaders
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, loaders
 
 SLEEP_S = 600.0
 LIMIT_S = 60.0  # beyond the timeout, how long the ranks are watched after the fault
@@ -87,9 +88,8 @@ def train(cfg: dict, attempt: dict, out: Path) -> None:
     strategy = HPPStrategy(plan=StagePlan.split_at(cuts), n_microbatches=4, timeout=cfg["timeout"],
                            checkpoint=CheckpointOptions(dir=ckpt, every_n_steps=2, resume="auto"),
                            placement={"watch": "off"})
-    trainer = L.Trainer(accelerator="cpu", devices=cfg["ranks"], strategy=strategy, max_steps=8, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, callbacks=[Fault(attempt, out)])
+    trainer = quiet_trainer(enable_checkpointing=None, devices=cfg["ranks"], strategy=strategy, max_steps=8,
+                            limit_val_batches=0, callbacks=[Fault(attempt, out)])
     trainer.fit(model, train_loader)
 
 

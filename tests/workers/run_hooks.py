@@ -15,7 +15,8 @@ import lightning as L
 import torch
 
 from lightning_hpp import HPPPrecision, HPPStrategy, PlanError, StagePlan, StageSpec
-from tests.models import MLP, loaders
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, loaders
 
 TWO = [["layers.0-3"], ["layers.4-6"]]
 STEPS = 3
@@ -88,7 +89,8 @@ class Manual(MLP):
 
 CASES = {
     "manual": (Manual, {}, {}),
-    "lightning_clip": (ClipsThroughLightning, {"clip": "per-stage"}, {}),  # the stage's own norm; "global" is the default
+    "lightning_clip": (ClipsThroughLightning, {"clip": "per-stage"},
+                       {}),  # the stage's own norm; "global" is the default
     "torch_clip": (ClipsWithTorch, {}, {}),
     "global_clip": (GlobalAfterFirstStep, {"clip": "global"}, {"gradient_clip_val": 0.03}),
 }
@@ -106,19 +108,8 @@ def run(case: str, out: str) -> None:
         timeout=60,
         precision_plugin=HPPPrecision(**precision),
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        **trainer_kw,
-    )
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=STEPS, num_sanity_val_steps=0, limit_val_batches=0,
+                            **trainer_kw)
     error = None
     try:
         trainer.fit(model, loaders(BATCH)[0])

@@ -1,10 +1,9 @@
-"""Train tests.models.MLP under HPPStrategy for one or more configurations in one launch.
+"""Train tests.harness.zoo.MLP under HPPStrategy for one or more configurations in one launch.
 
 Every rank saves, per configuration, what it holds to OUT/<name>/rank{r}.pt.
-Usage: python -m tests.workers.run_hpp '<json: {"devices": N, "runs": [config, ...]}>'
+Usage: python -m tests.workers.run_hpp '<tests.harness.runs.Runs of HppRun, as JSON>'
 """
 
-import json
 import os
 import sys
 
@@ -13,51 +12,50 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_hpp import HPPPrecision, HPPStrategy, StagePlan, StageSpec
-from tests.models import MLP, loaders
+from tests.harness.runs import HppRun, Runs
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, loaders
 
 
-def run(cfg: dict, devices: int) -> None:
+def run(cfg: HppRun, devices: int) -> None:
     L.seed_everything(0)
-    model = MLP(depth=cfg.get("depth", 4))
-    precisions = cfg.get("precisions") or [None] * len(cfg.get("stages") or [])
-    clip_norms = cfg.get("clip_norms") or [None] * len(cfg.get("stages") or [])
-    plan = StagePlan([StageSpec(modules=m, precision=p, clip_norm=c, device=d) for m, p, c, d in zip(cfg["stages"], precisions, clip_norms, cfg.get("devices_kinds") or [None] * len(cfg["stages"]))]) if cfg.get("stages") else "auto"
-    # cfg["strategy"]: HPPStrategy keyword arguments (option sections as dicts, e.g. {"placement": {...}});
-    # cfg["precision"]: HPPPrecision keyword arguments, handed to the strategy (or, with "init_scale",
+    model = MLP(depth=cfg.depth)
+    n = len(cfg.stages or [])
+    specs = zip(cfg.stages or [], cfg.precisions or [None] * n, cfg.clip_norms or [None] * n,
+                cfg.devices_kinds or [None] * n)
+    plan = StagePlan([StageSpec(modules=m, precision=p, clip_norm=c, device=d) for m, p, c, d in specs]) \
+        if cfg.stages else "auto"
+    # cfg.strategy: HPPStrategy keyword arguments (option sections as dicts, e.g. {"placement": {...}});
+    # cfg.precision: HPPPrecision keyword arguments, handed to the strategy (or, with init_scale,
     # to the Trainer as a plugin)
-    precision = cfg.get("precision") or {}
+    precision = cfg.precision or {}
     plugins = []
-    if "init_scale" in cfg:  # the plugin given to the Trainer is the one the strategy uses
-        plugins.append(HPPPrecision(init_scale=cfg["init_scale"], **precision))
+    if cfg.init_scale is not None:  # the plugin given to the Trainer is the one the strategy uses
+        plugins.append(HPPPrecision(init_scale=cfg.init_scale, **precision))
     strategy = HPPStrategy(
-        plan=plan, schedule=cfg.get("schedule"), n_microbatches=cfg.get("n_micro"), pp_degree=cfg.get("pp"), timeout=cfg.get("timeout", 60),
+        plan=plan, schedule=cfg.schedule, n_microbatches=cfg.n_micro, pp_degree=cfg.pp, timeout=cfg.timeout,
         precision_plugin=HPPPrecision(**precision) if precision and not plugins else None,
-        **cfg.get("strategy", {}),
+        **cfg.strategy,
     )
     callbacks = []
-    if cfg.get("bias_monitor"):  # it asks the strategy for the local gradient norms (step_stats)
+    if cfg.bias_monitor:  # it asks the strategy for the local gradient norms (step_stats)
         from lightning_hpp.bias.monitor import BiasMonitor
 
         callbacks.append(BiasMonitor())
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=devices,
         callbacks=callbacks,
-        num_nodes=cfg.get("num_nodes", 1),
+        num_nodes=cfg.num_nodes,
         strategy=strategy,
         plugins=plugins,
-        max_steps=cfg["steps"],
-        accumulate_grad_batches=cfg.get("accumulate", 1),
-        gradient_clip_val=cfg.get("gradient_clip_val"),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        max_steps=cfg.steps,
+        accumulate_grad_batches=cfg.accumulate,
+        gradient_clip_val=cfg.gradient_clip_val,
         num_sanity_val_steps=0,
-        limit_val_batches=cfg.get("limit_val_batches", 0),
-        default_root_dir=cfg["out"],
+        limit_val_batches=cfg.limit_val_batches,
+        default_root_dir=cfg.out,
     )
-    train, val = loaders(cfg["batch"])
+    train, val = loaders(cfg.batch)
     trainer.fit(model, train, val)
     state, sharded = {}, []
     for k, v in model.state_dict().items():
@@ -84,18 +82,18 @@ def run(cfg: dict, devices: int) -> None:
         "plan": strategy.plan.to_dict(),
         "step_stats": dict(strategy.step_stats),
         "grid": strategy.mesh.grid,
-        "telemetry_steps": [h.step for cb in trainer.callbacks if type(cb).__name__ == "PipelineTelemetry" for h in cb.history],
+        "telemetry_steps": [h.step for cb in trainer.callbacks if type(cb).__name__ == "PipelineTelemetry"
+                            for h in cb.history],
     }
-    if cfg.get("validate"):
+    if cfg.validate:
         out["validate"] = trainer.validate(model, val, verbose=False)
-    if cfg.get("predict"):
+    if cfg.predict:
         out["predict"] = torch.cat(trainer.predict(model, val))
-    os.makedirs(cfg["out"], exist_ok=True)
-    torch.save(out, os.path.join(cfg["out"], f"rank{trainer.global_rank}.pt"))
+    os.makedirs(cfg.out, exist_ok=True)
+    torch.save(out, os.path.join(cfg.out, f"rank{trainer.global_rank}.pt"))
 
 
 if __name__ == "__main__":
-    spec = json.loads(sys.argv[1])
-    for cfg in spec["runs"]:
-        cfg.setdefault("num_nodes", spec.get("num_nodes", 1))
-        run(cfg, spec["devices"])
+    spec = Runs.from_json(sys.argv[1])
+    for cfg in spec.runs:
+        run(cfg, spec.devices)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback
 from torchmetrics.classification import MulticlassAccuracy
 
-from tests.models import MLP
+from tests.harness.zoo import MLP
 
 STAGES = [["layers.0-3"], ["layers.4-6"]]
 
@@ -84,7 +84,7 @@ def trainer_kwargs(devices: int, out: str) -> dict:
 
 def main(spec: dict) -> None:
     from lightning_hpp import HPPStrategy, PlanError, StagePlan, StageSpec
-    from tests.models import loaders
+    from tests.harness.zoo import loaders
     from tests.placement_check import DevicePlacementError, device_placement_check
 
     out, devices = spec["out"], spec["devices"]

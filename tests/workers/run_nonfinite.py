@@ -21,7 +21,8 @@ import lightning as L
 import torch
 
 from lightning_hpp import HPPPrecision, HPPStrategy
-from tests.models import MLP, loaders
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, loaders
 from tests.workers.run_cases import TWO
 
 
@@ -44,7 +45,8 @@ class PoisonGradient(L.Callback):
     def on_train_start(self, trainer, pl_module):
         if trainer.global_rank == 2:
             pl_module.layers[4].register_full_backward_hook(
-                lambda m, grad_in, grad_out: tuple(None if g is None else torch.full_like(g, float("nan")) for g in grad_in)
+                lambda m, grad_in,
+                grad_out: tuple(None if g is None else torch.full_like(g, float("nan")) for g in grad_in)
                 if self.on else None)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -56,10 +58,9 @@ def run(cfg: dict, policy: str, poison: str = "forward") -> None:
     model = MLP()
     strategy = HPPStrategy(plan=TWO, pp_degree=2, schedule="1f1b", n_microbatches=2, timeout=60,
                            precision_plugin=HPPPrecision(nonfinite=policy))
-    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=cfg["steps"], logger=False,
-                        callbacks=[(Poison if poison == "forward" else PoisonGradient)(cfg["poison_step"])], enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        default_root_dir=cfg["out"])
+    trainer = quiet_trainer(devices=4, strategy=strategy, max_steps=cfg["steps"],
+                            callbacks=[(Poison if poison == "forward" else PoisonGradient)(cfg["poison_step"])],
+                            num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=cfg["out"])
     train, _ = loaders(8)
     error = None
     with warnings.catch_warnings(record=True) as caught:

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from tests.harness.trainer import quiet_trainer
 
 PRELOADED = "lightning" in sys.modules  # before this script's imports: a worker of lightning_hpp.torchrun
 
@@ -19,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
 from lightning_hpp.options import CheckpointOptions
-from tests.models import MLP, loaders
+from tests.harness.zoo import MLP, loaders
 
 
 class _KillAt(Callback):
@@ -29,7 +30,8 @@ class _KillAt(Callback):
         self.step, self.rank, self.stamp = step, rank, stamp
 
     def on_train_batch_end(self, trainer, *args):
-        if trainer.global_rank == self.rank and trainer.global_step == self.step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        if (trainer.global_rank == self.rank and trainer.global_step == self.step
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
             with open(self.stamp, "w") as f:
                 f.write(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
@@ -98,17 +100,18 @@ def main(cfg: dict) -> None:
     callbacks = [losses]
     if "kill_at" in cfg:
         callbacks.append(_KillAt(cfg["kill_at"], cfg.get("kill_rank", 1), os.path.join(cfg["out"], "killed_at")))
-        callbacks.append(_FirstStepStamp(os.path.join(cfg["out"], "first_step_after_restart" if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" else "first_step")))
+        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+        callbacks.append(_FirstStepStamp(os.path.join(cfg["out"],
+                                                      "first_step_after_restart" if restarted else "first_step")))
     if cfg.get("mc_dirpath"):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        callbacks.append(ModelCheckpoint(dirpath=cfg["mc_dirpath"], save_last=True, every_n_train_steps=cfg["every"], save_top_k=1))
-    trainer = L.Trainer(
-        accelerator="cpu", devices=cfg.get("devices", 2), num_nodes=1, strategy=strategy, max_steps=cfg["steps"],
-        logger=False, enable_checkpointing=bool(cfg.get("ckpt_dir") or cfg.get("mc_dirpath")), enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
-        default_root_dir=cfg["out"],
-    )
+        callbacks.append(ModelCheckpoint(dirpath=cfg["mc_dirpath"], save_last=True, every_n_train_steps=cfg["every"],
+                                         save_top_k=1))
+    trainer = quiet_trainer(devices=cfg.get("devices", 2), num_nodes=1, strategy=strategy, max_steps=cfg["steps"],
+                            enable_checkpointing=bool(cfg.get("ckpt_dir") or cfg.get("mc_dirpath")),
+                            num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+                            default_root_dir=cfg["out"])
     train, val = loaders(cfg.get("batch", 16))
     trainer.fit(model, train, val, ckpt_path=cfg.get("ckpt_path"))
     from lightning_hpp.checkpoint.lightning_state import optimizer_to_named, param_names

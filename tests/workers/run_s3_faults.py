@@ -16,7 +16,8 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
-from tests.models import MLP, loaders
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, loaders
 from tests.s3_server import FaultProxy
 
 LIST_V2 = "list-type=2"
@@ -45,9 +46,9 @@ def main(cfg: dict) -> None:
     checkpoint = ModelCheckpoint(dirpath=cfg["root"], every_n_train_steps=every, save_top_k=1)
     strategy = HPPStrategy(plan=StagePlan([StageSpec(modules=["layers.0-3"]), StageSpec(modules=["layers.4-6"])]),
                            n_microbatches=2, timeout=60)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=cfg["steps"], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        callbacks=[arm, checkpoint], default_root_dir=cfg["out"])
+    trainer = quiet_trainer(enable_checkpointing=None, devices=2, strategy=strategy, max_steps=cfg["steps"],
+                            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[arm, checkpoint],
+                            default_root_dir=cfg["out"])
     train, val = loaders(8)
     trainer.fit(MLP(), train, val)
     if trainer.global_rank == 0:

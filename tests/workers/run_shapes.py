@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
 from tests.conformance.shape_scenarios import VOCAB, SeqNet, TokenSeqs, pad_batch
+from tests.harness.trainer import quiet_trainer
 
 POSITIONS = 11  # the first training batch is 11 long, the second 15 (Lightning's shuffled order)
 
@@ -96,9 +97,7 @@ def schedules(out: str) -> None:
             ["layers.0-1"], ["layers.2-4"])
         strategy = HPPStrategy(plan=StagePlan([StageSpec(modules=m) for m in cut]), schedule=name, n_microbatches=4,
                                timeout=120)
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=6, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            val_check_interval=6, num_sanity_val_steps=0)
+        trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=6, val_check_interval=6, num_sanity_val_steps=0)
         loader = DataLoader(TokenSeqs(96, (3, 15), 0), batch_size=8, drop_last=True, collate_fn=pad_batch)
         val = DataLoader(TokenSeqs(24, (5, 16), 1), batch_size=12, collate_fn=pad_batch)
         trainer.fit(model, loader, val)
@@ -117,9 +116,8 @@ def main(cfg: dict) -> None:
     cut = ["layers.0-1"], ["layers.2-4"]
     strategy = HPPStrategy(plan=StagePlan([StageSpec(modules=m) for m in cut]), n_microbatches=2, timeout=120,
                            frontend="traced" if case == "traced_bounded" else "sequential")
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=6, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, callbacks=[Progress(cfg["out"])])
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=6, limit_val_batches=0,
+                            callbacks=[Progress(cfg["out"])])
     # Lightning shuffles the training loader: its batches are 11, 15, 10, ... long
     # (tests.conformance.test_shapes.reference_lengths)
     loader = DataLoader(TokenSeqs(96, (3, 15), 0), batch_size=8, drop_last=True, collate_fn=pad_batch)

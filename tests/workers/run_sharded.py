@@ -1,10 +1,11 @@
-"""Train a real model (tests.real_models) under HPPStrategy with sharded stages, for several configurations in one
+"""Train a real model (tests.harness.zoo.real) under HPPStrategy with sharded stages, for several configurations in one
 launch, and save what each rank holds, shards gathered.
 
 Every rank saves, per configuration, to OUT/<name>/rank{r}.pt: ``state`` (its stages' parameters, each FSDP2
 shard gathered with ``DTensor.full_tensor``), ``local`` (per parameter: the numel of its local shard, of its
-gradient's local shard at the last optimizer step and of its optimizer state's local shards, and its full numel), the loss of every step, the
-plan, the stages it holds and its place in the mesh (``position``, ``replica``, ``dp_shard``, ``dp_replicate``).
+gradient's local shard at the last optimizer step and of its optimizer state's local shards, and its full numel),
+the loss of every step, the plan, the stages it holds and its place in the mesh (``position``, ``replica``,
+``dp_shard``, ``dp_replicate``).
 Usage: python -m tests.workers.run_sharded '<json: {"devices": N, "runs": [config, ...]}>'
 
 Config keys as :mod:`tests.workers.run_real` (``model``, ``points``, ``precision``, ``schedule``, ``n_micro``,
@@ -24,7 +25,8 @@ import lightning as L
 import torch
 
 from lightning_hpp import BiasMonitor, HPPPrecision, HPPStrategy, StagePlan
-from tests.real_models import LMWrapper, loader
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo.real import LMWrapper, loader
 from tests.workers.run_real import StepLosses
 
 
@@ -66,11 +68,11 @@ class Collectives(L.Callback):
 
 
 WRAPPERS = {"decorated": "DecoratedMLP", "per_half_clipped": "PerHalfClipped"}
-"""``wrapper``: a LightningModule of tests.real_models other than ``LMWrapper``."""
+"""``wrapper``: a LightningModule of tests.harness.zoo.real other than ``LMWrapper``."""
 
 
 def run(cfg: dict, devices: int) -> None:
-    import tests.real_models as real_models
+    import tests.harness.zoo.real as real_models
 
     L.seed_everything(0)
     if cfg.get("wrapper"):
@@ -85,13 +87,16 @@ def run(cfg: dict, devices: int) -> None:
                            timeout=120, **cfg.get("strategy", {}))
     losses, collectives = StepLosses(), Collectives()
     extra = [BiasMonitor()] if cfg.get("bias_monitor") else []
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg["steps"], logger=False,
-                        plugins=[HPPPrecision(clip=cfg.get("clip", "global"), init_scale=cfg.get("init_scale", 2.0**16),
-                                             **({"fp8_backend": cfg["fp8_backend"]} if cfg.get("fp8_backend") else {}))], callbacks=[losses, collectives, *extra],
-                        enable_checkpointing=bool(cfg.get("checkpointing")), enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=cfg.get("limit_val_batches", 0),
-                        val_check_interval=cfg.get("val_check_interval"), default_root_dir=cfg["out"],
-                        gradient_clip_val=cfg.get("gradient_clip_val"))
+    trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=cfg["steps"],
+                            plugins=[HPPPrecision(clip=cfg.get("clip", "global"),
+                                                  init_scale=cfg.get("init_scale", 2.0**16),
+                                                  **({"fp8_backend": cfg["fp8_backend"]} if cfg.get("fp8_backend")
+                                                     else {}))],
+                            callbacks=[losses, collectives, *extra],
+                            enable_checkpointing=bool(cfg.get("checkpointing")), num_sanity_val_steps=0,
+                            limit_val_batches=cfg.get("limit_val_batches", 0),
+                            val_check_interval=cfg.get("val_check_interval"), default_root_dir=cfg["out"],
+                            gradient_clip_val=cfg.get("gradient_clip_val"))
     try:
         val = loader(cfg["model"], cfg["batch"], n=8) if cfg.get("limit_val_batches") else None
         trainer.fit(model, train, val)
@@ -120,9 +125,11 @@ def run(cfg: dict, devices: int) -> None:
         "losses": losses.losses,
         "stage_ids": strategy.stage_ids,
         "plan": strategy.plan.to_dict(),
-        "position": mesh.position, "replica": mesh.replica, "dp_shard": mesh.dp_shard, "dp_replicate": mesh.dp_replicate,
+        "position": mesh.position, "replica": mesh.replica, "dp_shard": mesh.dp_shard,
+        "dp_replicate": mesh.dp_replicate,
         "tp": mesh.tp, "tp_rank": mesh.tp_rank,
-        "split": {n: (p.to_local().numel(), p.numel(), [str(x) for x in p.placements], list(p.device_mesh.mesh_dim_names))
+        "split": {n: (p.to_local().numel(), p.numel(), [str(x) for x in p.placements],
+                      list(p.device_mesh.mesh_dim_names))
                   for n, p in model.named_parameters() if hasattr(p, "to_local")},
         "schedule": strategy.schedule if hasattr(strategy, "schedule") else None,
         "device_mesh_dims": list(model.device_mesh.mesh_dim_names),

@@ -21,7 +21,8 @@ from torch import nn
 
 from lightning_hpp import HPPStrategy, StagePlan, StageSpec
 from lightning_hpp.telemetry.callback import PipelineTelemetry
-from tests.models import loaders
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import loaders
 
 
 class _SleepFn(torch.autograd.Function):
@@ -52,7 +53,8 @@ class TimedMLP(L.LightningModule):
     def __init__(self, ms0: float, ms1: float):
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(8, 16), Sleep(ms0), nn.Tanh(), nn.Linear(16, 16), Sleep(ms1), nn.Linear(16, 4))
+        self.layers = nn.Sequential(nn.Linear(8, 16), Sleep(ms0), nn.Tanh(), nn.Linear(16, 16), Sleep(ms1),
+                                    nn.Linear(16, 4))
 
     def forward(self, x):
         return self.layers(x)
@@ -78,20 +80,10 @@ def run(cfg: dict, devices: int) -> None:
         timeout=60,
         telemetry={"every_n_steps": cfg.get("every_n_steps"), "trace_step": cfg.get("trace_step")},
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=cfg["steps"],
-        logger=CSVLogger(out, name="csv", version=0),
-        log_every_n_steps=cfg.get("log_every_n_steps", 1),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        default_root_dir=out,
-    )
+    trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=cfg["steps"],
+                            logger=CSVLogger(out, name="csv", version=0),
+                            log_every_n_steps=cfg.get("log_every_n_steps", 1), num_sanity_val_steps=0,
+                            limit_val_batches=0, default_root_dir=out)
     train, _ = loaders(cfg["batch"])
     trainer.fit(TimedMLP(cfg["ms0"], cfg["ms1"]), train)
     telemetry = next(cb for cb in trainer.callbacks if isinstance(cb, PipelineTelemetry))

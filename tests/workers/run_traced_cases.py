@@ -16,7 +16,8 @@ import lightning as L
 import torch
 
 from lightning_hpp import HPPStrategy, StagePlan
-from tests.real_models import LMWrapper, loader
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo.real import LMWrapper, loader
 
 
 class TwoCalls(LMWrapper):
@@ -62,9 +63,9 @@ def _fit_and_say(trainer, model, case: str) -> None:
 def _build(cfg: dict) -> tuple:
     L.seed_everything(0)
     model = {"second_call": TwoCalls, "data_dependent": DataDependent}[cfg["case"]]("gpt2")
-    strategy = HPPStrategy(plan=StagePlan.split_at(["model.transformer.h.2"]), n_microbatches=4, timeout=cfg.get("timeout", 60))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    strategy = HPPStrategy(plan=StagePlan.split_at(["model.transformer.h.2"]), n_microbatches=4,
+                           timeout=cfg.get("timeout", 60))
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=2, num_sanity_val_steps=0, limit_val_batches=0)
     return trainer, model
 
 

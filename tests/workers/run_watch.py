@@ -24,7 +24,8 @@ from lightning_hpp.options import CheckpointOptions, PlacementOptions
 from lightning_hpp.pipeline.mesh import stages_of_position
 from lightning_hpp.pipeline.view import pipeline_view
 from lightning_hpp.telemetry.watch import StragglerWatch
-from tests.models import MLP, loaders
+from tests.harness.trainer import quiet_trainer
+from tests.harness.zoo import MLP, loaders
 
 
 class ConstantLR(MLP):
@@ -78,9 +79,8 @@ def _dump(cfg: dict, rank: int, data: dict) -> None:
 def reference(cfg: dict) -> None:
     L.seed_everything(0)
     model, losses = ConstantLR(), Losses()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=cfg["steps"], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        callbacks=[losses])
+    trainer = quiet_trainer(devices=1, max_steps=cfg["steps"], num_sanity_val_steps=0, limit_val_batches=0,
+                            callbacks=[losses])
     train, val = loaders(cfg.get("batch", 16))
     sampler = DistributedSampler(train.dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
     trainer.fit(model, DataLoader(train.dataset, batch_size=cfg.get("batch", 16), sampler=sampler, drop_last=True), val)
@@ -95,16 +95,17 @@ def main(cfg: dict) -> None:
     if plan != "auto":
         plan = StagePlan([StageSpec(modules=m) for m in plan])
     checkpoint = CheckpointOptions(dir=cfg.get("ckpt_dir"), resume=cfg.get("resume"))
-    strategy = HPPStrategy(plan=plan, schedule=cfg.get("schedule"), n_microbatches=cfg.get("n_micro"), pp_degree=cfg.get("pp", 2),
+    strategy = HPPStrategy(plan=plan, schedule=cfg.get("schedule"), n_microbatches=cfg.get("n_micro"),
+                           pp_degree=cfg.get("pp", 2),
                            checkpoint=checkpoint, timeout=cfg.get("timeout", 300),
                            placement=PlacementOptions(watch=cfg.get("watch", "warn")))
     losses = Losses()
     callbacks = [losses]
     if cfg.get("slow"):
         callbacks.append(SlowRank(**cfg["slow"]))
-    trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy=strategy, max_steps=cfg["steps"], logger=False,
-                        enable_checkpointing=bool(cfg.get("ckpt_dir")), enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, default_root_dir=cfg["out"])
+    trainer = quiet_trainer(devices=2, num_nodes=1, strategy=strategy, max_steps=cfg["steps"],
+                            enable_checkpointing=bool(cfg.get("ckpt_dir")), num_sanity_val_steps=0, limit_val_batches=0,
+                            callbacks=callbacks, default_root_dir=cfg["out"])
     train, val = loaders(cfg.get("batch", 16))
     ended, error = "finished", None
     try:
@@ -124,13 +125,15 @@ def main(cfg: dict) -> None:
             "grid": p.mesh.grid if p is not None else None,
             # the units each rank holds (a multi-stage schedule puts several stages, not always neighbours, on a rank)
             "units_per_rank": {str(r): sum(len(p.plan.stages[k].modules)
-                                           for k in stages_of_position(pos, p.mesh.pp, p.plan.num_stages, p.runner.kind.style))
+                                           for k in stages_of_position(
+                                               pos, p.mesh.pp, p.plan.num_stages, p.runner.kind.style))
                                for pos, row in enumerate(p.mesh.grid) for r in row} if p is not None else None,
             "n_microbatches": p.n_microbatches if p is not None else None,
             "rank_speeds": p.plan.meta.get("rank_speeds") if p is not None else None,
             "resumed_from": strategy.resumed_from,
             "findings": [dataclasses.asdict(f) for f in watch.findings] if watch is not None else None,
-            "alerts": [[s, sig, {str(k): v for k, v in pos.items()}] for s, sig, pos in watch.alerts] if watch else None,
+            "alerts": [[s, sig, {str(k): v for k, v in pos.items()}] for s, sig,
+                       pos in watch.alerts] if watch else None,
         })
 
 

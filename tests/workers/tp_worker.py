@@ -29,7 +29,7 @@ from lightning_hpp.model.units import find_units
 from lightning_hpp.pipeline.stage import StageModule
 from lightning_hpp.pipeline.tensor_parallel import apply_tensor_parallel, at_local_width, local_numel, resolve_tp_plan
 from lightning_hpp.planning.plan import StagePlan, StageSpec
-from tests.real_models import LMWrapper, dataset
+from tests.harness.zoo.real import LMWrapper, dataset
 
 STEPS, LR = 3, 1e-3
 
@@ -56,7 +56,8 @@ def train(model, forward) -> list[float]:
 def full_state(model) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    return {k: (v.full_tensor() if isinstance(v,
+                                              DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
 
 
 def shard_report(model) -> dict:
@@ -141,8 +142,10 @@ def main(out: Path) -> None:
     ids, mask, _ = batches()[0]
     one_stage = StagePlan([StageSpec(modules=[n for n, _ in find_units(model)])])
     with at_local_width(model, plan, 2):
-        cut = cut_model(model, one_stage, ((ids,), {"attention_mask": mask}), frontend="traced", modes=("train", "eval"))
-    stage, evaluate = (StageModule(cut.plan.stages[0].modules, cut.bodies[mode][0], 0, spread=cut.spread[0], captured=True)
+        cut = cut_model(model, one_stage, ((ids,), {"attention_mask": mask}), frontend="traced",
+                        modes=("train", "eval"))
+    stage, evaluate = (StageModule(cut.plan.stages[0].modules, cut.bodies[mode][0], 0, spread=cut.spread[0],
+                                   captured=True)
                        for mode in ("train", "eval"))
     split = apply_tensor_parallel(stage, mesh, plan.styles, kinds=plan.kinds)
     assert evaluate.units[0] is not stage.units[0]  # captured apart, on the same parameters
@@ -166,7 +169,8 @@ def main(out: Path) -> None:
         safetensors.safe_open = counting
         try:
             weights = cfg["weights"] if case == "meta_weights" else None
-            n = materialize_stages(model, torch.device("cpu"), seed=0, weights=weights, rename="model." if weights else None)
+            n = materialize_stages(model, torch.device("cpu"), seed=0, weights=weights,
+                                   rename="model." if weights else None)
         finally:
             safetensors.safe_open = counting.real
         unique = {id(p): p for p in model.parameters()}.values()
@@ -175,7 +179,8 @@ def main(out: Path) -> None:
                         "meta_left": [name for name, p in model.named_parameters() if p.is_meta]}
         from torch.distributed.tensor import DTensor
 
-        local = {k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+        local = {k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
+                 for k, v in model.state_dict().items()}
         torch.save(local, out / f"{case}.rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""Tiny LightningModules and data shared by the tests."""
+"""The model zoo of the tests: the tiny LightningModules and data they share (real third-party models: zoo.real)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def make_dataset(n: int = 128, dim: int = 8, classes: int = 4, seed: int = 0) ->
 class MLP(L.LightningModule):
     """``layers`` is an nn.Sequential, so every layer is a pipeline unit (layers.0 ... layers.N)."""
 
-    def __init__(self, dim: int = 8, hidden: int = 16, classes: int = 4, depth: int = 4, lr: float = 0.1, seed: int = 0):
+    def __init__(self, dim: int = 8, hidden: int = 16, classes: int = 4, depth: int = 4, lr: float = 0.1,
+                 seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)
         mods: list[nn.Module] = [nn.Linear(dim, hidden), nn.Tanh()]

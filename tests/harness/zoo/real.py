@@ -93,17 +93,20 @@ class NanoGPT(nn.Module):
 
 def bn_mlp() -> nn.Module:
     """A chain with BatchNorm: the sequential frontend runs it as written (units ``model.0`` ...)."""
-    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh(),
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16), nn.BatchNorm1d(16),
+                         nn.Tanh(),
                          nn.Linear(16, 4))
 
 
 def deep_mlp(blocks: int = 8, width: int = 64) -> nn.Module:
     """Linear blocks of one width (the memory tests scale ``width``); units ``model.0`` ... ``model.<blocks+1>``."""
-    return nn.Sequential(nn.Linear(8, width), *(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks)),
+    return nn.Sequential(nn.Linear(8, width),
+                         *(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks)),
                          nn.Linear(width, 4))
 
 
-BUILDERS = {"gpt2": gpt2, "bert": bert, "llama": llama, "vit": vit, "nanogpt": NanoGPT, "bn_mlp": bn_mlp, "deep_mlp": deep_mlp}
+BUILDERS = {"gpt2": gpt2, "bert": bert, "llama": llama, "vit": vit, "nanogpt": NanoGPT, "bn_mlp": bn_mlp,
+            "deep_mlp": deep_mlp}
 IMAGE_LIKE = ("vit", "bn_mlp", "deep_mlp")  # batches of (x, y)
 
 
@@ -247,5 +250,6 @@ def loader(kind: str, batch: int, n: int = 32, shuffle_like_lightning: bool = Fa
     if shuffle_like_lightning:  # Lightning shuffles every distributed training loader (seed 0)
         from torch.utils.data import DistributedSampler
 
-        return DataLoader(ds, batch_size=batch, sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0), drop_last=True)
+        return DataLoader(ds, batch_size=batch,
+                          sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0), drop_last=True)
     return DataLoader(ds, batch_size=batch, drop_last=True)
