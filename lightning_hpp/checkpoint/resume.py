@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import Self
 
-from lightning_hpp._dist import all_gather_object, broadcast_object, initialized
+from lightning_hpp._dist import all_gather_object, broadcast_object, global_rank, world_size
 from lightning_hpp.checkpoint.s3 import redact, require_s3_credentials
 from lightning_hpp.checkpoint.store import (
     METADATA_FILE,
@@ -121,7 +121,7 @@ def resolve_ckpt_path(
 
 def on_rank0(fn: Callable[[], T]) -> T:
     """``fn()`` run on global rank 0 only, its result (or its error) on every rank (collective)."""
-    rank = _rank()
+    rank = global_rank()
     outcome: tuple[Any, BaseException | None] = (None, None)
     if rank == 0:
         try:
@@ -134,18 +134,6 @@ def on_rank0(fn: Callable[[], T]) -> T:
     if error is not None:
         raise error
     return result
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if initialized() else 0
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if initialized() else 1
 
 
 @dataclass
@@ -264,7 +252,7 @@ def select_and_load(request: Any, load: Callable[[str], T], *, retry: RetryPolic
         plan = on_rank0(lambda: _plan_search(request.roots, request.prefer, retry))
     else:
         plan = on_rank0(lambda: _plan_explicit(str(request), retry))
-    rank, world = _rank(), _world()
+    rank, world = global_rank(), world_size()
     if rank == 0:
         for line in plan.skipped:
             _warn(line)

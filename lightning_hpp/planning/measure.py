@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hpp._timing import synchronize
 from lightning_hpp.errors import ProfileError, ProfileMismatchError
 from lightning_hpp.planning.devices import normalize_kind
 from lightning_hpp.planning.plan import normalize_precision
@@ -93,11 +94,6 @@ def _boundary(out: Any, dtype: torch.dtype | None) -> tuple:
         return o
 
     return as_args(conv(out))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def model_signature_counts(units: Sequence[tuple[str, nn.Module]]) -> list[int]:
@@ -202,13 +198,13 @@ def _measure_unit(
     while i < warmup + repeats or (time.perf_counter() - start) < MIN_WINDOW_S:
         if i == warmup:
             start = time.perf_counter()
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         out = run_forward()
-        _sync(device)
+        synchronize(device)
         t1 = time.perf_counter()
         run_backward(out)
-        _sync(device)
+        synchronize(device)
         t2 = time.perf_counter()
         if i >= warmup:
             fwd.append((t1 - t0) * 1e3)

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_hpp._timing import synchronize
 from lightning_hpp.errors import TelemetryError
 from lightning_hpp.pipeline.schedules import SCHEDULES
 from lightning_hpp.pipeline.shapes import step_shape_stats
@@ -182,7 +183,7 @@ class PipelineRecorder:
 
     def _sync(self) -> None:
         if self._cuda is not None:
-            torch.cuda.synchronize(self._cuda)
+            synchronize(self._cuda)
 
     def _timed(self, kind: str, stage: int, fn: Callable, mb_of: Callable[..., int], kind_of: Callable[..., str] | None = None) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
