@@ -48,9 +48,9 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
 from lightning_hpp import _dist, liveness
-from lightning_hpp.checkpoint.s3 import redact
 from lightning_hpp.checkpoint.sharded import wait_for_pending_save
 from lightning_hpp.errors import PlanError, RankFailedError
+from lightning_hpp.redaction import redact
 from lightning_hpp.validation import is_number
 
 STORE_GRACE_S = 30.0

@@ -50,9 +50,9 @@ INIT = "__init__"
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("errors",),  # 0
     ("validation",),  # 1
-    ("_dist", "_git", "_timing", "examples_data", "liveness"),  # 2
+    ("_dist", "_git", "_timing", "examples_data", "liveness", "redaction"),  # 2
     ("checkpoint",),  # 3
-    ("redaction", "launch"),  # 4
+    ("launch",),  # 4
     ("pipeline",),  # 5
     ("planning",),  # 6
     ("model",),  # 7

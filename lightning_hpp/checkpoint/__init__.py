@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 from lightning_hpp.checkpoint import directory_guard
-from lightning_hpp.checkpoint.s3 import redact, s3_storage_options
+from lightning_hpp.checkpoint.s3 import s3_storage_options
 from lightning_hpp.checkpoint.sharded import (
     KeyInfo,
     PendingSave,
@@ -50,6 +50,7 @@ from lightning_hpp.errors import (
     S3ConfigError,
     ShardedCheckpointError,
 )
+from lightning_hpp.redaction import redact
 
 directory_guard.install()
 

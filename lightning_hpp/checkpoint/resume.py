@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import Self
 
 from lightning_hpp._dist import all_gather_object, broadcast_object, global_rank, world_size
-from lightning_hpp.checkpoint.s3 import redact, require_s3_credentials
+from lightning_hpp.checkpoint.s3 import require_s3_credentials
 from lightning_hpp.checkpoint.store import (
     METADATA_FILE,
     CheckpointInfo,
@@ -44,6 +44,7 @@ from lightning_hpp.checkpoint.store import (
     verify,
 )
 from lightning_hpp.errors import CheckpointError, CorruptCheckpointError, S3ConfigError
+from lightning_hpp.redaction import redact
 
 T = TypeVar("T")
 

@@ -93,7 +93,6 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_hpp._dist import all_gather_object, initialized, new_group
-from lightning_hpp.checkpoint.s3 import redact
 from lightning_hpp.checkpoint.store import (
     METADATA_FILE,
     CheckpointInfo,
@@ -109,6 +108,7 @@ from lightning_hpp.checkpoint.store import (
     write_metadata,
 )
 from lightning_hpp.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
+from lightning_hpp.redaction import redact
 from lightning_hpp.validation import check_choice, check_int, check_path, is_int
 
 log = logging.getLogger(__name__)

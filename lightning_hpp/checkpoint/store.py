@@ -72,8 +72,9 @@ import tenacity
 from fsspec.core import url_to_fs
 
 from lightning_hpp import liveness
-from lightning_hpp.checkpoint.s3 import DEFAULT_MAX_ATTEMPTS, RETRY_MODES, redact, s3_storage_options
+from lightning_hpp.checkpoint.s3 import DEFAULT_MAX_ATTEMPTS, RETRY_MODES, s3_storage_options
 from lightning_hpp.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from lightning_hpp.redaction import redact
 from lightning_hpp.validation import check_bool, check_choice, check_int, check_number
 
 log = logging.getLogger(__name__)

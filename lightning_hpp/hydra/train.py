@@ -166,7 +166,7 @@ def check_config(cfg: DictConfig) -> dict[str, Any]:
         TrainConfigError: an unset environment variable the config needs, a secret written in the
             config, or an ``s3://`` URL while the environment has no S3 credentials.
     """
-    from lightning_hpp.checkpoint.s3 import redact
+    from lightning_hpp.redaction import redact
 
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -491,8 +491,8 @@ def launch_trial(cfg: DictConfig) -> float:
     """
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-    from lightning_hpp.checkpoint.s3 import redact
     from lightning_hpp.hydra.snapshot import scrub_hydra_files
+    from lightning_hpp.redaction import redact
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
