@@ -334,7 +334,7 @@ def test_a_module_shaped_like_transformer_engine_saves_one_layout_before_and_aft
         tmp_path, monkeypatch):
     recipe = FP8Recipe("delayed", amax_history_len=4)
     te_recipe = DelayedScaling(amax_history_len=4)
-    monkeypatch.setattr(fslots, "_te_recipe", lambda rc: te_recipe)  # the TE recipe object HPPPrecision's context uses
+    monkeypatch.setattr(fslots, "te_recipe_of", lambda rc: te_recipe)  # the TE recipe object HPPPrecision's context uses
     torch.manual_seed(0)
     model = nn.Sequential(_FakeTELinear(16))
 

@@ -69,7 +69,7 @@ def _flatten(actions: Iterable[Any]) -> list[Act]:
     return out
 
 
-def _orders_of(schedule: Any, num_stages: int, pp: int) -> dict[int, list[Act]]:
+def orders_of(schedule: Any, num_stages: int, pp: int) -> dict[int, list[Act]]:
     """The compute order of every pipeline rank for a live or offline schedule object."""
     m = schedule._n_microbatches
     if hasattr(schedule, "_stages"):
@@ -107,7 +107,7 @@ def schedule_actions(schedule: str, pp: int, n_microbatches: int, n_stages: int 
         sched = kind.cls([fake(i) for i in range(n_stages // pp)], n_microbatches)
     else:
         sched = kind.cls(fake(0), n_microbatches)
-    return _orders_of(sched, n_stages, pp)
+    return orders_of(sched, n_stages, pp)
 
 
 def output_key(a: Act) -> tuple[str, int, int]:

@@ -38,12 +38,12 @@ from lightning_hpp.pipeline.mesh import Mesh
 from lightning_hpp.pipeline.microbatch import batch_size_of, largest_divisor_at_most, split_batch
 from lightning_hpp.pipeline.schedules import ForwardOnlyV, schedule_kind
 from lightning_hpp.pipeline.shapes import BoundaryShapes
-from lightning_hpp.pipeline.stage import StageModule, _Stage
+from lightning_hpp.pipeline.stage import HookedStage, StageModule
 from lightning_hpp.pipeline.step_effects import ModuleState, merge_outputs, step_extras
 from lightning_hpp.pipeline.steps import (
+    LogRecorder,
     MetricBatches,
     StepLogs,
-    _LogRecorder,
     capture_input,
     extract_loss,
     redirected,
@@ -124,7 +124,7 @@ class PipelineRunner:
         self._mb_size = 0
         self._step_fn: Callable[..., Any] | None = None
         self._step_args: tuple = ()
-        self._recorders: list[_LogRecorder | None] = []
+        self._recorders: list[LogRecorder | None] = []
         self._losses: list[torch.Tensor | None] = []
         self._target: torch.Tensor | None = None
         # the step's one collective, for training and for evaluation steps (their logged names differ)
@@ -179,7 +179,7 @@ class PipelineRunner:
         if key not in self._schedules:
             modules = self.stage_modules if train else self.eval_stage_modules
             stages = [
-                _Stage(sm, idx, self.num_stages, self.device, group=self.mesh.pp_group)
+                HookedStage(sm, idx, self.num_stages, self.device, group=self.mesh.pp_group)
                 for idx, sm in modules.items()
             ]
             if train:
@@ -210,7 +210,7 @@ class PipelineRunner:
             # loss of the right graph without running (and logging from) the user's step
             return sum((t.float().sum() * 0 for t in _tensors(output) if t.requires_grad), torch.zeros(()))
         mb = self._microbatch_of(target)
-        rec = _LogRecorder()
+        rec = LogRecorder()
         name = getattr(self._step_fn, "__name__", "training_step")
         with redirected(self.module, replay_forward(self._unflatten(output), name), rec):
             result = self._step_fn(self._mb[mb], *self._step_args)
@@ -371,11 +371,11 @@ class PipelineRunner:
         return self._output_broadcast(outputs)
 
     def _replay_step(self, step_fn: Callable[..., Any], batch: Any, output: Any,
-                     step_args: tuple) -> tuple[Any, _LogRecorder]:
+                     step_args: tuple) -> tuple[Any, LogRecorder]:
         """The user's step on ``batch`` with ``output`` as what its ``self(...)`` returns, as the last stage ran it:
         its effects on the module's state happen here too. Returns what it returned and what it logged (recorded
         only for its torchmetrics objects: the last stage's values reached every rank through the exchange)."""
-        rec = _LogRecorder()
+        rec = LogRecorder()
         with torch.no_grad(), redirected(self.module, replay_forward(self._unflatten(output),
                                                                      getattr(step_fn, "__name__", "step")), rec):
             result = step_fn(batch, *step_args)
@@ -432,7 +432,7 @@ class PipelineRunner:
         payload, metrics = None, {}
         replay = self._replayed(step_fn)
         if self.holds_last:
-            rec = _LogRecorder()
+            rec = LogRecorder()
             with redirected(self.module, replay_forward(self._unflatten(out), getattr(step_fn, "__name__", "step")), rec):
                 result = step_fn(batch, *step_args)
             try:

@@ -235,7 +235,7 @@ def _zeros_like(x: Any) -> Any:
     return x
 
 
-class _Stage(PipelineStage):
+class HookedStage(PipelineStage):
     """A PipelineStage that tells its StageModule when a pass only infers metadata (forward, and
     backward: torch then calls the loss function once on the inference outputs), runs the step's
     last full backward of the stage inside ``on_last_backward(stage_index)`` when set (where the

@@ -152,7 +152,9 @@ def replay_forward(output: Any, fn_name: str) -> Callable[..., Any]:
     return forward
 
 
-class _LogRecorder:
+class LogRecorder:
+    """What one micro-batch's step logged (``self.log`` calls, torchmetrics objects), for :func:`reduce_logs`."""
+
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any, dict]] = []
         self.metrics: set[str] = set()  # names logged with a torchmetrics Metric
@@ -286,7 +288,7 @@ def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32, device=device)
 
 
-def reduce_logs(recorders: list[_LogRecorder], device: torch.device, batches: MetricBatches | None = None) -> StepLogs:
+def reduce_logs(recorders: list[LogRecorder], device: torch.device, batches: MetricBatches | None = None) -> StepLogs:
     """Reduce what each micro-batch logged under one name with its ``reduce_fx``, on ``device``.
 
     Equal micro-batches make the result what one step over the whole batch logs for values that

@@ -518,7 +518,7 @@ def convert_module_to_fp8(module: nn.Module, backend: str, recipe: str | FP8Reci
     te = None
     if backend == "te":
         te = _import_te()
-        _te_recipe(rc)  # fail now, not at the first forward, if this TE lacks the recipe
+        te_recipe_of(rc)  # fail now, not at the first forward, if this TE lacks the recipe
     kept: list[str] = []
     done: dict[int, nn.Module] = {}
 
@@ -611,7 +611,7 @@ def _te_layernorm(te: Any, ln: nn.LayerNorm) -> nn.Module:
 
 
 @functools.lru_cache(maxsize=None)
-def _te_recipe(rc: FP8Recipe) -> Any:
+def te_recipe_of(rc: FP8Recipe) -> Any:
     """One Transformer Engine recipe object per :class:`FP8Recipe` (TE keys its amax buffers by recipe)."""
     _import_te()
     from transformer_engine.common import recipe as te_recipe
@@ -655,7 +655,7 @@ def fp8_autocast_context(backend: str, recipe: str | FP8Recipe = "delayed", grou
     if backend == "emulate":
         return contextlib.nullcontext()
     te = _import_te()
-    te_rc = _te_recipe(rc)
+    te_rc = te_recipe_of(rc)
     dist = torch.distributed
     if group is None and rc.scaling == "delayed" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise FP8Error(

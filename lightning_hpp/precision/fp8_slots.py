@@ -20,7 +20,7 @@ from torch import nn
 from lightning_hpp.checkpoint.fp8_state import FP8Slot
 from lightning_hpp.checkpoint.sharded import EXTRA_STATE
 from lightning_hpp.errors import CheckpointError, CorruptCheckpointError
-from lightning_hpp.precision.fp8 import EmulatedFP8Linear, EmulatedFP8Mode, FP8Recipe, _te_recipe
+from lightning_hpp.precision.fp8 import EmulatedFP8Linear, EmulatedFP8Mode, FP8Recipe, te_recipe_of
 
 FORMAT = "HYBRID"
 """e4m3 forward, e5m2 backward (Transformer Engine's ``Format.HYBRID``): the format both backends run."""
@@ -241,7 +241,7 @@ class _TESlot(FP8Slot):
         if self.recipe.scaling != "delayed":
             return  # current scaling keeps no state between calls (TE saves none for it either)
         if data["meta"].get("initialized", True):
-            _te_apply(self.module, te_extra_state_from_data(data, _te_recipe(self.recipe)))
+            _te_apply(self.module, te_extra_state_from_data(data, te_recipe_of(self.recipe)))
         elif _te_initialized(self.module) and hasattr(self.module, "reset_fp8_meta_tensors"):
             self.module.reset_fp8_meta_tensors()  # saved before its first fp8 forward: back to TE's start
 

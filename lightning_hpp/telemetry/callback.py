@@ -13,7 +13,7 @@ from lightning.pytorch import Callback
 
 from lightning_hpp.errors import TelemetryError
 from lightning_hpp.pipeline.view import pipeline_view
-from lightning_hpp.telemetry.model import _now
+from lightning_hpp.telemetry.model import now_ns
 from lightning_hpp.telemetry.recorder import PipelineRecorder, StepMetrics, collect, mean_metrics
 from lightning_hpp.telemetry.render import render_timeline_png, write_chrome_trace
 from lightning_hpp.validation import check_int
@@ -44,7 +44,7 @@ def clock_offset_ns(rounds: int = 5) -> int:
     for _ in range(rounds):
         dist.barrier()
         now: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(now, _now())
+        dist.all_gather_object(now, now_ns())
         diffs.append(now[dist.get_rank()] - now[0])
     return int(statistics.median(diffs))
 

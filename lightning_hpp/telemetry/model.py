@@ -15,11 +15,12 @@ from torch.distributed.pipelining import schedules as _S
 
 from lightning_hpp.errors import TelemetryError
 from lightning_hpp.pipeline import orders as _orders
-from lightning_hpp.pipeline.orders import Act, _orders_of, dependencies, output_key  # noqa: F401 (Act, _orders_of: used from here)
+from lightning_hpp.pipeline.orders import Act, dependencies, output_key  # noqa: F401 (Act: used from here)
 from lightning_hpp.pipeline.schedules import SCHEDULES
 from lightning_hpp.validation import check_int
 
-_now = time.perf_counter_ns
+now_ns = time.perf_counter_ns
+"""The clock of every span telemetry records (host nanoseconds)."""
 
 COMM_KINDS = ("SEND_F", "SEND_B", "RECV_F", "RECV_B")
 # the schedules that split the backward into I and W (torch says so only in their action orders)

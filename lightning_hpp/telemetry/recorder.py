@@ -42,10 +42,11 @@ import torch.distributed as dist
 
 from lightning_hpp._timing import synchronize
 from lightning_hpp.errors import TelemetryError
+from lightning_hpp.pipeline.orders import orders_of
 from lightning_hpp.pipeline.schedules import SCHEDULES
 from lightning_hpp.pipeline.shapes import step_shape_stats
 from lightning_hpp.pipeline.transfers import TransferListener, add_listener, remove_listener
-from lightning_hpp.telemetry.model import COMM_KINDS, Act, Span, _now, _orders_of, simulate, theoretical_bubble
+from lightning_hpp.telemetry.model import COMM_KINDS, Act, Span, now_ns, simulate, theoretical_bubble
 
 
 @dataclass
@@ -105,7 +106,7 @@ class _RecordedTransfers(TransferListener):
 
     def waiting(self, work: Any) -> Any:
         tag = _WORKS.pop(id(work), None) if _WORKS else None
-        return None if tag is None else (tag, _now())
+        return None if tag is None else (tag, now_ns())
 
     def waited(self, work: Any, token: Any, error: BaseException | None) -> None:
         if token is None or error is not None:
@@ -113,7 +114,7 @@ class _RecordedTransfers(TransferListener):
         (rec, kind, stage, mb, post), t0 = token
         rec._sync()
         if rec._open is not None:
-            rec._open.spans.append((kind, stage, mb, t0, _now(), post))
+            rec._open.spans.append((kind, stage, mb, t0, now_ns(), post))
 
 
 _LISTENER = _RecordedTransfers()
@@ -172,7 +173,7 @@ class PipelineRecorder:
         pp = stages[0].group_size
         n_stages = stages[0].num_stages
         name = self.schedule_name or _schedule_name(schedule)
-        self.info = ScheduleInfo(name, pp, schedule._n_microbatches, n_stages, _orders_of(schedule, n_stages, pp))
+        self.info = ScheduleInfo(name, pp, schedule._n_microbatches, n_stages, orders_of(schedule, n_stages, pp))
         if stages[0].device.type == "cuda":
             self._cuda = stages[0].device
         for stage in stages:
@@ -190,11 +191,11 @@ class PipelineRecorder:
             open_ = self._open
             if open_ is None:
                 return fn(*args, **kwargs)
-            t0 = _now()
+            t0 = now_ns()
             out = fn(*args, **kwargs)
             self._sync()
             k = kind_of(*args, **kwargs) if kind_of is not None else kind
-            open_.spans.append((k, stage, mb_of(*args, **kwargs), t0, _now(), None))
+            open_.spans.append((k, stage, mb_of(*args, **kwargs), t0, now_ns(), None))
             return out
 
         return wrapper
@@ -231,10 +232,10 @@ class PipelineRecorder:
             open_ = self._open
             if open_ is None or not stage.is_last:
                 return compute_loss(stage, output, target_mbs, mb_index, *args, **kwargs)
-            t0 = _now()
+            t0 = now_ns()
             out = compute_loss(stage, output, target_mbs, mb_index, *args, **kwargs)
             self._sync()
-            open_.spans.append(("L", stage.stage_index, mb_index, t0, _now(), None))
+            open_.spans.append(("L", stage.stage_index, mb_index, t0, now_ns(), None))
             return out
 
         schedule._maybe_compute_loss = maybe_compute_loss
@@ -245,13 +246,13 @@ class PipelineRecorder:
             if not self.enabled:
                 return step(*args, **kwargs)
             self._sync()
-            self._open = RankStep(self.rank, self.replica, self.position, index, _now(), 0)
+            self._open = RankStep(self.rank, self.replica, self.position, index, now_ns(), 0)
             try:
                 return step(*args, **kwargs)
             finally:
                 self._sync()
                 rec, self._open = self._open, None
-                rec.end = _now()
+                rec.end = now_ns()
                 shape = step_shape_stats(schedule)
                 if shape is not None:
                     rec.shape = (shape.new, shape.ns, shape.alloc_bytes)
