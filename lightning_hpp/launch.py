@@ -48,7 +48,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
 from lightning_hpp import _dist, liveness
-from lightning_hpp.checkpoint.sharded import wait_for_pending_save
+from lightning_hpp.checkpoint.save import wait_for_pending_save
 from lightning_hpp.errors import PlanError, RankFailedError
 from lightning_hpp.redaction import redact
 from lightning_hpp.validation import is_number

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lightning_hpp.checkpoint import save_sharded
-from lightning_hpp.checkpoint.sharded import parse_key
+from lightning_hpp.checkpoint.entries import parse_key
 from lightning_hpp.checkpoint.weights import load_stage_weights
 from lightning_hpp.errors import CheckpointError
 from tests.real_models import SEQ, VOCAB, LMWrapper, gpt2, llama

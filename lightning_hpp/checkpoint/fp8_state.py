@@ -63,8 +63,8 @@ from typing import Any
 
 import torch
 
-from lightning_hpp.checkpoint.sharded import KeyInfo
-from lightning_hpp.checkpoint.store import _warn
+from lightning_hpp.checkpoint.dcp_index import KeyInfo
+from lightning_hpp.checkpoint.warning import warn_checkpoint
 from lightning_hpp.errors import CorruptCheckpointError
 
 STATE_KEY = "fp8"
@@ -206,10 +206,10 @@ def restore_fp8_state(slots: Mapping[str, FP8Slot], loaded: Mapping[str, Any] | 
             refused.append(f"{name!r} ({reason})")
     missing = [repr(name) for name, slot in slots.items() if slot.present() and name not in data]
     if missing:
-        _warn(f"{source} holds no fp8 scaling state for {len(missing)} fp8 layer(s) of this rank: "
+        warn_checkpoint(f"{source} holds no fp8 scaling state for {len(missing)} fp8 layer(s) of this rank: "
               f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Their scaling starts afresh (the "
               f"checkpoint was saved by a run where they were not fp8, or by an older version).")
     if refused:
-        _warn(f"{source}: the fp8 scaling state of {len(refused)} layer(s) is not restored, their scaling "
+        warn_checkpoint(f"{source}: the fp8 scaling state of {len(refused)} layer(s) is not restored, their scaling "
               f"starts afresh: {'; '.join(refused[:4])}{' ...' if len(refused) > 4 else ''}.")
     return restored

@@ -35,7 +35,7 @@ fp8 scaling state (amax histories, scales) is saved and restored as tensors and 
 :mod:`~lightning_hpp.checkpoint.fp8_state`; Transformer Engine's pickled ``_extra_state`` entries
 are left out of ``model`` (and given to ``load_state_dict`` as ``None``, which TE ignores). Any
 ``_extra_state`` entry the module would load is taken as saved, whatever its shape, and refused if
-it holds a pickle (:func:`~lightning_hpp.checkpoint.sharded.holds_pickle`): a module's
+it holds a pickle (:func:`~lightning_hpp.checkpoint.entries.holds_pickle`): a module's
 ``set_extra_state`` may unpickle it, as Transformer Engine's does.
 
 The name mapping is hand-written rather than torch.distributed.checkpoint.state_dict's
@@ -59,6 +59,8 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_hpp.checkpoint.dcp_index import KeyInfo, checkpoint_keys
+from lightning_hpp.checkpoint.entries import holds_pickle, is_extra_state, pickle_refused
 from lightning_hpp.checkpoint.fp8_state import (
     STATE_KEY,
     FP8Slot,
@@ -67,16 +69,9 @@ from lightning_hpp.checkpoint.fp8_state import (
     restore_fp8_state,
     te_extra_state_keys,
 )
-from lightning_hpp.checkpoint.sharded import (
-    KeyInfo,
-    checkpoint_keys,
-    holds_pickle,
-    is_extra_state,
-    load_sharded,
-    pickle_refused,
-    save_sharded,
-)
-from lightning_hpp.checkpoint.store import Retention
+from lightning_hpp.checkpoint.load import load_sharded
+from lightning_hpp.checkpoint.retention import Retention
+from lightning_hpp.checkpoint.save import save_sharded
 
 _SPLIT = ("state_dict", "optimizer_states", "lr_schedulers")
 _TOP = ("epoch", "global_step", "hyper_parameters", "hparams_name", "pytorch-lightning_version")
@@ -234,7 +229,7 @@ def load_template(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
                   saved_keys: Collection[tuple] | Mapping[tuple, KeyInfo], fp8_extra_states: Collection[str] = ()) -> dict[str, Any]:
     """What this rank asks a checkpoint for: its own parameters and whatever else exists.
 
-    ``saved_keys``: what the checkpoint holds (:func:`~lightning_hpp.checkpoint.sharded.checkpoint_keys`);
+    ``saved_keys``: what the checkpoint holds (:func:`~lightning_hpp.checkpoint.dcp_index.checkpoint_keys`);
     with their shapes, the optimizer state of DTensor parameters is asked for shard by shard.
     ``_extra_state`` entries are asked for whole (any shape), when saved; those in ``fp8_extra_states``
     (Transformer Engine's, whose content is under ``fp8/``) are not asked for otherwise."""

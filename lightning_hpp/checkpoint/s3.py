@@ -9,7 +9,7 @@ botocore's own retry configuration: every S3 request (PUT, GET, HEAD, LIST, each
 multipart upload) is retried by botocore on connection errors, timeouts, 5xx answers and
 throttling, in its ``standard`` or ``adaptive`` mode, up to ``max_attempts`` tries in total. The
 configuration is explicit, so ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` in the environment do not
-change checkpoint I/O (the count comes from :class:`~lightning_hpp.checkpoint.store.RetryPolicy`).
+change checkpoint I/O (the count comes from :class:`~lightning_hpp.checkpoint.retry.RetryPolicy`).
 
 Secrets (a credential's value, a secret-looking setting) are cut out of every message by
 :func:`lightning_hpp.redaction.redact`.

@@ -19,10 +19,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_hpp.checkpoint import resume as _resume
+from lightning_hpp.checkpoint.commit import delete_checkpoint, read_metadata
+from lightning_hpp.checkpoint.discovery import scan
 from lightning_hpp.checkpoint.fp8_state import FP8Slot
 from lightning_hpp.checkpoint.lightning_state import load_lightning_checkpoint, save_lightning_checkpoint, set_rng_state
-from lightning_hpp.checkpoint.sharded import wait_for_pending_save
-from lightning_hpp.checkpoint.store import delete_checkpoint, read_metadata, route_storage, scan
+from lightning_hpp.checkpoint.save import wait_for_pending_save
+from lightning_hpp.checkpoint.storage import route_storage
 from lightning_hpp.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -61,7 +63,7 @@ class CheckpointSession:
     # ------------------------------------------------------------------ before and at setup
     def route_storage(self) -> None:
         """From now until :meth:`finish`, every S3 filesystem of this process, Lightning's callbacks' too, retries
-        each request as the strategy's own checkpoint I/O does (:func:`~lightning_hpp.checkpoint.store.route_storage`)."""
+        each request as the strategy's own checkpoint I/O does (:func:`~lightning_hpp.checkpoint.storage.route_storage`)."""
         if self._unroute is None:
             self._unroute = route_storage()
 

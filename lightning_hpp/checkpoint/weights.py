@@ -37,8 +37,17 @@ import safetensors
 import torch
 from torch import nn
 
-from lightning_hpp.checkpoint.sharded import _failure, _index, _NoBytesLoadPlanner, _quiet_single_process, _read_index, _Reader, parse_key
-from lightning_hpp.checkpoint.store import METADATA_FILE, RetryPolicy, read_metadata
+from lightning_hpp.checkpoint.collective import storage_failure
+from lightning_hpp.checkpoint.commit import METADATA_FILE, read_metadata
+from lightning_hpp.checkpoint.dcp_index import (
+    IndexedReader,
+    NoBytesLoadPlanner,
+    entry_index,
+    quiet_single_process,
+    read_index,
+)
+from lightning_hpp.checkpoint.entries import parse_key
+from lightning_hpp.checkpoint.retry import RetryPolicy
 from lightning_hpp.errors import CheckpointError
 
 __all__ = ["load_stage_weights"]
@@ -299,9 +308,9 @@ class _Sharded:
         self.retry = RetryPolicy()
         whole = self.retry.for_url(url)
         whole.call(lambda: read_metadata(url, retry=self.retry), what=f"reading metadata.json of {url!r}")
-        self.metadata = whole.call(lambda: _read_index(url, self.retry), what=f"reading the shard index of {url!r}")
+        self.metadata = whole.call(lambda: read_index(url, self.retry), what=f"reading the shard index of {url!r}")
         self.entries: dict[str, tuple[str, tuple[int, ...]]] = {}  # model name -> (entry, shape)
-        for fqn, info in _index(self.metadata, url).items():
+        for fqn, info in entry_index(self.metadata, url).items():
             path = parse_key(fqn)
             if info.kind == "tensor" and len(path) == 2 and path[0] == "model" and isinstance(path[1], str):
                 self.entries[path[1]] = (fqn, info.shape)
@@ -335,16 +344,16 @@ class _Sharded:
                 request[fqn] = dest.detach()
 
         def read() -> None:
-            _quiet_single_process()
+            quiet_single_process()
             try:
                 dcp.load(
                     request,
-                    storage_reader=_Reader(self.url, self.metadata, self.retry),
-                    planner=_NoBytesLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                    storage_reader=IndexedReader(self.url, self.metadata, self.retry),
+                    planner=NoBytesLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
                     no_dist=True,
                 )
             except CheckpointException as exc:
-                raise _failure(exc) from None
+                raise storage_failure(exc) from None
 
         self.retry.for_url(self.url).call(read, what=f"reading the model tensors of {self.url!r}")
         for dest, fqn in again:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hpp.checkpoint.entries import EXTRA_STATE
 from lightning_hpp.checkpoint.fp8_state import FP8Slot
-from lightning_hpp.checkpoint.sharded import EXTRA_STATE
 from lightning_hpp.errors import CheckpointError, CorruptCheckpointError
 from lightning_hpp.precision.fp8 import EmulatedFP8Linear, EmulatedFP8Mode, FP8Recipe, te_recipe_of
 
