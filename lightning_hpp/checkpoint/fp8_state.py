@@ -48,7 +48,8 @@ TE 2.x, checked against 2.20.0.dev0), is::
                              int, float, str, tuple, list}}
 
 :func:`~lightning_hpp.precision.fp8_slots.te_extra_state_to_data` and
-:func:`~lightning_hpp.precision.fp8_slots.te_extra_state_from_data` convert between it and the layout above. The live state is read from the module's ``fp8_meta`` directly (what ``get_extra_state`` reads,
+:func:`~lightning_hpp.precision.fp8_slots.te_extra_state_from_data` convert between it and the layout above. The live
+state is read from the module's ``fp8_meta`` directly (what ``get_extra_state`` reads,
 without pickling it) and put back the way ``set_extra_state`` does once it has unpickled: update
 ``fp8_meta``, ``init_fp8_meta_tensors``, copy the scales and histories in place (TE's quantizers hold
 views of them). Transformer Engine's own ``_extra_state`` entries are left out of the saved model
@@ -206,10 +207,14 @@ def restore_fp8_state(slots: Mapping[str, FP8Slot], loaded: Mapping[str, Any] | 
             refused.append(f"{name!r} ({reason})")
     missing = [repr(name) for name, slot in slots.items() if slot.present() and name not in data]
     if missing:
-        warn_checkpoint(f"{source} holds no fp8 scaling state for {len(missing)} fp8 layer(s) of this rank: "
-              f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Their scaling starts afresh (the "
-              f"checkpoint was saved by a run where they were not fp8, or by an older version).")
+        warn_checkpoint(
+            f"{source} holds no fp8 scaling state for {len(missing)} fp8 layer(s) of this rank: "
+            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Their scaling starts afresh (the "
+            f"checkpoint was saved by a run where they were not fp8, or by an older version)."
+        )
     if refused:
-        warn_checkpoint(f"{source}: the fp8 scaling state of {len(refused)} layer(s) is not restored, their scaling "
-              f"starts afresh: {'; '.join(refused[:4])}{' ...' if len(refused) > 4 else ''}.")
+        warn_checkpoint(
+            f"{source}: the fp8 scaling state of {len(refused)} layer(s) is not restored, their scaling "
+            f"starts afresh: {'; '.join(refused[:4])}{' ...' if len(refused) > 4 else ''}."
+        )
     return restored

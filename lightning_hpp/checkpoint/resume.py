@@ -205,7 +205,8 @@ def _say_skipped(url: str, reason: str, then: str | None, retry: RetryPolicy | N
         except Exception as exc:  # noqa: BLE001 - keeping the evidence must not stop the fallback
             moved = f" It could not be moved aside ({type(exc).__name__}: {exc})."
     warn_checkpoint(
-        f"Skipping checkpoint {url!r}: {reason}{moved} {'Falling back to ' + repr(then) if then else 'No older checkpoint is left'}."
+        f"Skipping checkpoint {url!r}: {reason}{moved} "
+        f"{'Falling back to ' + repr(then) if then else 'No older checkpoint is left'}."
     )
 
 

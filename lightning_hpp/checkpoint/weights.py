@@ -125,8 +125,9 @@ def load_stage_weights(
             if target is not None and target in in_file:
                 plan[name] = target
                 continue
-            alias = next((a for a in groups.get(id(tensors[name]), ()) if (t := to_file(a)) is not None and t in in_file),
-                         None)
+            alias = next(
+                (a for a in groups.get(id(tensors[name]), ()) if (t := to_file(a)) is not None and t in in_file), None
+            )
             if alias is not None:
                 plan[name] = to_file(alias)  # type: ignore[assignment]
             else:
@@ -164,8 +165,9 @@ def _rename_fn(rename: Callable[[str], str | None] | str | None) -> Callable[[st
         return lambda name: name
     if isinstance(rename, str):
         prefix = rename
-        return lambda name: name[len(prefix):] if name.startswith(prefix) else None
+        return lambda name: name[len(prefix) :] if name.startswith(prefix) else None
     if callable(rename):
+
         def checked(name: str) -> str | None:
             out = rename(name)
             if out is not None and not isinstance(out, str):
@@ -203,9 +205,7 @@ def _wanted(
         keys = module.state_dict(keep_vars=True).keys()
         return [k for k in keys if k in tensors and not tensors[k].is_meta], problems
     if isinstance(names, (str, bytes)):
-        raise CheckpointError(
-            f"`names` is the string {names!r}; pass an iterable of names, e.g. names=[{names!r}]."
-        )
+        raise CheckpointError(f"`names` is the string {names!r}; pass an iterable of names, e.g. names=[{names!r}].")
     wanted = list(dict.fromkeys(names))
     unknown = [repr(n) for n in wanted if n not in tensors]
     on_meta = [repr(n) for n in wanted if n in tensors and tensors[n].is_meta]
@@ -291,7 +291,9 @@ def _weight_map(index: str) -> dict[str, str]:
             f"with save_pretrained."
         ) from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
         raise CheckpointError(
             f"{index!r} has no 'weight_map' of tensor name -> shard file; it is not a safetensors "
             f"index written by save_pretrained. Pass the checkpoint directory or a .safetensors file."

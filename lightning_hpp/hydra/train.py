@@ -128,7 +128,9 @@ def uniform_plan(
     sizes = [len(names) // num_stages + (1 if k < len(names) % num_stages else 0) for k in range(num_stages)]
     stages, start = [], 0
     for size in sizes:
-        stages.append(StageSpec(modules=names[start : start + size], device=device, precision=precision, clip_norm=clip_norm))
+        stages.append(
+            StageSpec(modules=names[start : start + size], device=device, precision=precision, clip_norm=clip_norm)
+        )
         start += size
     return StagePlan(stages)
 
@@ -403,7 +405,8 @@ def run(cfg: DictConfig) -> float | None:
         if reporter is not None:
             result["study"] = reporter.state()
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
-    if value is None and trainer.is_global_zero:  # a sweep fails the trial with this (launch_trial); a single run does not need it
+    # a sweep fails the trial with this (launch_trial); a single run does not need it
+    if value is None and trainer.is_global_zero:
         log.info("optimized_metric %r was not logged; logged: %s", cfg.optimized_metric, sorted(metrics))
     return value
 

@@ -66,7 +66,9 @@ class Program:
 
     def cross_out(self) -> np.ndarray:
         """Per stage: whether its output goes to another rank (the last stage's goes nowhere)."""
-        return np.array([s + 1 < self.n_stages and self.rank_of[s + 1] != self.rank_of[s] for s in range(self.n_stages)])
+        return np.array(
+            [s + 1 < self.n_stages and self.rank_of[s + 1] != self.rank_of[s] for s in range(self.n_stages)]
+        )
 
     def cross_in(self) -> np.ndarray:
         """Per stage: whether its input comes from another rank (so its input gradient goes back)."""
@@ -172,5 +174,17 @@ def program(schedule: str, pp: int, n_stages: int, m: int) -> Program:
             elif a.kind in ("B", "W"):  # a whole backward, or the weight half after its I
                 count[a.stage] -= 1
         holds.append(np.array(rows).reshape(-1, n_stages))
-    return Program(schedule, pp, n_stages, m, rank_of, np.array(kind), np.array(stage), np.array(rank),
-                   np.array(prev), np.array(waits).reshape(-1, 2), tuple(holds), split)
+    return Program(
+        schedule,
+        pp,
+        n_stages,
+        m,
+        rank_of,
+        np.array(kind),
+        np.array(stage),
+        np.array(rank),
+        np.array(prev),
+        np.array(waits).reshape(-1, 2),
+        tuple(holds),
+        split,
+    )

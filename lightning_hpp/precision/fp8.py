@@ -78,7 +78,9 @@ class FP8Recipe:
     def __post_init__(self) -> None:
         check_choice(self.scaling, "FP8Recipe(scaling=...)", SCALINGS, error=FP8Error,
                      hint="They are Transformer Engine's DelayedScaling and Float8CurrentScaling.")
-        check_int(self.margin, "FP8Recipe(margin=...)", minimum=0, error=FP8Error, hint="The scale is divided by 2**margin.")
+        check_int(
+            self.margin, "FP8Recipe(margin=...)", minimum=0, error=FP8Error, hint="The scale is divided by 2**margin."
+        )
         if self.scaling == "current" and self.margin != 0:
             raise FP8Error(
                 f"fp8 recipe margin is {self.margin!r} with scaling='current'; Transformer Engine's current "
@@ -408,7 +410,9 @@ class EmulatedFP8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         rc = self.fp8_recipe
-        scaling = rc.scaling if rc.scaling == "current" else f"delayed, history={rc.amax_history_len}, {rc.amax_compute_algo}"
+        scaling = (
+            rc.scaling if rc.scaling == "current" else f"delayed, history={rc.amax_history_len}, {rc.amax_compute_algo}"
+        )
         return f"{super().extra_repr()}, fp8-emulated e4m3/e5m2 ({scaling} scaling)"
 
 
@@ -473,7 +477,9 @@ class EmulatedFP8Mode(torch.overrides.TorchFunctionMode):
                 return self._gemm(x, w.t(), b, key=w)
         return func(*args, **kwargs)
 
-    def _gemm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, key: torch.Tensor | None = None) -> torch.Tensor:
+    def _gemm(
+        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, key: torch.Tensor | None = None
+    ) -> torch.Tensor:
         device_type = x.device.type
         compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         return _FP8LinearFunction.apply(x, w, b, self.state_of(w if key is None else key), compute)
@@ -600,9 +606,7 @@ def _te_linear(te: Any, name: str, lin: nn.Linear, root: nn.Module) -> nn.Module
 
 def _te_layernorm(te: Any, ln: nn.LayerNorm) -> nn.Module:
     with torch.no_grad():
-        new = te.LayerNorm(
-            ln.normalized_shape[0], eps=ln.eps, params_dtype=ln.weight.dtype, device=ln.weight.device
-        )
+        new = te.LayerNorm(ln.normalized_shape[0], eps=ln.eps, params_dtype=ln.weight.dtype, device=ln.weight.device)
         new.weight.copy_(ln.weight)
         new.bias.copy_(ln.bias)
         new.weight.requires_grad_(ln.weight.requires_grad)
@@ -657,7 +661,13 @@ def fp8_autocast_context(backend: str, recipe: str | FP8Recipe = "delayed", grou
     te = _import_te()
     te_rc = te_recipe_of(rc)
     dist = torch.distributed
-    if group is None and rc.scaling == "delayed" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if (
+        group is None
+        and rc.scaling == "delayed"
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+    ):
         raise FP8Error(
             f"fp8_autocast_context('te', 'delayed') in a world of {dist.get_world_size()} processes needs `group`, "
             f"the fp8 stage's data-parallel process group; without it Transformer Engine all-reduces amaxes over "

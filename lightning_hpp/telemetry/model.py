@@ -161,7 +161,9 @@ def simulate(
                 break
         if not progress:
             stuck = {r: str(orders[r][ptr[r]]) for r in orders if ptr[r] < len(orders[r])}
-            raise TelemetryError(f"The action orders deadlock: ranks wait on {stuck} forever. Check the schedule's orders.")
+            raise TelemetryError(
+                f"The action orders deadlock: ranks wait on {stuck} forever. Check the schedule's orders."
+            )
     return Simulation(starts, max(free.values(), default=0.0))
 
 

@@ -149,7 +149,9 @@ class PipelineRecorder:
         info: The recorded schedule's :class:`ScheduleInfo`, once a schedule ran.
     """
 
-    def __init__(self, rank: int, replica: int = 0, position: int = 0, schedule_name: str | None = None, clock_offset_ns: int = 0) -> None:
+    def __init__(
+        self, rank: int, replica: int = 0, position: int = 0, schedule_name: str | None = None, clock_offset_ns: int = 0
+    ) -> None:
         self.rank = rank
         self.replica = replica
         self.position = position
@@ -186,7 +188,9 @@ class PipelineRecorder:
         if self._cuda is not None:
             synchronize(self._cuda)
 
-    def _timed(self, kind: str, stage: int, fn: Callable, mb_of: Callable[..., int], kind_of: Callable[..., str] | None = None) -> Callable:
+    def _timed(
+        self, kind: str, stage: int, fn: Callable, mb_of: Callable[..., int], kind_of: Callable[..., str] | None = None
+    ) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             open_ = self._open
             if open_ is None:
@@ -217,10 +221,19 @@ class PipelineRecorder:
         first = lambda chunk, *a, **k: chunk  # noqa: E731
         stage.forward_one_chunk = self._timed("F", s, stage.forward_one_chunk, first)
         stage.backward_one_chunk = self._timed(
-            "B", s, stage.backward_one_chunk, first, lambda chunk, loss=None, full_backward=True, *a, **k: "B" if full_backward else "I"
+            "B",
+            s,
+            stage.backward_one_chunk,
+            first,
+            lambda chunk, loss=None, full_backward=True, *a, **k: "B" if full_backward else "I",
         )
         stage.backward_weight_one_chunk = self._timed("W", s, stage.backward_weight_one_chunk, first)
-        for kind, attr in (("RECV_F", "get_fwd_recv_ops"), ("RECV_B", "get_bwd_recv_ops"), ("SEND_F", "get_fwd_send_ops"), ("SEND_B", "get_bwd_send_ops")):
+        for kind, attr in (
+            ("RECV_F", "get_fwd_recv_ops"),
+            ("RECV_B", "get_bwd_recv_ops"),
+            ("SEND_F", "get_fwd_send_ops"),
+            ("SEND_B", "get_bwd_send_ops"),
+        ):
             setattr(stage, attr, self._tagging(kind, s, getattr(stage, attr)))
         stage._hpp_recorder = self
 
@@ -228,7 +241,9 @@ class PipelineRecorder:
         step = schedule.step
         compute_loss = schedule._maybe_compute_loss
 
-        def maybe_compute_loss(stage: Any, output: Any, target_mbs: Any, mb_index: int, *args: Any, **kwargs: Any) -> Any:
+        def maybe_compute_loss(
+            stage: Any, output: Any, target_mbs: Any, mb_index: int, *args: Any, **kwargs: Any
+        ) -> Any:
             open_ = self._open
             if open_ is None or not stage.is_last:
                 return compute_loss(stage, output, target_mbs, mb_index, *args, **kwargs)
@@ -272,7 +287,9 @@ class PipelineRecorder:
             for rec in done:
                 rec.start -= off
                 rec.end -= off
-                rec.spans = [(k, s, mb, t0 - off, t1 - off, None if p is None else p - off) for k, s, mb, t0, t1, p in rec.spans]
+                rec.spans = [
+                    (k, s, mb, t0 - off, t1 - off, None if p is None else p - off) for k, s, mb, t0, t1, p in rec.spans
+                ]
         return done
 
     def close(self) -> None:
@@ -396,7 +413,8 @@ def analyze(records: list[RankStep], info: ScheduleInfo) -> StepMetrics:
     stage_sum: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     holder: dict[int, list[int]] = defaultdict(list)
     costs: dict[tuple[int, str], list[float]] = defaultdict(list)
-    extra: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))  # stage -> per-action comm, overhead
+    # stage -> per-action comm, overhead
+    extra: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for rec in records:
         totals = {"fwd": 0.0, "bwd": 0.0, "comm": 0.0}
         covered, actions = 0, 0
@@ -445,14 +463,18 @@ def analyze(records: list[RankStep], info: ScheduleInfo) -> StepMetrics:
     bubble = sum(v["idle"] / v["step"] for v in per_rank.values() if v["step"] > 0) / max(1, len(per_rank))
     comm_share = sum(v["comm"] for v in per_rank.values()) / total_step if total_step > 0 else 0.0
     stages = {
-        k: StageTimes(*(statistics.fmean(stage_sum[k][n]) if stage_sum[k][n] else 0.0 for n in ("fwd", "bwd", "comm", "idle")))
+        k: StageTimes(
+            *(statistics.fmean(stage_sum[k][n]) if stage_sum[k][n] else 0.0 for n in ("fwd", "bwd", "comm", "idle"))
+        )
         for k in sorted(stage_sum)
     }
     return StepMetrics(
         step=records[0].step,
         step_ms=statistics.fmean(steps) if steps else 0.0,
         bubble=bubble,
-        bubble_theory=theoretical_bubble(info.name, info.pp, info.m, info.v) if info.name in SCHEDULES else float("nan"),
+        bubble_theory=theoretical_bubble(info.name, info.pp, info.m, info.v)
+        if info.name in SCHEDULES
+        else float("nan"),
         bubble_expected=_expected_bubble(info, costs),
         comm_share=comm_share,
         stages=stages,
@@ -482,8 +504,9 @@ def _expected_bubble(info: ScheduleInfo, costs: dict[tuple[int, str], list[float
         return float("nan")
 
 
-def _replayed_bubble(info: ScheduleInfo, costs: dict[tuple[int, str], list[float]],
-                     extra: dict[int, dict[str, list[float]]]) -> float:
+def _replayed_bubble(
+    info: ScheduleInfo, costs: dict[tuple[int, str], list[float]], extra: dict[int, dict[str, list[float]]]
+) -> float:
     """The schedule replayed with its stage costs plus, per action, its rank's communication and overhead.
 
     An action lasts its compute, its rank's communication per action (the data it posts and waits for,

@@ -45,7 +45,8 @@ Acting (``WatchOptions.action``):
   records the measured per-rank speeds in its ``metadata.json`` (``extra.watch``) and ends with
   exit code :data:`STOP_EXIT_CODE` (75).
 * ``"replan"``: the same, with exit code :data:`REPLAN_EXIT_CODE` (76). Only compute findings change
-  the recorded speeds; a slow link stops the job the same way, and re-planning then keeps the speeds. Started again (the same
+  the recorded speeds; a slow link stops the job the same way, and re-planning then keeps the speeds. Started again
+  (the same
   command with ``CheckpointOptions(resume="auto")``, or torchrun ``--max-restarts``), ``plan="auto"``
   plans with the recorded speeds (a slowed rank's costs are its kind's measured costs divided by its
   speed: :func:`~lightning_hpp.planning.speeds.with_rank_speeds`) and the run resumes from that
@@ -140,7 +141,9 @@ def watch_options(value: Any, where: str = "PlacementOptions(watch=...)") -> Wat
         return value
     if isinstance(value, str):
         if value not in ACTIONS:
-            raise PlacementError(f"`{where}`: {value!r} is not an action; use one of {ACTIONS} or a `WatchOptions(...)`.")
+            raise PlacementError(
+                f"`{where}`: {value!r} is not an action; use one of {ACTIONS} or a `WatchOptions(...)`."
+            )
         return WatchOptions(action=value)
     if isinstance(value, dict) or hasattr(value, "items"):
         data = dict(value)
@@ -149,8 +152,10 @@ def watch_options(value: Any, where: str = "PlacementOptions(watch=...)") -> Wat
         if unknown:
             raise PlacementError(f"`{where}` has unknown keys {unknown}; `WatchOptions` takes {sorted(fields)}.")
         return WatchOptions(**data)
-    raise PlacementError(f"`{where}`: got {value!r}; pass an action ({', '.join(map(repr, ACTIONS))}), a "
-                         f"`WatchOptions(...)` or a dict of its fields.")
+    raise PlacementError(
+        f"`{where}`: got {value!r}; pass an action ({', '.join(map(repr, ACTIONS))}), a "
+        f"`WatchOptions(...)` or a dict of its fields."
+    )
 
 
 # ============================================================================================ detection
@@ -228,8 +233,12 @@ class SlowdownDetector:
             self._since = self._onset()
         if len(self._recent) < self.steps or not slow or now - self._since[1] < self.min_s:
             return None
-        found = Slowdown(since_step=self._since[0], step=step, measured_ms=statistics.median(v for _, v in flagged),
-                         baseline_ms=statistics.median(self._base))
+        found = Slowdown(
+            since_step=self._since[0],
+            step=step,
+            measured_ms=statistics.median(v for _, v in flagged),
+            baseline_ms=statistics.median(self._base),
+        )
         self._base.clear()  # the new level is the baseline from now on: one slowdown, one finding
         self._base.extend(v for _, v in flagged)
         self._recent.clear()
@@ -282,11 +291,15 @@ class Finding:
         where = f"rank {self.rank} (host {self.host}, device kind {self.device_kind!r}, stage(s) {self.stages})"
         plan = f", plan predicted {self.planned_ms:.2f} ms" if self.planned_ms is not None else ""
         if self.signal == "transfer":
-            return (f"slow transfers: {where} waits {self.measured_ms:.1f} ms per step on its longest transfer with rank "
-                    f"{self.peer}, against {self.expected_ms:.1f} ms before, since step {self.since_step}")
-        return (f"straggler: {where} computes its stages in {self.measured_ms:.2f} ms per step, expected "
-                f"{self.expected_ms:.2f} ms (its own median before){plan}: {self.speed:.2f}x its speed, since step "
-                f"{self.since_step}")
+            return (
+                f"slow transfers: {where} waits {self.measured_ms:.1f} ms per step on its longest transfer with rank "
+                f"{self.peer}, against {self.expected_ms:.1f} ms before, since step {self.since_step}"
+            )
+        return (
+            f"straggler: {where} computes its stages in {self.measured_ms:.2f} ms per step, expected "
+            f"{self.expected_ms:.2f} ms (its own median before){plan}: {self.speed:.2f}x its speed, since step "
+            f"{self.since_step}"
+        )
 
 
 # ============================================================================================ timing
@@ -346,8 +359,9 @@ class _StepTimer:
         if self._fresh is not None:
             clock, compute, waits = self._fresh
             self._fresh = None
-            longest = max(((clock.elapsed_ns([(a, b)]), peer) for a, b, peer in waits), default=(0, None),
-                          key=lambda w: w[0])
+            longest = max(
+                ((clock.elapsed_ns([(a, b)]), peer) for a, b, peer in waits), default=(0, None), key=lambda w: w[0]
+            )
             self._fresh_times = (clock.elapsed_ns(compute), longest[0], longest[1])
         return self._fresh_times
 
@@ -383,9 +397,11 @@ class _StepTimer:
         timed_out = "timed out" in text.lower() or "timeout" in text.lower()
         after = f" after the timeout of {self.timeout_s:g} s" if timed_out and self.timeout_s else ""
         verb = "timed out" if timed_out else "failed"
-        return (f"A pipeline transfer {verb}{after}: {self.describe_peer(self.rank)} waited on a {what} "
-                f"{self.describe_peer(peer)}, which never completed ({text}). The peer is stuck, very slow or gone; "
-                f"raise `HPPStrategy(timeout=...)` if it is only slow, or take its host out of the pool.")
+        return (
+            f"A pipeline transfer {verb}{after}: {self.describe_peer(self.rank)} waited on a {what} "
+            f"{self.describe_peer(peer)}, which never completed ({text}). The peer is stuck, very slow or gone; "
+            f"raise `HPPStrategy(timeout=...)` if it is only slow, or take its host out of the pool."
+        )
 
 
 _TIMERS: list[_StepTimer] = []  # the timers of the running fits of this process (the newest is used)
@@ -473,8 +489,13 @@ class StragglerWatch(Callback):
         alerts: On every rank, ``(step, signal, {position: ratio})`` of every step some position found one.
     """
 
-    def __init__(self, options: WatchOptions, checkpoint_dir: str | None = None, notes: dict[str, Any] | None = None,
-                 timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        options: WatchOptions,
+        checkpoint_dir: str | None = None,
+        notes: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         self.options = options
         self.checkpoint_dir = checkpoint_dir
         self.notes = notes if notes is not None else {}
@@ -500,15 +521,20 @@ class StragglerWatch(Callback):
         if view is None or view.runner is None or view.mesh is None:
             return
         o, mesh, runner = self.options, view.mesh, view.runner
-        self._detectors = {"compute": SlowdownDetector(o.ratio, o.steps, o.warmup, o.window, o.min_ms, o.min_s),
-                           "transfer": SlowdownDetector(o.ratio, o.steps, o.warmup, o.window, o.wait_ms, o.min_s)}
+        self._detectors = {
+            "compute": SlowdownDetector(o.ratio, o.steps, o.warmup, o.window, o.min_ms, o.min_s),
+            "transfer": SlowdownDetector(o.ratio, o.steps, o.warmup, o.window, o.wait_ms, o.min_s),
+        }
         self._found = {"compute": None, "transfer": None}
         kinds = list((view.plan.meta.get("device_kinds") if view.plan is not None else None) or [])
         n_stages = view.plan.num_stages if view.plan is not None else len(view.stage_ids)
         style = runner.kind.style
         for pos, row in enumerate(mesh.grid):
             for r in row:
-                self._rank_info[r] = (kinds[r] if r < len(kinds) else "?", stages_of_position(pos, mesh.pp, n_stages, style))
+                self._rank_info[r] = (
+                    kinds[r] if r < len(kinds) else "?",
+                    stages_of_position(pos, mesh.pp, n_stages, style),
+                )
         host = socket.gethostname()
         self._position = mesh.position
         self._device = view.root_device  # beside the other checks' flags
@@ -549,9 +575,23 @@ class StragglerWatch(Callback):
         compute_ns, wait_ns, wait_peer = timer.fresh_times
         for signal, ms, peer in (("compute", compute_ns / 1e6, None), ("transfer", wait_ns / 1e6, wait_peer)):
             found = self._detectors[signal].observe(step, ms)
-            self._found[signal] = None if found is None else Finding(
-                signal, rank, host, kind, stages, found.since_step, found.step, found.measured_ms, found.baseline_ms,
-                self._planned_ms if signal == "compute" else None, peer)
+            self._found[signal] = (
+                None
+                if found is None
+                else Finding(
+                    signal,
+                    rank,
+                    host,
+                    kind,
+                    stages,
+                    found.since_step,
+                    found.step,
+                    found.measured_ms,
+                    found.baseline_ms,
+                    self._planned_ms if signal == "compute" else None,
+                    peer,
+                )
+            )
 
     def _flag(self, signal: str) -> float:
         self._observe()
@@ -572,14 +612,19 @@ class StragglerWatch(Callback):
             least = min(lv if lv > 0 else flags[p] if flags[p] > 0 else 1.0 for p, lv in enumerate(levels))
             slow = {p: f for p, f in slow.items() if f >= self.options.ratio * least}
             if found is not None and not slow:
-                print(f"HPPStrategy: straggler watch: not reported, every pipeline position slowed alike "
-                      f"({found.describe()}; the least slowed position runs at {least:.2f}x its baseline).",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"HPPStrategy: straggler watch: not reported, every pipeline position slowed alike "
+                    f"({found.describe()}; the least slowed position runs at {least:.2f}x its baseline).",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 found = None
         if not slow:
             return
-        if signal == "transfer" and (max(self._levels, default=0.0) >= self.options.ratio or any(
-                sig == "compute" and self._step - step <= 2 * self.options.steps for step, sig, _ in self.alerts)):
+        if signal == "transfer" and (
+            max(self._levels, default=0.0) >= self.options.ratio
+            or any(sig == "compute" and self._step - step <= 2 * self.options.steps for step, sig, _ in self.alerts)
+        ):
             return  # a rank waits because a peer computes slowly: that peer is the finding
         self.alerts.append((self._step, signal, slow))
         if found is not None and self._position not in slow:
@@ -598,28 +643,39 @@ class StragglerWatch(Callback):
         view = pipeline_view(trainer)
         mine = next((f for f in reversed(self.findings) if f.step == self._observed_step), None)
         everyone = all_gather_object(None if mine is None else dataclasses.asdict(mine))  # once, at the stop
-        recorded = ((view.plan.meta.get("rank_speeds") if view is not None and view.plan is not None else None) or {})
+        recorded = (view.plan.meta.get("rank_speeds") if view is not None and view.plan is not None else None) or {}
         speeds = {r: float(recorded.get(str(r), recorded.get(r, 1.0))) for r in range(trainer.world_size)}
         for f in everyone:
             if f is not None and f["signal"] == "compute":
                 speeds[f["rank"]] *= f["expected_ms"] / f["measured_ms"]
         step = int(trainer.global_step)
         self.notes[META_KEY] = {
-            "action": self.options.action, "step": step, "signal": signal,
+            "action": self.options.action,
+            "step": step,
+            "signal": signal,
             "speeds": {str(r): round(s, 6) for r, s in speeds.items()},
-            "device_kinds": list((view.plan.meta.get("device_kinds") if view is not None and view.plan is not None else None) or []),
+            "device_kinds": list(
+                (view.plan.meta.get("device_kinds") if view is not None and view.plan is not None else None) or []
+            ),
             "findings": [f for f in everyone if f is not None],
         }
         path = f"{str(self.checkpoint_dir).rstrip('/')}/step-{step}"
         trainer.save_checkpoint(path)
         code = STOP_EXIT_CODE if self.options.action == "stop" else REPLAN_EXIT_CODE
         said = "; ".join(Finding(**f).describe() for f in everyone if f is not None) or f"slow {signal} on another rank"
-        then = ("start the same command again with `CheckpointOptions(resume='auto')` (or let torchrun --max-restarts do it): "
-                "plan='auto' re-plans from these speeds" if self.options.action == "replan" else
-                "take the slow device out of the pool, then resume with `CheckpointOptions(resume='auto')`")
-        print(f"HPPStrategy: rank {trainer.global_rank} stops at step {step} ({said}). Wrote {path!r} with the measured "
-              f"speeds {self.notes[META_KEY]['speeds']}; exit code {code} (watch={self.options.action!r}): {then}.",
-              file=sys.stderr, flush=True)
+        then = (
+            "start the same command again with `CheckpointOptions(resume='auto')` (or let torchrun --max-restarts do "
+            "it): "
+            "plan='auto' re-plans from these speeds"
+            if self.options.action == "replan"
+            else "take the slow device out of the pool, then resume with `CheckpointOptions(resume='auto')`"
+        )
+        print(
+            f"HPPStrategy: rank {trainer.global_rank} stops at step {step} ({said}). Wrote {path!r} with the measured "
+            f"speeds {self.notes[META_KEY]['speeds']}; exit code {code} (watch={self.options.action!r}): {then}.",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(code)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -643,4 +699,3 @@ def strategy_timeout_s(timeout: Any) -> float | None:
     if timeout is None:
         return None
     return float(timeout.total_seconds()) if hasattr(timeout, "total_seconds") else float(timeout)
-
