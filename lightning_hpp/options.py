@@ -25,7 +25,7 @@ from lightning_hpp.errors import BiasConfigError, CheckpointError, PlacementErro
 from lightning_hpp.pipeline.dims import DATA_PARALLEL, ParallelDims
 from lightning_hpp.planning.devices import ENV_VAR as DEVICE_KIND_ENV
 from lightning_hpp.planning.devices import normalize_kind, parse_device_map
-from lightning_hpp.telemetry.watch import watch_options
+from lightning_hpp.telemetry.slowdown import watch_options
 from lightning_hpp.validation import check_bool, check_choice, check_int, check_path
 
 POLICIES = ("warn", "error", "off")
@@ -138,7 +138,7 @@ class PlacementOptions:
     """The straggler watch (:mod:`lightning_hpp.telemetry.watch`): ``"warn"`` (default), ``"stop"``
     (checkpoint with the measured speeds, exit code 75), ``"replan"`` (the same, exit code 76; started
     again with ``resume="auto"``, ``plan="auto"`` plans with those speeds), ``"off"``, or a
-    :class:`~lightning_hpp.telemetry.watch.WatchOptions` (or a dict of its fields)."""
+    :class:`~lightning_hpp.telemetry.slowdown.WatchOptions` (or a dict of its fields)."""
     memory: Any = None
     """Memory per device, in bytes, by device kind, that ``plan="auto"`` must fit every rank's stages in
     (``{"a100": 40e9}``): kinds not named have their datasheet's (``cpu``: unlimited). Where no ddp plan

@@ -17,7 +17,8 @@ from lightning_hpp.options import ShardingOptions, TelemetryOptions
 from lightning_hpp.precision.plugin import HPPPrecision
 from lightning_hpp.telemetry.callback import PipelineTelemetry
 from lightning_hpp.telemetry.report import PlacementReport
-from lightning_hpp.telemetry.watch import StragglerWatch, WatchOptions, strategy_timeout_s
+from lightning_hpp.telemetry.slowdown import WatchOptions
+from lightning_hpp.telemetry.watch import StragglerWatch, strategy_timeout_s
 
 
 def pipeline_callbacks(callbacks: Sequence[Any], telemetry: TelemetryOptions | None, *, auto: bool,
