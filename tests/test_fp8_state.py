@@ -32,7 +32,7 @@ from lightning_hpp.checkpoint import entries
 from lightning_hpp.checkpoint.lightning_state import load_lightning_checkpoint, to_sharded
 from lightning_hpp.checkpoint.weights import load_stage_weights
 from lightning_hpp.errors import CheckpointError, CorruptCheckpointError
-from lightning_hpp.precision.fp8 import FP8Recipe
+from lightning_hpp.precision.fp8_recipe import FP8Recipe
 
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 STEPS, MORE = 3, 3  # save after STEPS, resume and train MORE
@@ -367,7 +367,7 @@ def test_a_module_shaped_like_transformer_engine_saves_one_layout_before_and_aft
 
 
 def test_a_resume_under_another_recipe_warns_and_starts_its_scaling_afresh(tmp_path):
-    from lightning_hpp.precision.fp8 import EmulatedFP8Linear
+    from lightning_hpp.precision.fp8_emulation import EmulatedFP8Linear
 
     saved = nn.Sequential(EmulatedFP8Linear(16, 16, recipe=FP8Recipe("delayed", amax_history_len=4)))
     saved(torch.randn(8, 16))

@@ -22,7 +22,7 @@ from lightning_hpp.checkpoint.lightning_state import from_sharded, load_template
 from lightning_hpp.checkpoint.dcp_index import checkpoint_keys
 from lightning_hpp.checkpoint.load import load_sharded
 from lightning_hpp.checkpoint.save import save_sharded
-from lightning_hpp.precision.fp8 import EmulatedFP8Mode
+from lightning_hpp.precision.fp8_emulation import EmulatedFP8Mode
 from tests.launch import load_rank, merged_state
 from tests.real_models import LMWrapper, loader
 

@@ -27,9 +27,9 @@ own; Transformer Engine's, reduced over the replicas, are equal)::
                                          amax_history_len, amax_compute_algo); for TE "initialized"
                                          and "extra_fp8_variables" (TE's plain fp8_meta values)
 
-``<owner>`` is the module's name for an fp8 module (:class:`~lightning_hpp.precision.fp8.EmulatedFP8Linear`,
+``<owner>`` is the module's name for an fp8 module (:class:`~lightning_hpp.precision.fp8_emulation.EmulatedFP8Linear`,
 a Transformer Engine module) and the weight's parameter name for a traced stage's emulated GEMM
-(:class:`~lightning_hpp.precision.fp8.EmulatedFP8Mode`). The emulation's scale is computed from its
+(:class:`~lightning_hpp.precision.fp8_emulation.EmulatedFP8Mode`). The emulation's scale is computed from its
 history at every call, so the history is its whole state. The layout follows from the recipe and the
 module type alone: a Transformer Engine module that has not run an fp8 forward yet (TE allocates its
 tensors then) is saved with the values TE starts from (scale 1, zero history) and

@@ -49,6 +49,8 @@ from lightning_hpp.precision.clipping import (
     stage_grads,
     stage_norm,
 )
+from lightning_hpp.precision.fp8_emulation import EmulatedFP8Mode
+from lightning_hpp.precision.fp8_recipe import SCALINGS
 from lightning_hpp.precision.guards import BoundaryGuard
 from lightning_hpp.precision.modes import CLIP_MODES, MODES, NONFINITE_POLICIES
 from lightning_hpp.precision.scaler import DynamicLossScaler
@@ -152,7 +154,7 @@ class HPPPrecision(Precision):
         check_choice(clip, "HPPPrecision(clip=...)", CLIP_MODES, error=PlanError)
         check_choice(nonfinite, "HPPPrecision(nonfinite=...)", NONFINITE_POLICIES, error=PlanError)
         check_choice(fp8_backend, "HPPPrecision(fp8_backend=...)", ("te", "emulate"), optional=True, error=PlanError)
-        check_choice(fp8_recipe, "HPPPrecision(fp8_recipe=...)", fp8.SCALINGS, error=PlanError)
+        check_choice(fp8_recipe, "HPPPrecision(fp8_recipe=...)", SCALINGS, error=PlanError)
         check_number(init_scale, "HPPPrecision(init_scale=...)", error=PlanError,
                      hint="It is the first fp16 loss scale, e.g. `init_scale=65536.0`.")
         self.default = normalize_precision(default, "`HPPPrecision(default=...)`")
@@ -167,7 +169,7 @@ class HPPPrecision(Precision):
         self._grad_norms: Tensor | None = None
         self._repeated_sq: Tensor | None = None
         self._view: StageView | None = None
-        self._fp8_emulations: tuple[fp8.EmulatedFP8Mode, ...] = ()
+        self._fp8_emulations: tuple[EmulatedFP8Mode, ...] = ()
         self._plan: Any = None
         self._stage_precision: list[str] = []
         self._scaled = False
@@ -179,7 +181,7 @@ class HPPPrecision(Precision):
         return {} if self._grad_norms is None else dict(enumerate(self._grad_norms.tolist()))
 
     @property
-    def fp8_emulations(self) -> tuple[fp8.EmulatedFP8Mode, ...]:
+    def fp8_emulations(self) -> tuple[EmulatedFP8Mode, ...]:
         """The fp8 emulations of this rank's traced fp8 stages: their amax histories live there, outside the modules."""
         return self._fp8_emulations
 
@@ -222,11 +224,11 @@ class HPPPrecision(Precision):
             *view.stages.items(),
             *((k, sm) for k, sm in (view.eval_stages or {}).items() if sm is not view.stages.get(k)),
         ]
-        emulations: dict[int, fp8.EmulatedFP8Mode] = {}  # one per stage: its train and eval graphs share amaxes
+        emulations: dict[int, EmulatedFP8Mode] = {}  # one per stage: its train and eval graphs share amaxes
         for k, sm in held:
             mode = MODES[precs[k]]
             if precs[k] == "fp8" and getattr(sm, "captured", False):
-                emulation = emulations.setdefault(k, fp8.EmulatedFP8Mode(self.fp8_recipe))
+                emulation = emulations.setdefault(k, EmulatedFP8Mode(self.fp8_recipe))
                 emulation.adopt(sm.parameters())
                 sm.context = lambda emulation=emulation: emulation
             elif precs[k] == "fp8":
