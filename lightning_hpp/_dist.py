@@ -99,6 +99,16 @@ def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def global_rank() -> int:
+    """This process's global rank; 0 outside a process group."""
+    return dist.get_rank() if initialized() else 0
+
+
+def world_size() -> int:
+    """The number of ranks; 1 outside a process group."""
+    return dist.get_world_size() if initialized() else 1
+
+
 def group_device(group: Any = None) -> torch.device:
     """Where tensors for ``group``'s collectives must live (the current CUDA device for NCCL)."""
     if initialized() and dist.get_backend(group) == dist.Backend.NCCL:

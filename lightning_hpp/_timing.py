@@ -66,6 +66,13 @@ class CudaEventClock:
         return int(sum(a.elapsed_time(b) for a, b in spans) * 1e6)
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the work queued on ``device`` (a CUDA device); nothing to wait for elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def device_clock(device: torch.device | str) -> HostClock | CudaEventClock:
     """The clock that times work on ``device``: CUDA events on a CUDA device, else the host clock."""
     device = torch.device(device)

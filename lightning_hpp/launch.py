@@ -48,9 +48,9 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
 from lightning_hpp import _dist, liveness
-from lightning_hpp.checkpoint.s3 import redact
-from lightning_hpp.checkpoint.sharded import wait_for_pending_save
+from lightning_hpp.checkpoint.save import wait_for_pending_save
 from lightning_hpp.errors import PlanError, RankFailedError
+from lightning_hpp.redaction import redact
 from lightning_hpp.validation import is_number
 
 STORE_GRACE_S = 30.0
@@ -77,8 +77,10 @@ BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 def check_backend(value: Any) -> str | None:
     """``HPPStrategy(process_group_backend=...)``: a backend name or ``None`` (gloo on CPU, nccl on CUDA)."""
     if value is not None and value not in BACKENDS:
-        raise PlanError(f"`HPPStrategy(process_group_backend={value!r})` is not a torch.distributed backend; use one of "
-                        f"{', '.join(map(repr, BACKENDS))} or None (gloo on CPU, nccl on CUDA).")
+        raise PlanError(
+            f"`HPPStrategy(process_group_backend={value!r})` is not a torch.distributed backend; use one of "
+            f"{', '.join(map(repr, BACKENDS))} or None (gloo on CPU, nccl on CUDA)."
+        )
     return value
 
 
@@ -88,8 +90,10 @@ def check_timeout(value: Any) -> timedelta:
         return value
     if is_number(value) and value > 0:
         return timedelta(seconds=float(value))
-    raise PlanError(f"`HPPStrategy(timeout={value!r})`: use a positive number of seconds or a `datetime.timedelta`, "
-                    f"e.g. `timeout=600`.")
+    raise PlanError(
+        f"`HPPStrategy(timeout={value!r})`: use a positive number of seconds or a `datetime.timedelta`, "
+        f"e.g. `timeout=600`."
+    )
 
 
 class Launcher(_SubprocessScriptLauncher):
@@ -177,8 +181,18 @@ class _Job:
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
 
-    def start(self, address: str, port: int, rank: int, world_size: int, hosts_store: bool, prefix: str,
-              timeout: timedelta, peers: list[liveness.Peer], store_host: int | None) -> None:
+    def start(
+        self,
+        address: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        hosts_store: bool,
+        prefix: str,
+        timeout: timedelta,
+        peers: list[liveness.Peer],
+        store_host: int | None,
+    ) -> None:
         op = timedelta(seconds=min(timeout.total_seconds(), STORE_OP_S))
 
         def client() -> Any:
@@ -190,8 +204,9 @@ class _Job:
         self.heart = liveness.Heartbeat(rank, world_size, peers, store_host)
         self.heart.publish(self.store)  # every rank has a record before any can be diagnosed
         self._stop.clear()
-        self._watcher = threading.Thread(target=self._watch, args=(client(),), name="lightning_hpp-first-error",
-                                         daemon=True)
+        self._watcher = threading.Thread(
+            target=self._watch, args=(client(),), name="lightning_hpp-first-error", daemon=True
+        )
         self._watcher.start()
 
     def _watch(self, store: Any) -> None:
@@ -234,9 +249,15 @@ class _Job:
         """This rank's main thread has waited on a peer past the timeout (a group without one, or a backend that
         did not raise): record the first error for the job, naming the rank that holds it up."""
         blame = self.heart.diagnose(store, min_busy_s=self.timeout_s / 2)
-        first = blame.record() if blame is not None else {
-            "rank": self.rank, "error": f"rank {self.rank} waited {record['for_s']:g} s on a peer, past the timeout of "
-                                        f"{self.timeout_s:g} s, while no rank was seen busy: {record['doing']}"}
+        first = (
+            blame.record()
+            if blame is not None
+            else {
+                "rank": self.rank,
+                "error": f"rank {self.rank} waited {record['for_s']:g} s on a peer, past the timeout of "
+                f"{self.timeout_s:g} s, while no rank was seen busy: {record['doing']}",
+            }
+        )
         if store.add(_COUNT, 1) == 1:
             store.set(_FIRST, json.dumps(first))
 
@@ -253,8 +274,10 @@ class _Job:
             return
         first = self.first or {}
         doing = liveness.sample_main_thread().doing
-        text = (f"{_first_words(first)} (rank {self.rank} stopped because its main thread was still {doing} "
-                f"{GRACE_S:g} s after that error; process groups: {what})")
+        text = (
+            f"{_first_words(first)} (rank {self.rank} stopped because its main thread was still {doing} "
+            f"{GRACE_S:g} s after that error; process groups: {what})"
+        )
         with contextlib.suppress(OSError):
             os.write(2, f"[rank{self.rank}]: {RankFailedError.__module__}.RankFailedError: {text}\n".encode())
         self.leave()

@@ -65,11 +65,14 @@ _LIBRARIES = ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "li
 _STORAGE = ("fsspec", "s3fs", "botocore", "aiobotocore", "gcsfs")
 _WAIT_LINE = re.compile(r"\.wait\(")
 _USERINFO = re.compile(r"//[^/@\s]+@")
-_LIBRARY_ROOTS = tuple({os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+_LIBRARY_ROOTS = tuple(
+    {os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
 
 
-def set_role(*, grid: Sequence[Sequence[int]], stages: Sequence[Sequence[int]], tp: int,
-             step: Callable[[], int]) -> None:
+def set_role(
+    *, grid: Sequence[Sequence[int]], stages: Sequence[Sequence[int]], tp: int, step: Callable[[], int]
+) -> None:
     """Every rank's place in the pipeline, named in heartbeats and diagnoses (set once the pipeline is built).
 
     Args:
@@ -79,8 +82,13 @@ def set_role(*, grid: Sequence[Sequence[int]], stages: Sequence[Sequence[int]], 
         tp: The tensor-parallel degree.
         step: The optimizer step being run (read at every beat).
     """
-    _ROLE.update(grid=[list(row) for row in grid], stages=[list(s) for s in stages], tp=tp, step=step,
-                 version=_ROLE.get("version", 0) + 1)
+    _ROLE.update(
+        grid=[list(row) for row in grid],
+        stages=[list(s) for s in stages],
+        tp=tp,
+        step=step,
+        version=_ROLE.get("version", 0) + 1,
+    )
 
 
 @contextlib.contextmanager
@@ -105,8 +113,10 @@ def role_text(rank: int) -> str:
         return "before its pipeline was built"
     tp, stages = _ROLE["tp"], _ROLE["stages"][position]
     replica, dp = grid[position].index(rank) // tp, len(grid[position]) // tp
-    return (f"pipeline position {position} of {len(grid)}, replica {replica} of {dp}, "
-            f"stage{'s' if len(stages) != 1 else ''} {', '.join(map(str, stages))}")
+    return (
+        f"pipeline position {position} of {len(grid)}, replica {replica} of {dp}, "
+        f"stage{'s' if len(stages) != 1 else ''} {', '.join(map(str, stages))}"
+    )
 
 
 def progress() -> tuple[int, int | None]:
@@ -184,7 +194,8 @@ def sample_main_thread() -> Sample:
     signature = tuple((f.f_code, f.f_lineno) for f in frames[:16])
     own = next((i for i, f in enumerate(frames) if not _is_library(f) and _module(f) != __name__), None)
     waiting = any(_module(f).startswith("torch.distributed") for f in frames[:4]) or (
-        own is not None and own <= 1 and bool(_WAIT_LINE.search(_line(frames[own]))))
+        own is not None and own <= 1 and bool(_WAIT_LINE.search(_line(frames[own])))
+    )
     if own is None:
         text = _describe_frame(frames[0])
     else:
@@ -192,7 +203,7 @@ def sample_main_thread() -> Sample:
         if own > 0:  # what it called there: the library function it is inside
             called = frames[own - 1]
             text += f" -> {_module(called)}.{called.f_code.co_name}"
-        caller = next((f for f in frames[own + 1:] if not _is_library(f)), None)
+        caller = next((f for f in frames[own + 1 :] if not _is_library(f)), None)
         if caller is not None and caller.f_code.co_name != "<module>":
             text += f", called from {caller.f_code.co_name} ({_short(caller.f_code.co_filename)}:{caller.f_lineno})"
     if any(_module(f).split(".")[0] in _STORAGE for f in frames):
@@ -221,8 +232,13 @@ def _is_library(frame: Any) -> bool:
         return False
     top = name.split(".")[0]
     path = frame.f_code.co_filename
-    return (top in _LIBRARIES or top in sys.stdlib_module_names or not name or path.startswith("<")
-            or any(path.startswith(root) for root in _LIBRARY_ROOTS))
+    return (
+        top in _LIBRARIES
+        or top in sys.stdlib_module_names
+        or not name
+        or path.startswith("<")
+        or any(path.startswith(root) for root in _LIBRARY_ROOTS)
+    )
 
 
 def _line(frame: Any) -> str:
@@ -230,7 +246,9 @@ def _line(frame: Any) -> str:
 
 
 def _short(path: str) -> str:
-    return next((path[path.rfind(m) + 1:] for m in ("/lightning_hpp/", "/tests/") if m in path), os.path.basename(path))
+    return next(
+        (path[path.rfind(m) + 1 :] for m in ("/lightning_hpp/", "/tests/") if m in path), os.path.basename(path)
+    )
 
 
 def _describe_frame(frame: Any) -> str:
@@ -290,8 +308,15 @@ class Heartbeat:
         self._last = s
         step = _step()
         self.beats += 1
-        return {"rank": self.rank, "beat": self.beats, "role": role_text(self.rank), "step": step, "doing": s.doing,
-                "waiting": s.waiting, "for_s": round(t - self._since, 1)}
+        return {
+            "rank": self.rank,
+            "beat": self.beats,
+            "role": role_text(self.rank),
+            "step": step,
+            "doing": s.doing,
+            "waiting": s.waiting,
+            "for_s": round(t - self._since, 1),
+        }
 
     def publish(self, store: Any) -> dict[str, Any]:
         """Write this rank's record to ``store`` and keep the store host's last one; returns this rank's."""
@@ -340,12 +365,26 @@ class Heartbeat:
                 gone.append(r)
             elif state == "stopped":
                 killed = self._end(r)
-                found.append((0, 0.0, r, "is stopped (SIGSTOP: its process does not run)"
-                              + (f"; rank {self.rank} ended it with SIGKILL" if killed else "")))
+                found.append(
+                    (
+                        0,
+                        0.0,
+                        r,
+                        "is stopped (SIGSTOP: its process does not run)"
+                        + (f"; rank {self.rank} ended it with SIGKILL" if killed else ""),
+                    )
+                )
                 gone.append(r)
             elif silent:
-                found.append((1, 0.0, r, "stopped answering (its heartbeat stopped: the process is stopped, "
-                                         "frozen or gone; end it on its host)"))
+                found.append(
+                    (
+                        1,
+                        0.0,
+                        r,
+                        "stopped answering (its heartbeat stopped: the process is stopped, "
+                        "frozen or gone; end it on its host)",
+                    )
+                )
             elif b is not None and not b["waiting"] and float(b["for_s"]) >= min_busy_s:
                 found.append((2, -float(b["for_s"]), r, f"stopped answering: for {b['for_s']:g} s it has been"))
         if not found:
@@ -374,8 +413,9 @@ class Heartbeat:
             state = self.peers[r].state()
         if state == "stopped":
             killed = self._end(r)
-            verdict = ("is stopped (SIGSTOP: its process does not run), and the job's store it hosts with it"
-                       + (f"; rank {self.rank} ended it with SIGKILL" if killed else ""))
+            verdict = "is stopped (SIGSTOP: its process does not run), and the job's store it hosts with it" + (
+                f"; rank {self.rank} ended it with SIGKILL" if killed else ""
+            )
         elif state == "gone":
             verdict = "is gone (its process ended: killed or crashed), and the job's store it hosted with it"
         else:
@@ -394,7 +434,7 @@ class Heartbeat:
         step = f" at step {record['step']}" if record.get("step") is not None else ""
         busy = "stopped answering: "
         if verdict.startswith(busy):  # "stopped answering: for 11 s it has been" -> "... at step 3: for 11 s ..."
-            return f"rank {r} ({where}, {record['role']}) {busy[:-2]}{step}: {verdict[len(busy):]} {record['doing']}"
+            return f"rank {r} ({where}, {record['role']}) {busy[:-2]}{step}: {verdict[len(busy) :]} {record['doing']}"
         step = f", at step {record['step']}" if record.get("step") is not None else ""
         return f"rank {r} ({where}, {record['role']}) {verdict}; its last heartbeat{step}: {record['doing']}"
 

@@ -25,7 +25,7 @@ from lightning_hpp.errors import BiasConfigError, CheckpointError, PlacementErro
 from lightning_hpp.pipeline.dims import DATA_PARALLEL, ParallelDims
 from lightning_hpp.planning.devices import ENV_VAR as DEVICE_KIND_ENV
 from lightning_hpp.planning.devices import normalize_kind, parse_device_map
-from lightning_hpp.telemetry.watch import watch_options
+from lightning_hpp.telemetry.slowdown import watch_options
 from lightning_hpp.validation import check_bool, check_choice, check_int, check_path
 
 POLICIES = ("warn", "error", "off")
@@ -68,11 +68,17 @@ class CheckpointOptions:
         if self.dir is None:
             for field in ("every_n_steps", "keep_last"):
                 if getattr(self, field) is not None:
-                    raise error(f"`{name}({field}=...)` applies to the checkpoints in `dir`, but `dir` is not set; set `dir=`.")
+                    raise error(
+                        f"`{name}({field}=...)` applies to the checkpoints in `dir`, but `dir` is not set; set `dir=`."
+                    )
             if self.resume == "auto":
-                raise error(f"`{name}(resume='auto')` looks for checkpoints in `dir`, but `dir` is not set; set `dir=`.")
+                raise error(
+                    f"`{name}(resume='auto')` looks for checkpoints in `dir`, but `dir` is not set; set `dir=`."
+                )
             if self.new_run:
-                raise error(f"`{name}(new_run=True)` applies to the checkpoints in `dir`, but `dir` is not set; set `dir=`.")
+                raise error(
+                    f"`{name}(new_run=True)` applies to the checkpoints in `dir`, but `dir` is not set; set `dir=`."
+                )
 
 
 @dataclass(frozen=True)
@@ -132,7 +138,7 @@ class PlacementOptions:
     """The straggler watch (:mod:`lightning_hpp.telemetry.watch`): ``"warn"`` (default), ``"stop"``
     (checkpoint with the measured speeds, exit code 75), ``"replan"`` (the same, exit code 76; started
     again with ``resume="auto"``, ``plan="auto"`` plans with those speeds), ``"off"``, or a
-    :class:`~lightning_hpp.telemetry.watch.WatchOptions` (or a dict of its fields)."""
+    :class:`~lightning_hpp.telemetry.slowdown.WatchOptions` (or a dict of its fields)."""
     memory: Any = None
     """Memory per device, in bytes, by device kind, that ``plan="auto"`` must fit every rank's stages in
     (``{"a100": 40e9}``): kinds not named have their datasheet's (``cpu``: unlimited). Where no ddp plan
@@ -159,8 +165,13 @@ class PlacementOptions:
             parse_device_map(self.device_map)
         except PlacementError as err:
             raise PlacementError(f"`PlacementOptions(device_map={self.device_map!r})`: {err}") from None
-        check_path(self.profile, "PlacementOptions(profile=...)", optional=True, error=PlacementError,
-                   kind="the path of a cost-profile JSON")
+        check_path(
+            self.profile,
+            "PlacementOptions(profile=...)",
+            optional=True,
+            error=PlacementError,
+            kind="the path of a cost-profile JSON",
+        )
         object.__setattr__(self, "watch", watch_options(self.watch))
         check_bool(self.tp_across_hosts, "PlacementOptions(tp_across_hosts=...)", error=PlacementError)
 
@@ -206,8 +217,10 @@ def _memory_by_kind(memory: Any) -> dict[str, float] | None:
     for kind, value in dict(memory).items():
         name = normalize_kind(kind, "`PlacementOptions(memory=...)` kind")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise PlacementError(f"`PlacementOptions(memory={{{kind!r}: {value!r}}})`: the memory of a {name!r} device "
-                                 f"must be a number of bytes > 0, {example}.")
+            raise PlacementError(
+                f"`PlacementOptions(memory={{{kind!r}: {value!r}}})`: the memory of a {name!r} device "
+                f"must be a number of bytes > 0, {example}."
+            )
         out[name] = float(value)
     return out
 
@@ -284,15 +297,21 @@ class ShardingOptions:
         check_bool(self.reshard_after_forward, f"{name}(reshard_after_forward=...)", optional=True, error=error)
         check_int(self.dp_replicate, f"{name}(dp_replicate=...)", optional=True, error=error)
         if self.data_parallel == "hsdp" and self.dp_replicate is None:
-            raise error(f"`{name}(data_parallel='hsdp')` shards each stage over `dp / dp_replicate` ranks and replicates "
-                        f"it `dp_replicate` times, but `dp_replicate` is not set. Give it, e.g. "
-                        f"`{name}(data_parallel='hsdp', dp_replicate=2)`.")
+            raise error(
+                f"`{name}(data_parallel='hsdp')` shards each stage over `dp / dp_replicate` ranks and replicates "
+                f"it `dp_replicate` times, but `dp_replicate` is not set. Give it, e.g. "
+                f"`{name}(data_parallel='hsdp', dp_replicate=2)`."
+            )
         if self.data_parallel != "hsdp" and self.dp_replicate is not None:
-            raise error(f"`{name}(dp_replicate={self.dp_replicate})` applies to data_parallel='hsdp' only, but "
-                        f"data_parallel={self.data_parallel!r}. Drop `dp_replicate`, or use data_parallel='hsdp'.")
+            raise error(
+                f"`{name}(dp_replicate={self.dp_replicate})` applies to data_parallel='hsdp' only, but "
+                f"data_parallel={self.data_parallel!r}. Drop `dp_replicate`, or use data_parallel='hsdp'."
+            )
         if self.data_parallel == "ddp" and self.reshard_after_forward is not None:
-            raise error(f"`{name}(reshard_after_forward={self.reshard_after_forward})` applies to sharded stages "
-                        f"(data_parallel='fsdp' or 'hsdp'), but data_parallel='ddp'. Drop it, or shard the stages.")
+            raise error(
+                f"`{name}(reshard_after_forward={self.reshard_after_forward})` applies to sharded stages "
+                f"(data_parallel='fsdp' or 'hsdp'), but data_parallel='ddp'. Drop it, or shard the stages."
+            )
 
     @property
     def sharded(self) -> bool:
@@ -307,12 +326,19 @@ class ShardingOptions:
             PlanError: ``pp × tp_degree`` more than the processes or not dividing them (``origin``: what set ``pp``).
             ShardingError: ``dp_replicate`` does not divide the replicas.
         """
-        return ParallelDims.resolve(world_size, pp, tp=self.tp_degree, data_parallel=self.data_parallel,
-                                    dp_replicate=self.dp_replicate, origin=origin)
+        return ParallelDims.resolve(
+            world_size,
+            pp,
+            tp=self.tp_degree,
+            data_parallel=self.data_parallel,
+            dp_replicate=self.dp_replicate,
+            origin=origin,
+        )
 
 
-Section = TypeVar("Section", CheckpointOptions, BiasOptions, TelemetryOptions, PlacementOptions, InitOptions,
-                  ShardingOptions)
+Section = TypeVar(
+    "Section", CheckpointOptions, BiasOptions, TelemetryOptions, PlacementOptions, InitOptions, ShardingOptions
+)
 
 
 def section(cls: type[Section], value: Any, arg: str) -> Section:
@@ -334,18 +360,31 @@ def section(cls: type[Section], value: Any, arg: str) -> Section:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields)
         if unknown:
-            raise cls.error(f"`HPPStrategy({arg}=...)` has unknown keys {unknown}; `{cls.__name__}` takes {sorted(fields)}.")
+            raise cls.error(
+                f"`HPPStrategy({arg}=...)` has unknown keys {unknown}; `{cls.__name__}` takes {sorted(fields)}."
+            )
         return cls(**data)
     raise cls.error(f"`HPPStrategy({arg}={value!r})`: pass a `{cls.__name__}(...)`, a dict of its fields, or None.")
 
 
 # the flat options of the first release, and where each one lives now
 _MOVED = {
-    **{k: f"HPPStrategy(checkpoint=CheckpointOptions({v}=...))" for k, v in (
-        ("checkpoint_dir", "dir"), ("resume", "resume"), ("save_every_n_steps", "every_n_steps"), ("keep_last", "keep_last"),
-        ("async_save", "async_save"), ("save_on_error", "on_error"))},
+    **{
+        k: f"HPPStrategy(checkpoint=CheckpointOptions({v}=...))"
+        for k, v in (
+            ("checkpoint_dir", "dir"),
+            ("resume", "resume"),
+            ("save_every_n_steps", "every_n_steps"),
+            ("keep_last", "keep_last"),
+            ("async_save", "async_save"),
+            ("save_on_error", "on_error"),
+        )
+    },
     **{k: f"HPPStrategy(bias=BiasOptions({k}=...))" for k in ("deterministic", "seed", "audit", "fingerprint")},
-    **{k: f"HPPStrategy(placement=PlacementOptions({v}=...))" for k, v in (("device_map", "device_map"), ("auto_profile", "profile"))},
+    **{
+        k: f"HPPStrategy(placement=PlacementOptions({v}=...))"
+        for k, v in (("device_map", "device_map"), ("auto_profile", "profile"))
+    },
     **{k: f"Trainer(plugins=[HPPPrecision({k}=...)])" for k in ("clip", "fp8_backend", "fp8_recipe", "nonfinite")},
 }
 

@@ -1,8 +1,11 @@
-"""Secrets kept out of what loggers record and what the command line echoes.
+"""What a secret is, and secrets kept out of everything that leaves the process.
 
-:func:`~lightning_hpp.checkpoint.s3.redact` decides what a secret is (a secret-looking name such
+:func:`is_secret_name` and :func:`secret_values` decide what a secret is (a secret-looking name such
 as ``api_key`` or ``db_password``, or the value of a secret environment variable such as
-``AWS_SECRET_ACCESS_KEY``); this module applies it where values leave the process:
+``AWS_SECRET_ACCESS_KEY``); :func:`redact` replaces them by :data:`REDACTED` in a string or a
+JSON-like structure. It is applied to everything this package writes as JSON (a checkpoint's
+``metadata.json`` and JSON parts, the sweep's snapshots), to every warning and error message, and
+where values leave the process:
 
 * :func:`redact_loggers` wraps every logger's ``log_hyperparams`` (Lightning's call after setup,
   and any call the user makes), so ``hparams.yaml``, TensorBoard's hparams, MLflow params and the
@@ -15,10 +18,103 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lightning_hpp.checkpoint.s3 import REDACTED, is_secret_name, redact
+SECRET_ENV_VARS = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+)
+"""Variables whose values are always treated as secrets."""
+
+REDACTED = "***"
+"""What a secret is replaced by."""
+
+_SECRET_SUBSTRINGS = ("secret", "password", "passwd", "passphrase")
+_SECRET_WORDS = {"credential", "credentials", "apikey"}
+_KEY_QUALIFIERS = {"access", "api", "private", "account", "signing", "encryption", "auth"}
+_VOCAB_TOKENS = {"pad", "bos", "eos", "unk", "sep", "cls", "mask", "start", "end", "special"}
+_URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+_MIN_SECRET_LEN = 6  # shorter values ("1", "true") would redact unrelated text
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a setting called ``name`` holds a secret (``aws_secret_access_key``, ``token``...).
+
+    Tokenizer settings (``pad_token``, ``eos_token_id``) and the like are not secrets.
+    """
+    lowered = name.lower()
+    if any(word in lowered for word in _SECRET_SUBSTRINGS):
+        return True
+    parts = [p for p in re.split(r"[^a-z0-9]+", lowered) if p]
+    if not parts:
+        return False
+    if parts in (["key"], ["token"]) or any(p in _SECRET_WORDS for p in parts):
+        return True
+    prev = parts[-2] if len(parts) > 1 else ""
+    if parts[-1] == "token":
+        return prev not in _VOCAB_TOKENS
+    return parts[-1] == "key" and prev in _KEY_QUALIFIERS
+
+
+def secret_values(env: Mapping[str, str] | None = None) -> list[str]:
+    """The secret values currently in the environment, longest first.
+
+    A variable counts when it is one of :data:`SECRET_ENV_VARS` or its name looks like a secret
+    (``*SECRET*``, ``*_TOKEN``, ``*PASSWORD*``, ``*_API_KEY``...).
+    """
+    env = os.environ if env is None else env
+    found = {
+        value
+        for name, value in env.items()
+        if value and len(value) >= _MIN_SECRET_LEN and (name in SECRET_ENV_VARS or is_secret_name(name))
+    }
+    return sorted(found, key=len, reverse=True)
+
+
+def redact(obj: Any, *, env: Mapping[str, str] | None = None) -> Any:
+    """A copy of ``obj`` with secrets replaced by ``"***"``.
+
+    String values under a key that names a secret (``secret``, ``token``, ``password``,
+    ``access_key``, ``aws_secret_access_key``, ``key``...) are replaced; any string that contains the value
+    of a secret environment variable has it cut out; ``scheme://user:pass@host`` loses its user
+    part. Dicts, lists and tuples are walked; other values are returned unchanged.
+
+    Args:
+        obj: A string, a JSON-like structure, or anything else.
+        env: The environment whose secret values are cut out; ``os.environ`` by default.
+
+    Returns:
+        The redacted copy (``obj`` itself is not modified).
+    """
+    return _redact(obj, secret_values(env))
+
+
+def _redact(obj: Any, secrets: list[str]) -> Any:
+    if isinstance(obj, str):
+        for value in secrets:
+            if value in obj:
+                obj = obj.replace(value, REDACTED)
+        return _URL_USERINFO.sub(lambda m: m.group("scheme") + REDACTED + "@", obj)
+    if isinstance(obj, dict):
+        return {
+            k: (
+                REDACTED
+                if isinstance(k, str) and isinstance(v, (str, bytes)) and is_secret_name(k)
+                else _redact(v, secrets)
+            )
+            for k, v in obj.items()
+        }
+    if isinstance(obj, list):
+        return [_redact(v, secrets) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_redact(v, secrets) for v in obj)
+    return obj
+
 
 
 class _RedactedLogHyperparams:

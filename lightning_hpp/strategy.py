@@ -71,8 +71,12 @@ from lightning_hpp.planning.plan import PLAN_FILENAME, StagePlan
 from lightning_hpp.precision.plugin import HPPPrecision
 from lightning_hpp.redaction import redact_loggers
 
-_ENTRY_POINTS = {TrainerFn.FITTING: ("fit_loop", "training_step"), TrainerFn.VALIDATING: ("validate_loop", "validation_step"),
-                 TrainerFn.TESTING: ("test_loop", "test_step"), TrainerFn.PREDICTING: ("predict_loop", "predict_step")}
+_ENTRY_POINTS = {
+    TrainerFn.FITTING: ("fit_loop", "training_step"),
+    TrainerFn.VALIDATING: ("validate_loop", "validation_step"),
+    TrainerFn.TESTING: ("test_loop", "test_step"),
+    TrainerFn.PREDICTING: ("predict_loop", "predict_step"),
+}
 
 
 class HPPStrategy(PipelineProperties, ReplicaCollectives, ShardedCheckpointHooks, ParallelStrategy):
@@ -80,7 +84,8 @@ class HPPStrategy(PipelineProperties, ReplicaCollectives, ShardedCheckpointHooks
 
     Args:
         plan, schedule, n_microbatches, pp_degree, frontend, activation_checkpointing, compile, loss_weight:
-            The pipeline's own options, documented with :class:`~lightning_hpp.assembly.spec.PipelineSpec`: ``plan`` is ``None``
+            The pipeline's own options, documented with :class:`~lightning_hpp.assembly.spec.PipelineSpec`: ``plan`` is
+            ``None``
             (the ``@stage`` decorators), a :class:`StagePlan`, a ``stage_plan.json`` path or ``"auto"``;
             ``schedule`` one of ``gpipe``, ``1f1b`` (default), ``interleaved1f1b``, ``looped_bfs``,
             ``interleaved_zb``, ``zbv``, ``dualpipev``; ``n_microbatches`` default 4; ``frontend`` ``"auto"``,
@@ -95,8 +100,10 @@ class HPPStrategy(PipelineProperties, ReplicaCollectives, ShardedCheckpointHooks
         telemetry: :class:`~lightning_hpp.options.TelemetryOptions`, ``True`` (its defaults) or ``None``.
         placement: :class:`~lightning_hpp.options.PlacementOptions`: device kinds, ``plan="auto"`` profile.
         init: :class:`~lightning_hpp.options.InitOptions`: initial weights of a model built on the meta device.
-        sharding: :class:`~lightning_hpp.options.ShardingOptions`: each stage's replicas as ddp, fsdp or hsdp (unset: ddp, or fsdp where plan="auto" fits only that).
-        timeout: Timeout of every collective and pipeline send/recv (a ``timedelta`` or seconds; a silent rank ends the job).
+        sharding: :class:`~lightning_hpp.options.ShardingOptions`: each stage's replicas as ddp, fsdp or hsdp (unset:
+        ddp, or fsdp where plan="auto" fits only that).
+        timeout: Timeout of every collective and pipeline send/recv (a ``timedelta`` or seconds; a silent rank ends the
+        job).
         process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
         precision_plugin: An :class:`~lightning_hpp.HPPPrecision` (default: one with the Trainer's ``precision``).
     """
@@ -133,19 +140,39 @@ class HPPStrategy(PipelineProperties, ReplicaCollectives, ShardedCheckpointHooks
             name = next(iter(moved))
             raise PlanError(f"`HPPStrategy` got an unexpected keyword argument {name!r}.{moved_option_hint(name)}")
         if precision_plugin is not None and not isinstance(precision_plugin, HPPPrecision):
-            raise PlanError(f"`HPPStrategy(precision_plugin=...)` must be an `HPPPrecision`, got {type(precision_plugin).__name__}.")
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, precision_plugin=precision_plugin)
-        self._spec = PipelineSpec(plan, schedule, n_microbatches, pp_degree, frontend, activation_checkpointing,
-                                  loss_weight=loss_weight, step_replay=step_replay, compile=compile)
+            raise PlanError(
+                f"`HPPStrategy(precision_plugin=...)` must be an `HPPPrecision`, got {type(precision_plugin).__name__}."
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+        )
+        self._spec = PipelineSpec(
+            plan,
+            schedule,
+            n_microbatches,
+            pp_degree,
+            frontend,
+            activation_checkpointing,
+            loss_weight=loss_weight,
+            step_replay=step_replay,
+            compile=compile,
+        )
         self._timeout = check_timeout(timeout)
         self._process_group_backend = check_backend(process_group_backend)
         self._checkpoint = section(CheckpointOptions, checkpoint, "checkpoint")
         self._bias = section(BiasOptions, bias, "bias")
-        self._telemetry = None if telemetry in (None, False) else section(TelemetryOptions, None if telemetry is True else telemetry, "telemetry")
+        self._telemetry = (
+            None
+            if telemetry in (None, False)
+            else section(TelemetryOptions, None if telemetry is True else telemetry, "telemetry")
+        )
         self._placement = section(PlacementOptions, placement, "placement")
         self._init = section(InitOptions, init, "init")
-        self._sharding = None if sharding is None else section(ShardingOptions, sharding, "sharding")  # None: auto may shard
+        # None: auto may shard
+        self._sharding = None if sharding is None else section(ShardingOptions, sharding, "sharding")
         self._controls = BiasControls(self._bias)
         self._session = CheckpointSession(self._checkpoint)
         self._pipeline: Pipeline | None = None
@@ -193,7 +220,9 @@ class HPPStrategy(PipelineProperties, ReplicaCollectives, ShardedCheckpointHooks
 
     def _resolve_fit_ckpt(self, trainer: Any, ckpt_path: Any) -> Any:
         # a PendingResume is decided by all ranks at the end of setup
-        return self._session.request_fit(ckpt_path, [cb.dirpath for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)])
+        return self._session.request_fit(
+            ckpt_path, [cb.dirpath for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+        )
 
     @override
     def setup_environment(self) -> None:
@@ -203,8 +232,12 @@ class HPPStrategy(PipelineProperties, ReplicaCollectives, ShardedCheckpointHooks
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        init_process_group(self.cluster_environment, self._process_group_backend, self._timeout, self.root_device, self.world_size)
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        init_process_group(
+            self.cluster_environment, self._process_group_backend, self._timeout, self.root_device, self.world_size
+        )
 
     @override
     @contextmanager
@@ -237,31 +270,55 @@ class HPPStrategy(PipelineProperties, ReplicaCollectives, ShardedCheckpointHooks
         assert self.accelerator is not None and self.model is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._session.check_setup(fitting=fitting, checkpointing=bool(trainer.checkpoint_callbacks))
-        refuse_unkept_setups(self.lightning_module, self.precision_plugin, checkpoint_io=self._checkpoint_io, fitting=fitting,
-                             precision_flag=trainer._accelerator_connector._precision_flag, sharding=self._sharding,
-                             callbacks=trainer.callbacks, layer_sync=self._layer_sync)
+        refuse_unkept_setups(
+            self.lightning_module,
+            self.precision_plugin,
+            checkpoint_io=self._checkpoint_io,
+            fitting=fitting,
+            precision_flag=trainer._accelerator_connector._precision_flag,
+            sharding=self._sharding,
+            callbacks=trainer.callbacks,
+            layer_sync=self._layer_sync,
+        )
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if self._pipeline is None or self._pipeline.module is not module:
             inputs = self._setup_inputs(trainer, module, fitting)
-            self._pipeline = held_pipeline(module, pipeline_key(self._spec, inputs)) or build_pipeline(module, self._spec, inputs)
+            self._pipeline = held_pipeline(module, pipeline_key(self._spec, inputs)) or build_pipeline(
+                module, self._spec, inputs
+            )
             self.precision_plugin = self._pipeline.precision  # the plugin its stages were set up with
         self.model_to_device()  # a reused cut too: the previous entry point's teardown moved the module to the CPU
         adapt_callbacks(trainer.callbacks, self._pipeline)  # Lightning's callbacks that act on the whole module
         step_saver = self._session.step_callback(trainer.callbacks) if fitting else None
-        trainer.callbacks.extend(([step_saver] if step_saver is not None else []) + pipeline_callbacks(
-            trainer.callbacks, self._telemetry, auto=self._spec.auto and fitting, watch=self._placement.watch if fitting else None,
-            checkpoint_dir=self._checkpoint.dir, notes=self._session.notes, timeout=self._timeout))
+        trainer.callbacks.extend(
+            ([step_saver] if step_saver is not None else [])
+            + pipeline_callbacks(
+                trainer.callbacks,
+                self._telemetry,
+                auto=self._spec.auto and fitting,
+                watch=self._placement.watch if fitting else None,
+                checkpoint_dir=self._checkpoint.dir,
+                notes=self._session.notes,
+                timeout=self._timeout,
+            )
+        )
         if fitting:
             with stage_local_optimizers():  # a rank whose stages train nothing (frozen) builds an empty optimizer
                 self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-        log_dir, p = trainer.log_dir or trainer.default_root_dir, self._pipeline  # log_dir is collective: every rank asks
+        # log_dir is collective: every rank asks
+        log_dir, p = trainer.log_dir or trainer.default_root_dir, self._pipeline
         if self.is_global_zero and log_dir is not None:
-            p.plan.save(f"{str(log_dir).rstrip('/')}/{PLAN_FILENAME}", schedule=p.schedule, n_microbatches=p.n_microbatches,
-                        pp_degree=p.mesh.pp, dp_degree=p.mesh.dp)
+            p.plan.save(
+                f"{str(log_dir).rstrip('/')}/{PLAN_FILENAME}",
+                schedule=p.schedule,
+                n_microbatches=p.n_microbatches,
+                pp_degree=p.mesh.pp,
+                dp_degree=p.mesh.dp,
+            )
         if fitting:
             self._agreed_epoch = None
             self._session.begin_fit(self._load_sharded)
@@ -279,11 +336,23 @@ class HPPStrategy(PipelineProperties, ReplicaCollectives, ShardedCheckpointHooks
         with isolate_rng():
             batch = peek_batch(loader) if loader is not None else None
         return SetupInputs(
-            world_size=self.world_size, rank=self.global_rank, device=self.root_device, batch=batch, fitting=fitting,
-            step_fn=getattr(module, step_name), precision=self.precision_plugin, callbacks=tuple(trainer.callbacks),
-            trainer_precision=trainer_precision, placement=self._placement, init=self._init, sharding=self._sharding,
-            split_batches=fitting and can_rebatch(loader), global_step=lambda: int(trainer.global_step),
-            recorded_speeds=self._session.recorded_speeds, default_seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
+            world_size=self.world_size,
+            rank=self.global_rank,
+            device=self.root_device,
+            batch=batch,
+            fitting=fitting,
+            step_fn=getattr(module, step_name),
+            precision=self.precision_plugin,
+            callbacks=tuple(trainer.callbacks),
+            trainer_precision=trainer_precision,
+            placement=self._placement,
+            init=self._init,
+            sharding=self._sharding,
+            split_batches=fitting and can_rebatch(loader),
+            global_step=lambda: int(trainer.global_step),
+            recorded_speeds=self._session.recorded_speeds,
+            default_seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+        )
 
     @override
     def model_to_device(self) -> None:
@@ -304,8 +373,9 @@ class HPPStrategy(PipelineProperties, ReplicaCollectives, ShardedCheckpointHooks
         # Lightning zeroes the gradients after the first training_step of each accumulation window
         window_start = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
         with self._pipeline.grads.during_step(keep_held=not window_start, local_norms=self._wants_local_norms()):
-            loss, logs, extras = self._pipeline.runner.train_step(self.lightning_module.training_step, *args,
-                                                                  loss_scale=scale, **kwargs)
+            loss, logs, extras = self._pipeline.runner.train_step(
+                self.lightning_module.training_step, *args, loss_scale=scale, **kwargs
+            )
         replay_logs(self.lightning_module, logs)
         self._step_stats = {"loss": loss.detach()}
         return loss if extras is None else {"loss": loss, **extras}
@@ -366,7 +436,9 @@ class HPPStrategy(PipelineProperties, ReplicaCollectives, ShardedCheckpointHooks
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="Heterogeneous pipeline parallelism (lightning_hpp)")
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Heterogeneous pipeline parallelism (lightning_hpp)"
+        )
 
 
 if "hpp" not in StrategyRegistry:

@@ -106,8 +106,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     extra = [m.strip() for group in args.preload for m in group.split(",") if m.strip()]
     missing = [m for m in extra if _find_spec(m) is None]
     if missing:
-        parser.error(f"--preload {','.join(missing)}: no such module here (sys.path {sys.path[:3]}...); name importable "
-                     f"modules, e.g. --preload transformers")
+        parser.error(
+            f"--preload {','.join(missing)}: no such module here (sys.path {sys.path[:3]}...); name importable "
+            f"modules, e.g. --preload transformers"
+        )
     script = args.training_script
     kind = "module" if args.module else "path"
     if kind == "path":

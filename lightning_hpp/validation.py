@@ -66,8 +66,17 @@ def check_int(value: Any, what: str, *, minimum: int | None = 1, maximum: int | 
     return value
 
 
-def check_number(value: Any, what: str, *, minimum: float | None = 0.0, strict: bool = True, maximum: float | None = None,
-                 optional: bool = False, error: type[Exception] = PlanError, hint: str = "") -> Any:
+def check_number(
+    value: Any,
+    what: str,
+    *,
+    minimum: float | None = 0.0,
+    strict: bool = True,
+    maximum: float | None = None,
+    optional: bool = False,
+    error: type[Exception] = PlanError,
+    hint: str = "",
+) -> Any:
     """``value`` if it is a number above ``minimum`` (``>=`` when not ``strict``) and at most ``maximum``
     (``None`` too when ``optional``); else ``error``. Arguments as for :func:`check_int`.
 
@@ -95,18 +104,29 @@ def check_number(value: Any, what: str, *, minimum: float | None = 0.0, strict: 
     return value
 
 
-def check_bool(value: Any, what: str, *, optional: bool = False, error: type[Exception] = PlanError, hint: str = "") -> Any:
+def check_bool(
+    value: Any, what: str, *, optional: bool = False, error: type[Exception] = PlanError, hint: str = ""
+) -> Any:
     """``value`` if it is ``True`` or ``False`` (or ``None`` when ``optional``); arguments as for :func:`check_int`."""
     if value is None and optional:
         return None
     if not isinstance(value, bool):
         kind = "True, False or None" if optional else "True or False"
-        raise error(f"{_label(what, value)}: must be {kind} (not a {type(value).__name__})." + (f" {hint}" if hint else ""))
+        raise error(
+            f"{_label(what, value)}: must be {kind} (not a {type(value).__name__})." + (f" {hint}" if hint else "")
+        )
     return value
 
 
-def check_choice(value: Any, what: str, choices: Iterable[Any], *, optional: bool = False,
-                 error: type[Exception] = PlanError, hint: str = "") -> Any:
+def check_choice(
+    value: Any,
+    what: str,
+    choices: Iterable[Any],
+    *,
+    optional: bool = False,
+    error: type[Exception] = PlanError,
+    hint: str = "",
+) -> Any:
     """``value`` if it is one of ``choices`` (or ``None`` when ``optional``); arguments as for :func:`check_int`."""
     allowed = tuple(choices)
     if value is None and optional:
@@ -116,13 +136,21 @@ def check_choice(value: Any, what: str, choices: Iterable[Any], *, optional: boo
     except TypeError:  # an unhashable value against a set-like container
         ok = False
     if not ok:
-        raise error(f"{_label(what, value)} is not supported; use one of {', '.join(map(repr, allowed))}"
-                    f"{_tail(optional, hint)}")
+        raise error(
+            f"{_label(what, value)} is not supported; use one of {', '.join(map(repr, allowed))}{_tail(optional, hint)}"
+        )
     return value
 
 
-def check_path(value: Any, what: str, *, optional: bool = False, error: type[Exception] = PlanError,
-               kind: str = "a path or URL", hint: str = "") -> Any:
+def check_path(
+    value: Any,
+    what: str,
+    *,
+    optional: bool = False,
+    error: type[Exception] = PlanError,
+    kind: str = "a path or URL",
+    hint: str = "",
+) -> Any:
     """``value`` as a string if it is a non-empty ``str`` or ``os.PathLike`` (or ``None`` when ``optional``).
 
     ``kind`` says what the path names (``"the path of a cost-profile JSON"``); the other arguments as for

@@ -18,8 +18,8 @@ import torch.nn as nn
 
 from lightning_hpp.checkpoint import checkpoint_url
 from lightning_hpp.checkpoint.lightning_state import load_lightning_checkpoint
-from lightning_hpp.checkpoint.sharded import _read_index
-from lightning_hpp.checkpoint.store import CORRUPT_DIR
+from lightning_hpp.checkpoint.dcp_index import read_index
+from lightning_hpp.checkpoint.discovery import CORRUPT_DIR
 from tests.ckpt_workers import dtensor_worker as worker
 from tests.ckpt_workers.common import TinyNet
 from tests.harness.launch import Job, run_job
@@ -59,7 +59,7 @@ def test_fsdp_training_matches_one_process(job: dict) -> None:
 def test_each_rank_writes_only_its_own_shards(job: dict) -> None:
     # step-2 was renamed nothing; step-3 went to corrupt/ in the fallback part of the job
     for url in (job["root"] / "step-2", job["root"] / CORRUPT_DIR / "step-3"):
-        index = _read_index(str(url))
+        index = read_index(str(url))
         embed = index.state_dict_metadata["model/embed.weight"]
         assert list(embed.size) == [8, 6]  # the global shape, in two row halves
         assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in embed.chunks) == [((0, 0), (4, 6)), ((4, 0), (4, 6))]

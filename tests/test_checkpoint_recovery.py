@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lightning_hpp.checkpoint import list_checkpoints
-from lightning_hpp.checkpoint.store import CORRUPT_DIR
+from lightning_hpp.checkpoint.discovery import CORRUPT_DIR
 from tests.ckpt_workers.damage import digest, flip_tensor_byte, garbage_index
 from tests.harness.launch import Job, run_job
 from tests.harness.results import rank_results

@@ -135,10 +135,10 @@ def test_final_parameters_and_momentum_equal_the_uninterrupted_run(chain: Path) 
 
 
 def test_fsdp_and_tp_checkpoints_hold_shards_and_the_ddp_one_whole_tensors(chain: Path) -> None:
-    from lightning_hpp.checkpoint.sharded import _read_index
+    from lightning_hpp.checkpoint.dcp_index import read_index
 
     def chunks(step: int, key: str) -> list:
-        meta = _read_index(str(chain / "ckpt" / f"step-{step}")).state_dict_metadata[key]
+        meta = read_index(str(chain / "ckpt" / f"step-{step}")).state_dict_metadata[key]
         return sorted((list(c.offsets), list(c.sizes)) for c in meta.chunks)
 
     for key in ("model/layers.0.weight", "optim/0/layers.0.weight/momentum_buffer"):

@@ -29,7 +29,9 @@ from lightning_hpp.checkpoint import (
     verify,
 )
 from lightning_hpp.checkpoint.resume import PendingResume, check_checkpoint_dir, select_and_load
-from lightning_hpp.checkpoint.store import filesystem, read_metadata, route_storage, scan
+from lightning_hpp.checkpoint.commit import read_metadata
+from lightning_hpp.checkpoint.discovery import scan
+from lightning_hpp.checkpoint.storage import filesystem, route_storage
 from lightning_hpp.errors import CheckpointError, CheckpointSaveError, S3ConfigError
 from tests.ckpt_workers.common import big_state
 from tests.s3_server import FaultProxy, S3Env, fault_proxy, s3_env  # noqa: F401

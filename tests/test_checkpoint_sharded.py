@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_hpp.checkpoint import checkpoint_keys, export_to_lightning_ckpt, load_sharded, save_sharded, verify
 from lightning_hpp.checkpoint.export import main as export_main
-from lightning_hpp.checkpoint.store import build_metadata, write_metadata
+from lightning_hpp.checkpoint.commit import build_metadata, write_metadata
 from lightning_hpp.errors import CheckpointError
 from tests.ckpt_workers.common import HPARAMS, UNITS, reference_model, rng_equal, rng_state, stage_state
 from tests.harness.launch import Job, run_job

@@ -27,7 +27,8 @@ from lightning_hpp.checkpoint import (
     verify,
 )
 from lightning_hpp.checkpoint.resume import PendingResume, check_checkpoint_dir, check_run, select_and_load
-from lightning_hpp.checkpoint.store import CORRUPT_DIR, CheckpointInfo, scan, step_dirs
+from lightning_hpp.checkpoint.commit import CheckpointInfo
+from lightning_hpp.checkpoint.discovery import CORRUPT_DIR, scan, step_dirs
 from lightning_hpp.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 from lightning_hpp.options import CheckpointOptions
 from tests.ckpt_workers.damage import (

@@ -27,7 +27,7 @@ from lightning_hpp.checkpoint import checkpoint_keys, export_to_pretrained, mode
 from lightning_hpp.checkpoint.export import main as export_main
 from lightning_hpp.checkpoint.lightning_state import TIED, to_sharded
 from lightning_hpp.checkpoint.pretrained import find_pretrained, save_keys
-from lightning_hpp.checkpoint.store import CheckpointWarning
+from lightning_hpp.checkpoint.warning import CheckpointWarning
 from lightning_hpp.errors import CheckpointError, ShardedCheckpointError
 from tests.harness.launch import Job, run_job
 from tests.harness.results import load_rank

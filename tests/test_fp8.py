@@ -18,20 +18,14 @@ from torch import nn
 
 from lightning_hpp.errors import FP8Error
 from lightning_hpp.precision.fp8 import (
-    E4M3,
-    E4M3_MAX,
-    E5M2,
-    E5M2_MAX,
-    EmulatedFP8Linear,
-    FP8Recipe,
     check_fp8_stage,
     convert_module_to_fp8,
     describe_backend,
     fp8_autocast_context,
     fp8_capable,
-    fp8_scale,
-    quantize_dequantize,
 )
+from lightning_hpp.precision.fp8_emulation import EmulatedFP8Linear, fp8_scale, quantize_dequantize
+from lightning_hpp.precision.fp8_recipe import E4M3, E4M3_MAX, E5M2, E5M2_MAX, FP8Recipe
 
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 

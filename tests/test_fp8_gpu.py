@@ -16,17 +16,14 @@ from torch import nn
 
 from lightning_hpp.errors import FP8Error
 from lightning_hpp.precision.fp8 import (
-    E4M3,
-    MIN_CAPABILITY,
-    EmulatedFP8Linear,
     check_fp8_stage,
     convert_module_to_fp8,
     describe_backend,
     fp8_autocast_context,
     fp8_capable,
-    fp8_scale,
-    quantize_dequantize,
 )
+from lightning_hpp.precision.fp8_emulation import EmulatedFP8Linear, fp8_scale, quantize_dequantize
+from lightning_hpp.precision.fp8_recipe import E4M3, MIN_CAPABILITY
 
 pytestmark = [
     pytest.mark.gpu,

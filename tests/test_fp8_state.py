@@ -28,11 +28,11 @@ from torch import nn
 from lightning_hpp.checkpoint import checkpoint_keys, load_sharded, save_sharded
 from lightning_hpp.checkpoint import fp8_state as fs
 from lightning_hpp.precision import fp8_slots as fslots
-from lightning_hpp.checkpoint import sharded
+from lightning_hpp.checkpoint import entries
 from lightning_hpp.checkpoint.lightning_state import load_lightning_checkpoint, to_sharded
 from lightning_hpp.checkpoint.weights import load_stage_weights
 from lightning_hpp.errors import CheckpointError, CorruptCheckpointError
-from lightning_hpp.precision.fp8 import FP8Recipe
+from lightning_hpp.precision.fp8_recipe import FP8Recipe
 
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 STEPS, MORE = 3, 3  # save after STEPS, resume and train MORE
@@ -156,7 +156,7 @@ def test_a_pickle_in_extra_state_is_refused_on_load_and_never_unpickled(tmp_path
     # ... so write it as an older version (or a hand) would have: without that check
     url = str(tmp_path / "crafted")
     with monkeypatch.context() as m:
-        m.setattr(sharded, "holds_pickle", lambda value: False)
+        m.setattr(entries, "holds_pickle", lambda value: False)
         save_sharded(state, url, step=1)
 
     with pytest.raises(CheckpointError) as refused:
@@ -177,15 +177,15 @@ def test_holds_pickle_reads_opcodes_only():
     for obj in (None, {"scale": [1.0]}, _WritesFile("/nonexistent")):
         for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
             data = pickle.dumps(obj, protocol=protocol)
-            assert sharded.holds_pickle(torch.frombuffer(bytearray(data), dtype=torch.uint8)), (obj, protocol)
-            assert sharded.holds_pickle(data + b"trailing bytes pickle.loads ignores")
+            assert entries.holds_pickle(torch.frombuffer(bytearray(data), dtype=torch.uint8)), (obj, protocol)
+            assert entries.holds_pickle(data + b"trailing bytes pickle.loads ignores")
     buffer = io.BytesIO()
     torch.save({"a": 1}, buffer)
-    assert sharded.holds_pickle(buffer.getvalue())  # a torch.save archive holds one
-    assert not sharded.holds_pickle(torch.empty(0, dtype=torch.uint8))
-    assert not sharded.holds_pickle(torch.arange(200, dtype=torch.uint8))
-    assert not sharded.holds_pickle(torch.frombuffer(bytearray(json.dumps({"a": 1}).encode()), dtype=torch.uint8))
-    assert not sharded.holds_pickle(torch.zeros(3))
+    assert entries.holds_pickle(buffer.getvalue())  # a torch.save archive holds one
+    assert not entries.holds_pickle(torch.empty(0, dtype=torch.uint8))
+    assert not entries.holds_pickle(torch.arange(200, dtype=torch.uint8))
+    assert not entries.holds_pickle(torch.frombuffer(bytearray(json.dumps({"a": 1}).encode()), dtype=torch.uint8))
+    assert not entries.holds_pickle(torch.zeros(3))
 
 
 # ============================================================================ TE's dict
@@ -241,7 +241,7 @@ def test_te_extra_state_converts_to_tensors_and_json_and_back():
         "scale_bwd": (4,), "scale_inv_bwd": (4,), "amax_history_bwd": (4, 4)}
     assert torch.equal(data["scale_inv_fwd"], 1 / te["scale_fwd"])  # TE 2.x keeps none: 1 / scale
     # it is checkpoint data: tensors, and JSON for the rest (no pickle anywhere)
-    tensors, docs = sharded.flatten_state({"fp8": data})
+    tensors, docs = entries.flatten_state({"fp8": data})
     assert sorted(tensors) == sorted(f"fp8/{k}" for k in data if k != "meta") and list(docs) == ["fp8/meta/@json"]
 
     back = fslots.te_extra_state_from_data(data, te["recipe"])
@@ -334,7 +334,8 @@ def test_a_module_shaped_like_transformer_engine_saves_one_layout_before_and_aft
         tmp_path, monkeypatch):
     recipe = FP8Recipe("delayed", amax_history_len=4)
     te_recipe = DelayedScaling(amax_history_len=4)
-    monkeypatch.setattr(fslots, "_te_recipe", lambda rc: te_recipe)  # the TE recipe object HPPPrecision's context uses
+    # the TE recipe object HPPPrecision's context uses
+    monkeypatch.setattr(fslots, "te_recipe_of", lambda rc: te_recipe)
     torch.manual_seed(0)
     model = nn.Sequential(_FakeTELinear(16))
 
@@ -367,7 +368,7 @@ def test_a_module_shaped_like_transformer_engine_saves_one_layout_before_and_aft
 
 
 def test_a_resume_under_another_recipe_warns_and_starts_its_scaling_afresh(tmp_path):
-    from lightning_hpp.precision.fp8 import EmulatedFP8Linear
+    from lightning_hpp.precision.fp8_emulation import EmulatedFP8Linear
 
     saved = nn.Sequential(EmulatedFP8Linear(16, 16, recipe=FP8Recipe("delayed", amax_history_len=4)))
     saved(torch.randn(8, 16))

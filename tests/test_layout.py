@@ -23,12 +23,17 @@ A static scan: every module under ``lightning_hpp/`` is parsed with :mod:`ast`, 
   may go anywhere; an edge to a package ``__init__`` run on the way lands in the imported module's
   part and is judged like the import itself). A module whose part is not in :data:`FLOORS` fails,
   so a new part gets a floor when it is added; a declared part that does not exist is fine.
+* No private name crosses modules: ``from lightning_hpp.x import _name`` fails unless ``_name`` is a
+  submodule (``from lightning_hpp import _dist``); what another module needs is public where it lives.
+* Size: no module of ``lightning_hpp`` over :data:`MAX_MODULE_LINES` lines, and no line of the
+  project's Python (:data:`LINE_LIMIT_DIRS`) longer than pyproject's ``[tool.ruff] line-length``.
 """
 
 from __future__ import annotations
 
 import ast
 import itertools
+import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,9 +55,9 @@ INIT = "__init__"
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("errors",),  # 0
     ("validation",),  # 1
-    ("_dist", "_git", "_timing", "examples_data", "liveness"),  # 2
+    ("_dist", "_git", "_timing", "examples_data", "liveness", "redaction"),  # 2
     ("checkpoint",),  # 3
-    ("redaction", "launch"),  # 4
+    ("launch",),  # 4
     ("pipeline",),  # 5
     ("planning",),  # 6
     ("model",),  # 7
@@ -74,6 +79,12 @@ FORBIDDEN_IMPORTS: tuple[tuple[str, str], ...] = (
     ("bias", "planning"),  # the coded-bias guards read the pipeline through its view, never the planner
 )
 """(importer, imported): downward imports the design rules out."""
+
+MAX_MODULE_LINES = 600
+"""The most lines a module of ``lightning_hpp`` may have: past it, it holds more than one concept."""
+
+LINE_LIMIT_DIRS = ("lightning_hpp", "tests", "benchmarks", "examples", "scripts", "hydra_plugins")
+"""The directories whose ``.py`` files keep pyproject's line length."""
 
 _LIGHTNING_TOPS = ("lightning", "lightning.pytorch", "pytorch_lightning")
 _TRAINER_PACKAGES = ("lightning.pytorch.trainer", "pytorch_lightning.trainer")
@@ -381,6 +392,32 @@ def floor_offenders(
     return out + [msg for *_, msg in sorted(judged)]
 
 
+def private_imports(modules: dict[str, Module], package: str) -> list[str]:
+    """``path:line`` messages for every ``from <package module> import _name`` where ``_name`` is not a
+    submodule (a private module such as ``_dist`` may be imported; a private name of another module may not)."""
+    out = []
+    for mod in modules.values():
+        for imp in scan_imports(mod):
+            if not imp.names or not (imp.module == package or imp.module.startswith(package + ".")):
+                continue
+            for name in imp.names:
+                private = name.startswith("_") and not name.startswith("__")
+                if private and f"{imp.module}.{name}" not in modules and imp.module != mod.name:
+                    out.append(f"{mod.rel}:{imp.line}: `{imp.source}` imports {imp.module}'s private name {name}")
+    return out
+
+
+def long_lines(root: Path, dirs: tuple[str, ...], limit: int) -> list[str]:
+    """``path:line (n characters)`` for every line of a ``.py`` file under ``root/dirs`` longer than ``limit``."""
+    out = []
+    for top in dirs:
+        for path in sorted((root / top).rglob("*.py")):
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if len(line) > limit:
+                    out.append(f"{path.relative_to(root).as_posix()}:{i} ({len(line)} characters)")
+    return out
+
+
 # ------------------------------------------------------------------------------------------- tests
 _CYCLE_HINT = (
     "Break it: import the leaf module rather than the package `__init__`, or move the shared piece "
@@ -538,3 +575,48 @@ def test_floor_check_reports_upward_sibling_and_forbidden_imports(tmp_path):
     offenders = floor_offenders(find_modules(tmp_path, "toypkg"), "toypkg", floors, siblings_allowed, forbidden)
     assert offenders[0].startswith("toypkg/stray.py: module toypkg.stray is not in any floor: add `'stray'` to FLOORS")
     assert len(offenders) == 6
+
+
+def test_no_private_name_imported_across_modules():
+    offenders = private_imports(find_modules(ROOT, PACKAGE), PACKAGE)
+    assert not offenders, (
+        f"{len(offenders)} private name(s) imported from another module:\n" + "\n".join(offenders) + "\n"
+        "Fix it: make the name public (no leading underscore, a docstring) in the module that owns it, or move "
+        "what both modules need into a small module of its own."
+    )
+
+
+def test_private_import_check_reports_names_not_private_modules(tmp_path):
+    files = {
+        "toypkg/__init__.py": "",
+        "toypkg/_low.py": "X = 1\n_Y = 2\n",
+        "toypkg/a.py": "from toypkg import _low\nfrom toypkg._low import X\nfrom toypkg._low import _Y\n",
+        "toypkg/b.py": "def f():\n    from .a import _helper\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    offenders = private_imports(find_modules(tmp_path, "toypkg"), "toypkg")
+    assert offenders == [
+        "toypkg/a.py:3: `from toypkg._low import _Y` imports toypkg._low's private name _Y",
+        "toypkg/b.py:2: `from .a import _helper` imports toypkg.a's private name _helper",
+    ], "\n".join(offenders)
+
+
+def test_no_module_of_lightning_hpp_over_the_size_limit():
+    sizes = {m.rel: len(m.path.read_text(encoding="utf-8").splitlines()) for m in find_modules(ROOT, PACKAGE).values()}
+    over = sorted((n, rel) for rel, n in sizes.items() if n > MAX_MODULE_LINES)
+    assert not over, (
+        f"{len(over)} module(s) over {MAX_MODULE_LINES} lines: "
+        + ", ".join(f"{rel} ({n})" for n, rel in over)
+        + ". Split each by concept into modules named for what they hold."
+    )
+
+
+def test_no_line_over_the_project_line_length():
+    limit = int(re.search(r"^line-length\s*=\s*(\d+)", (ROOT / "pyproject.toml").read_text(), re.M).group(1))
+    offenders = long_lines(ROOT, LINE_LIMIT_DIRS, limit)
+    assert not offenders, (
+        f"{len(offenders)} line(s) over {limit} characters (pyproject's [tool.ruff] line-length):\n"
+        + "\n".join(offenders[:50]) + ("\n..." if len(offenders) > 50 else "") + "\nWrap them."
+    )

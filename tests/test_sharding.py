@@ -187,12 +187,16 @@ def replica_mean_losses(outs, replicas: list[int]):
 def assert_params(outs, want: dict, tol=TOL):
     import torch
 
+    from tests.harness.zoo.real import uncompared
+
     got = {}
     for o in outs:  # every copy (each replica's, each stage's of a tied weight) equals the reference
         for name, value in o["state"].items():
             torch.testing.assert_close(value, want[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
             got[name] = value
-    assert set(want) - set(got) <= {"model.lm_head.weight"} and set(got) <= set(want)
+    assert set(got) <= set(want), sorted(set(got) - set(want))
+    missing = uncompared(want, set(got))
+    assert not missing, f"not compared (and not tied to a compared one): {missing}"
 
 
 def _stage_names(outs) -> list[set[str]]:

@@ -19,12 +19,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lightning_hpp.checkpoint import save_sharded
-from lightning_hpp.checkpoint.sharded import parse_key
+from lightning_hpp.checkpoint.entries import parse_key
 from lightning_hpp.checkpoint.weights import load_stage_weights
 from lightning_hpp.errors import CheckpointError
 from tests.harness.zoo.real import SEQ, VOCAB, LMWrapper, gpt2, llama
 
-import transformers  # noqa: F401,E402 - installed by scripts/setup.sh: a missing one is a broken environment, not a skip
+# installed by scripts/setup.sh: a missing one is a broken environment, not a skip
+import transformers  # noqa: F401,E402
 
 LAYERS = 3
 

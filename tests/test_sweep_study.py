@@ -54,11 +54,15 @@ def _wait_until(condition, timeout: float, what: str, proc: Running | None = Non
         time.sleep(0.05)
 
 
-def _trials(sweep: Path) -> list:
+def _study(sweep: Path):
     import optuna
 
     storage = open_storage(f"sqlite:///{sweep / 'study.db'}")
-    return optuna.load_study(study_name="mlp_sweep_asha", storage=storage).get_trials()
+    return optuna.load_study(study_name="mlp_sweep_asha", storage=storage)
+
+
+def _trials(sweep: Path) -> list:
+    return _study(sweep).get_trials()
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +130,20 @@ def test_asha_prunes_trials_and_every_rank_of_a_pruned_trial_exits(killed_and_re
         if r["retry_of"] is None:
             assert sorted([s, v] for s, v in t.intermediate_values.items()) == r["curve"]
             assert r["study"]["curve"] == r["curve"]  # what rank 0 reported is what the study holds
+    # the pruned trials are the worse ones: at the rung where each stopped, its value (the one it reported at
+    # the step it was pruned) is strictly worse than another trial's at that rung (ASHA keeps the best
+    # 1/reduction_factor of the values reported at a rung, and the first trial at a rung always goes on)
+    better = (lambda a, b: a < b) if _study(sweep).direction.name == "MINIMIZE" else (lambda a, b: a > b)
+    at_rung: dict[int, dict[int, float]] = {}
+    for t in study.values():
+        for key, value in t.system_attrs.items():
+            if key.startswith("completed_rung_"):
+                at_rung.setdefault(int(key.removeprefix("completed_rung_")), {})[t.number] = value
+    for r in pruned:
+        number, rung = r["trial_number"], r["rung"]
+        mine = at_rung[rung][number]
+        assert mine == study[number].intermediate_values[r["study"]["pruned_at_step"]], (r["num"], at_rung)
+        assert any(better(v, mine) for n, v in at_rung[rung].items() if n != number), (r["num"], rung, at_rung)
     # the summary: study and storage, a learning curve per trial, the rung where each stopped
     summary = json.loads((sweep / "summary.json").read_text())
     assert summary["study_name"] == "mlp_sweep_asha" and summary["storage"] == f"sqlite:///{sweep / 'study.db'}"

@@ -19,8 +19,10 @@ import pytest
 import torch
 
 from lightning_hpp.checkpoint.lightning_state import from_sharded, load_template, tensor_aliases, to_sharded
-from lightning_hpp.checkpoint.sharded import checkpoint_keys, load_sharded, save_sharded
-from lightning_hpp.precision.fp8 import EmulatedFP8Mode
+from lightning_hpp.checkpoint.dcp_index import checkpoint_keys
+from lightning_hpp.checkpoint.load import load_sharded
+from lightning_hpp.checkpoint.save import save_sharded
+from lightning_hpp.precision.fp8_emulation import EmulatedFP8Mode
 from tests.harness.results import load_rank, merged_state
 from tests.harness.trainer import quiet_trainer
 from tests.harness.zoo.real import LMWrapper, loader

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_hpp.checkpoint import checkpoint_url, load_sharded, save_sharded, verify
-from lightning_hpp.checkpoint.store import delete_checkpoint
+from lightning_hpp.checkpoint.commit import delete_checkpoint
 
 
 def make_state(mparams: int) -> dict:

@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from lightning_hpp.checkpoint import CheckpointWarning, Retention, load_sharded, save_sharded, verify
 from lightning_hpp.checkpoint.resume import PendingResume, select_and_load
-from lightning_hpp.checkpoint.store import CORRUPT_DIR, checkpoint_url
+from lightning_hpp.checkpoint.discovery import CORRUPT_DIR
+from lightning_hpp.checkpoint.storage import checkpoint_url
 from lightning_hpp.errors import CorruptCheckpointError
 from tests.ckpt_workers.damage import DAMAGES, digest
 

@@ -87,22 +87,43 @@ def recovery_run(out: Path, timeout: float, private_store: bool) -> dict[str, An
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LOGLEVEL": "INFO"}
     if private_store:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-           "--monitor-interval", "0.5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{find_free_network_port()}",
-           "-m", "tests.workers.run_resume", json.dumps(cfg)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.5",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{find_free_network_port()}",
+        "-m",
+        "tests.workers.run_resume",
+        json.dumps(cfg),
+    ]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     (out / "torchrun.stderr").write_text(proc.stderr)
     res: dict[str, Any] = {"returncode": proc.returncode, "wall_s": time.time() - t0}
     if proc.returncode != 0 or not (out / "first_step_after_restart").exists():
-        cause = "gloo connect refused after the restart" if "connectFullMesh failed" in proc.stderr else "see torchrun.stderr"
+        cause = (
+            "gloo connect refused after the restart"
+            if "connectFullMesh failed" in proc.stderr
+            else "see torchrun.stderr"
+        )
         res.update(ok=False, cause=cause, stderr_tail=proc.stderr[-1500:])
         return res
     killed = float((out / "killed_at").read_text())
     first = json.loads((out / "first_step_after_restart").read_text())
     setup_done = (out / "stage_plan.json").stat().st_mtime  # rewritten by the restarted job's setup
     ev = _agent_events(proc.stderr, datetime.datetime.fromtimestamp(killed).date())
-    res.update(ok=first["global_step"] == KILL_AT, resumed_step=first["global_step"] - 1, recovery_s=first["time"] - killed)
+    res.update(
+        ok=first["global_step"] == KILL_AT, resumed_step=first["global_step"] - 1, recovery_s=first["time"] - killed
+    )
     if {"failed", "rendezvous"} <= ev.keys():
         res["phases"] = {
             "detect + stop survivors": ev["failed"] - killed,
@@ -233,7 +254,10 @@ def report(rec: dict[str, Any] | None, stall: dict[str, Any] | None, job: dict[s
         lines += ["| recovery after kill -9 (torchrun --max-restarts 1) | median (s) | runs (s) |", "|---|---:|---|"]
         if ok:
             total = [r["recovery_s"] for r in ok]
-            lines.append(f"| **kill → first resumed step** | **{statistics.median(total):.2f}** | {', '.join(f'{t:.2f}' for t in total)} |")
+            lines.append(
+                f"| **kill → first resumed step** | **{statistics.median(total):.2f}** | "
+                f"{', '.join(f'{t:.2f}' for t in total)} |"
+            )
             phases = [r["phases"] for r in ok if "phases" in r]
             for name in (phases[0] if phases else {}):
                 vals = [p[name] for p in phases]
@@ -244,8 +268,10 @@ def report(rec: dict[str, Any] | None, stall: dict[str, Any] | None, job: dict[s
             from tests.harness.zoo import MLP
 
             n = sum(p.numel() for p in MLP().parameters())
-            lines.append(f"field report: {FIELD_REPORT_S} s average on 256 GPUs (not like for like: 2 CPU processes on one "
-                         f"host, the tests' {n}-parameter MLP, no node replacement, no scheduler, no NCCL start-up)")
+            lines.append(
+                f"field report: {FIELD_REPORT_S} s average on 256 GPUs (not like for like: 2 CPU processes on one "
+                f"host, the tests' {n}-parameter MLP, no node replacement, no scheduler, no NCCL start-up)"
+            )
     if stall is not None:
         ckpt_mb = job["params"] * 4 * 2 / 1e6
         lines += ["", f"| stall per checkpoint ({job['params'] / 1e6:.0f}M parameters, {ckpt_mb:.0f} MB per checkpoint "
@@ -257,7 +283,8 @@ def report(rec: dict[str, Any] | None, stall: dict[str, Any] | None, job: dict[s
             f"| stall of the saving step (s) | {s['save_step_s'] - stall['normal_step_s']:.2f} | "
             f"{a['save_step_s'] - stall['normal_step_s']:.2f} |",
             f"| step after the save (median, s) | {s['next_step_s']:.2f} | {a['next_step_s']:.2f} |",
-            f"| training time lost per checkpoint (median, s) | {s['lost_per_ckpt_s']:.2f} | {a['lost_per_ckpt_s']:.2f} |",
+            f"| training time lost per checkpoint (median, s) | {s['lost_per_ckpt_s']:.2f} | "
+            f"{a['lost_per_ckpt_s']:.2f} |",
             f"| checkpoints measured | {s['checkpoints']} | {a['checkpoints']} |",
         ]
     return "\n".join(lines)
@@ -267,25 +294,45 @@ def environment() -> dict[str, Any]:
     import lightning
     import torch
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())
-    return {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__, "cpu": cpu,
-            "cores": os.cpu_count(), "load_average_start": os.getloadavg()}
+    cpu = next(
+        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+        platform.processor(),
+    )
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "load_average_start": os.getloadavg(),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--runs", type=int, default=3, help="successful recoveries to take the median of")
-    p.add_argument("--max-tries", type=int, default=6, help="recovery jobs to start at most (failed restarts are reported)")
-    p.add_argument("--private-store", action="store_true",
-                   help="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh TCPStore per restart instead of the agent's shared one")
-    p.add_argument("--mparams", type=int, default=100, help="model size for the stall benchmark, millions of parameters")
+    p.add_argument(
+        "--max-tries", type=int, default=6, help="recovery jobs to start at most (failed restarts are reported)"
+    )
+    p.add_argument(
+        "--private-store",
+        action="store_true",
+        help="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh TCPStore per restart instead of the agent's shared one",
+    )
+    p.add_argument(
+        "--mparams", type=int, default=100, help="model size for the stall benchmark, millions of parameters"
+    )
     p.add_argument("--every", type=int, default=5, help="checkpoint every N steps (stall benchmark)")
     p.add_argument("--saves", type=int, default=3, help="checkpoints per fit (stall benchmark)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved sync/async rounds (stall benchmark)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--skip-recovery", action="store_true")
     p.add_argument("--skip-stall", action="store_true")
-    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory; removed afterwards)")
+    p.add_argument(
+        "--dir", default=None, help="where checkpoints go (default: a temporary directory; removed afterwards)"
+    )
     p.add_argument("--keep", default=None, help="keep each recovery job's files under this directory")
     p.add_argument("--out", default=str(ROOT / "runs" / "recovery_bench"))
     p.add_argument("--stall-worker", help=argparse.SUPPRESS)
@@ -299,24 +346,42 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     rec = stall = None
     width, blocks = 2048, max(2, 2 * round(args.mparams * 1e6 / 2048**2 / 2))
-    job = {"width": width, "blocks": blocks, "batch": args.batch, "m": 4, "every": args.every, "rounds": args.rounds,
-           "steps": args.every * args.saves + args.every - 1, "params": blocks * (width * width + width) + width * 10 + 10,
-           "out": str(out)}
+    job = {
+        "width": width,
+        "blocks": blocks,
+        "batch": args.batch,
+        "m": 4,
+        "every": args.every,
+        "rounds": args.rounds,
+        "steps": args.every * args.saves + args.every - 1,
+        "params": blocks * (width * width + width) + width * 10 + 10,
+        "out": str(out),
+    }
     if not args.skip_recovery:
         print("recovery after kill -9:", flush=True)
         rec = bench_recovery(args.runs, args.max_tries, 400, args.private_store, args.keep)
     if not args.skip_stall:
         root = tempfile.mkdtemp(prefix="hpp-stall-", dir=args.dir)
         try:
-            print(f"stall: {job['params'] / 1e6:.1f}M parameters, {job['steps']} steps per fit, checkpoint every {args.every}", flush=True)
+            print(
+                f"stall: {job['params'] / 1e6:.1f}M parameters, {job['steps']} steps per fit, checkpoint every "
+                f"{args.every}",
+                flush=True,
+            )
             stall = summarize_stall(launch_stall({**job, "ckpt_root": root}), args.every, warmup=1)
         finally:
             shutil.rmtree(root, ignore_errors=True)
-    env.update(load_average_end=os.getloadavg(), wall_s=round(time.time() - started, 1), command=" ".join(["python", *sys.argv]),
-               private_store=args.private_store)
+    env.update(
+        load_average_end=os.getloadavg(),
+        wall_s=round(time.time() - started, 1),
+        command=" ".join(["python", *sys.argv]),
+        private_store=args.private_store,
+    )
     text = report(rec, stall, job)
     print("\n" + text)
-    (out / "results.json").write_text(json.dumps({"environment": env, "recovery": rec, "stall": stall, "job": job}, indent=1, default=str))
+    (out / "results.json").write_text(
+        json.dumps({"environment": env, "recovery": rec, "stall": stall, "job": job}, indent=1, default=str)
+    )
     (out / "results.md").write_text(f"Environment: {json.dumps(env)}\n\n{text}\n")
     print(f"\nwrote {out / 'results.md'} and {out / 'results.json'} in {env['wall_s']:.0f} s")
 

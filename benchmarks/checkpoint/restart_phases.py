@@ -71,7 +71,9 @@ def worker(cfg: dict[str, Any]) -> None:
 
     stamps["imported"] = time.time()
 
-    def timed(owner: Any, name: str, before: str | None = None, after: str | None = None, total: str | None = None) -> None:
+    def timed(
+        owner: Any, name: str, before: str | None = None, after: str | None = None, total: str | None = None
+    ) -> None:
         fn = getattr(owner, name)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -101,8 +103,9 @@ def worker(cfg: dict[str, Any]) -> None:
             if "batch_end" not in stamps:
                 stamps["batch_end"] = time.time()
                 rank = trainer.global_rank
-                Path(cfg["out"], f"phases_attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}_rank{rank}.json").write_text(
-                    json.dumps({"stamps": stamps, "sums": sums, "global_step": trainer.global_step}))
+                Path(
+                    cfg["out"], f"phases_attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}_rank{rank}.json"
+                ).write_text(json.dumps({"stamps": stamps, "sums": sums, "global_step": trainer.global_step}))
 
     init = L.Trainer.__init__
 
@@ -136,13 +139,42 @@ LAUNCHERS = {"torchrun": "torch.distributed.run", "lightning_hpp.torchrun": "lig
 def one_run(out: Path, launcher: str) -> dict[str, Any]:
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-    cfg = {"stages": [["layers.0-3"], ["layers.4-6"]], "steps": 8, "tag": "phases", "out": str(out), "ckpt_dir": str(out / "ckpt"),
-           "every": 2, "resume": "auto", "kill_at": 5, "kill_rank": 1}
+    cfg = {
+        "stages": [["layers.0-3"], ["layers.4-6"]],
+        "steps": 8,
+        "tag": "phases",
+        "out": str(out),
+        "ckpt_dir": str(out / "ckpt"),
+        "every": 2,
+        "resume": "auto",
+        "kill_at": 5,
+        "kill_rank": 1,
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", LAUNCHERS[launcher], "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.5",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{find_free_network_port()}", str(Path(__file__).resolve()),
-         "--worker", json.dumps(cfg)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            LAUNCHERS[launcher],
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--monitor-interval",
+            "0.5",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{find_free_network_port()}",
+            str(Path(__file__).resolve()),
+            "--worker",
+            json.dumps(cfg),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"the job failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     killed_at = float((out / "killed_at").read_text())

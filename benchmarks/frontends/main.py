@@ -126,9 +126,19 @@ def _timer() -> Any:
 def _trainer(strategy: Any, callbacks: list[Any], steps: int) -> Any:
     import lightning as L
 
-    return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=callbacks, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     num_sanity_val_steps=0, limit_val_batches=0)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
 
 
 def traced_paired(job: dict[str, Any]) -> dict[str, Any]:
@@ -151,7 +161,9 @@ def traced_paired(job: dict[str, Any]) -> dict[str, Any]:
     paired = RawAfterEach()
     plan = StagePlan.split_at([f"model.transformer.h.{job['layers'] // 2}"])
     strategy = HPPStrategy(plan=plan, schedule=job["schedule"], n_microbatches=job["m"], frontend="traced", timeout=300)
-    _trainer(strategy, [timer, paired], steps).fit(_gpt2(job), DataLoader(data, batch_size=job["batch"], drop_last=True))
+    _trainer(strategy, [timer, paired], steps).fit(
+        _gpt2(job), DataLoader(data, batch_size=job["batch"], drop_last=True)
+    )
     w = job["warmup"]
     return {"hpp_s": timer.times[w:], "raw_s": paired.times[w:],
             "hpp_over_raw": [r / h for h, r in zip(timer.times[w:], paired.times[w:])]}
@@ -170,8 +182,12 @@ def frontends(job: dict[str, Any]) -> dict[str, Any]:
     for _ in range(job["rounds"]):
         for frontend in ("sequential", "traced"):
             timer = _timer()
-            strategy = HPPStrategy(plan=plan, schedule=job["schedule"], n_microbatches=job["m"], frontend=frontend, timeout=300)
-            _trainer(strategy, [timer], steps).fit(build("mlp", size), DataLoader(dataset("mlp", size, steps), batch_size=size.batch, drop_last=True))
+            strategy = HPPStrategy(
+                plan=plan, schedule=job["schedule"], n_microbatches=job["m"], frontend=frontend, timeout=300
+            )
+            _trainer(strategy, [timer], steps).fit(
+                build("mlp", size), DataLoader(dataset("mlp", size, steps), batch_size=size.batch, drop_last=True)
+            )
             assert strategy.plan.meta["frontend"] == frontend
             times[frontend] += timer.times[job["warmup"]:]
     return times
@@ -219,7 +235,9 @@ def main(argv: list[str] | None = None) -> None:
         "traced GPT-2: HPPStrategy ÷ raw torch traced pipeline (paired, throughput)": round(ratio, 3),
         "traced GPT-2: HPPStrategy step ms (median)": round(1e3 * statistics.median(hpp), 1),
         "traced GPT-2: raw step ms (median)": round(1e3 * statistics.median(raw), 1),
-        "chain MLP: traced ÷ sequential frontend (throughput, ratio of medians)": round(statistics.median(seq) / statistics.median(tr), 3),
+        "chain MLP: traced ÷ sequential frontend (throughput, ratio of medians)": round(
+            statistics.median(seq) / statistics.median(tr), 3
+        ),
         "chain MLP: sequential step ms (median)": round(1e3 * statistics.median(seq), 1),
         "chain MLP: traced step ms (median)": round(1e3 * statistics.median(tr), 1),
         "wall_s": round(time.perf_counter() - t0, 1),

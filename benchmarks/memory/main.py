@@ -31,7 +31,8 @@ Configurations per size, each in 4 fresh processes (one launch per configuration
   refuses CPU, so FSDP2 runs through HPPStrategy's one-stage path), ``--m`` micro-batches a step;
 * ``fsdp_m1``   — the same with one micro-batch a step (the whole batch at once, as FSDP alone runs): the
   stage's last backward reshards block by block, so one block is gathered at a time, as in ``fsdp_plain``;
-* ``fsdp_plain`` — FSDP2 as users run it alone, outside pipelining and outside Lightning: ``init_process_group("gloo")``,
+* ``fsdp_plain`` — FSDP2 as users run it alone, outside pipelining and outside Lightning:
+``init_process_group("gloo")``,
   the MLP built on the meta device, ``fully_shard(block, reshard_after_forward=True)`` per block and then on the root,
   ``to_empty`` + the initializers HPPStrategy's materialization runs (the same weights), ``--optimizer``, and
   ``loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)`` on the rank's batch / 4.
@@ -97,9 +98,19 @@ LABELS = {
     "fsdp_m1": "HPP pp=1 × fsdp 4, reshard_after_forward, m=1 (meta)",
     "fsdp_plain": "FSDP2 alone × 4, reshard_after_forward (meta, no Lightning)",
 }
-SHORT = {"hpp": "HPP\nmeta", "hpp_ckpt": "HPP meta\n+ ckpt", "hpp_eager": "HPP\nnon-meta", "ddp": "DDP",
-         "hpp_probe": "probe:\ngrads freed", "pp2_ddp": "pp2 ×\nddp2", "pp2_fsdp": "pp2 ×\nfsdp2", "pp2_fsdp_raf": "pp2 × fsdp2\nreshard", "fsdp": "fsdp4", "fsdp_m1": "fsdp4\nm=1",
-         "fsdp_plain": "FSDP2\nalone"}
+SHORT = {
+    "hpp": "HPP\nmeta",
+    "hpp_ckpt": "HPP meta\n+ ckpt",
+    "hpp_eager": "HPP\nnon-meta",
+    "ddp": "DDP",
+    "hpp_probe": "probe:\ngrads freed",
+    "pp2_ddp": "pp2 ×\nddp2",
+    "pp2_fsdp": "pp2 ×\nfsdp2",
+    "pp2_fsdp_raf": "pp2 × fsdp2\nreshard",
+    "fsdp": "fsdp4",
+    "fsdp_m1": "fsdp4\nm=1",
+    "fsdp_plain": "FSDP2\nalone",
+}
 CLASSES = 10
 MB = 2**20
 
@@ -189,7 +200,9 @@ def predict_sharded(cfg: str, blocks: int, rank: int, job: dict[str, Any], state
     stage = k * b["block"] + (b["head"] if s == pp - 1 else 0)
     shards = dp if options["data_parallel"] == "fsdp" else 1
     raf = bool(options.get("reshard_after_forward"))
-    gathered = int(gathered_bytes(stage, shards, n_microbatches=m, reshard_after_forward=raf, largest_unit_bytes=b["block"]))
+    gathered = int(
+        gathered_bytes(stage, shards, n_microbatches=m, reshard_after_forward=raf, largest_unit_bytes=b["block"])
+    )
     a = (job["batch"] // dp // m) * w * 4
     act = min(m, pp - s) * k * a + m * a + (m * a if s < pp - 1 else 0) + 2 * a
     local = stage // shards
@@ -324,7 +337,9 @@ def baseline_worker(out: str) -> None:
 def build_mlp(width: int, blocks: int) -> Any:
     from torch import nn
 
-    return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(blocks)), nn.Linear(width, CLASSES))
+    return nn.Sequential(
+        *(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(blocks)), nn.Linear(width, CLASSES)
+    )
 
 
 def lightning_module(job: dict[str, Any], in_configure_model: bool) -> Any:
@@ -401,8 +416,14 @@ def worker(job: dict[str, Any]) -> None:
         # torch's shape inference runs a stage once on uninitialized tensors; as in benchmarks/throughput,
         # the non-finite guard warns instead of raising on that garbage
         warnings.filterwarnings("ignore", message="NaN/Inf in the", category=RuntimeWarning)
-        strategy = HPPStrategy(plan=plan, schedule="1f1b", n_microbatches=job["m"], activation_checkpointing=cfg == "hpp_ckpt",
-                               timeout=job["timeout"], precision_plugin=HPPPrecision(nonfinite="warn"))
+        strategy = HPPStrategy(
+            plan=plan,
+            schedule="1f1b",
+            n_microbatches=job["m"],
+            activation_checkpointing=cfg == "hpp_ckpt",
+            timeout=job["timeout"],
+            precision_plugin=HPPPrecision(nonfinite="warn"),
+        )
         per_rank = job["batch"]
 
     class Record(Callback):
@@ -429,9 +450,20 @@ def worker(job: dict[str, Any]) -> None:
     g = torch.Generator().manual_seed(0)
     n = job["steps"] * job["batch"]
     data = TensorDataset(torch.randn(n, job["width"], generator=g), torch.randint(0, CLASSES, (n,), generator=g))
-    trainer = L.Trainer(accelerator="cpu", devices=job["ranks"], strategy=strategy, max_steps=job["steps"], callbacks=[record],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=job["out"])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=job["ranks"],
+        strategy=strategy,
+        max_steps=job["steps"],
+        callbacks=[record],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=job["out"],
+    )
     trainer.fit(model, DataLoader(data, batch_size=per_rank, drop_last=True))
 
     params = [p for p in model.parameters() if not p.is_meta]
@@ -491,7 +523,9 @@ def plain_fsdp_worker(job: dict[str, Any], rank: int, progress: Progress) -> Non
     sampler = DistributedSampler(data, num_replicas=job["ranks"], rank=rank, shuffle=False)  # what Lightning's DDP adds
     losses: list[float] = []
     step_s: list[float] = []
-    for i, (x, y) in enumerate(DataLoader(data, batch_size=job["batch"] // job["ranks"], sampler=sampler, drop_last=True)):
+    for i, (x, y) in enumerate(
+        DataLoader(data, batch_size=job["batch"] // job["ranks"], sampler=sampler, drop_last=True)
+    ):
         t = time.perf_counter()
         loss = F.cross_entropy(mlp(x), y)
         loss.backward()
@@ -507,9 +541,16 @@ def plain_fsdp_worker(job: dict[str, Any], rank: int, progress: Progress) -> Non
 
     params = list(mlp.parameters())
     state_bytes = sum(local(t) for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
-    progress.mark("done", losses=losses, step_s=step_s, stages="all", param_bytes=sum(local(p) for p in params),
-                  grad_bytes=sum(local(p.grad) for p in params if p.grad is not None), optimizer_state_bytes=state_bytes,
-                  meta_params_left=sum(p.is_meta for p in params))
+    progress.mark(
+        "done",
+        losses=losses,
+        step_s=step_s,
+        stages="all",
+        param_bytes=sum(local(p) for p in params),
+        grad_bytes=sum(local(p.grad) for p in params if p.grad is not None),
+        optimizer_state_bytes=state_bytes,
+        meta_params_left=sum(p.is_meta for p in params),
+    )
     dist.destroy_process_group()
 
 
@@ -521,8 +562,12 @@ def _free_port() -> int:
 
 
 def _rank_env(extra: dict[str, str]) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            **extra}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        **extra,
+    }
 
 
 def supervise(procs: list[subprocess.Popen], timeout: float, grace: float) -> list[dict[str, Any]]:
@@ -576,7 +621,9 @@ def launch(job: dict[str, Any], tag: str, limit: int | None, *, baseline: bool =
             for r in range(n):
                 log = open(out / f"rank{r}.log", "w")  # noqa: SIM115  (closed below, also on failure)
                 logs.append(log)
-                env = _rank_env({**common, **job.get("env", {}), GROUP_ENV: groups.prefix, "RANK": str(r), "LOCAL_RANK": str(r)})
+                env = _rank_env(
+                    {**common, **job.get("env", {}), GROUP_ENV: groups.prefix, "RANK": str(r), "LOCAL_RANK": str(r)}
+                )
                 procs.append(subprocess.Popen([sys.executable, str(script or Path(__file__).resolve()), *args], env=env,
                                               stdout=log, stderr=subprocess.STDOUT, cwd=out))
             exits = supervise(procs, job.get("run_timeout", 600), job.get("grace", 30))
@@ -611,8 +658,10 @@ def classify(exits: list[dict[str, Any]], stats: list[dict[str, Any]]) -> list[s
 def measure_baseline(out: Path, env: dict[str, str]) -> dict[str, Any]:
     """4 idle processes at once, each in its own unlimited group: torch + Lightning + lightning_hpp imported."""
     # warm the page cache from this (unmeasured) process first, so no group is charged for reading libraries
-    warm = ("import torch, lightning.pytorch, lightning_hpp, torch.distributed.pipelining, torch._subclasses.fake_tensor, "
-            "torch.nn.parallel")
+    warm = (
+        "import torch, lightning.pytorch, lightning_hpp, torch.distributed.pipelining, torch._subclasses.fake_tensor, "
+        "torch.nn.parallel"
+    )
     subprocess.run([sys.executable, "-c", warm], env=_rank_env(env), check=True)
     job = {"ranks": 4, "out": str(out / "logs" / "baseline"), "env": env}
     res = launch(job, "baseline", None, baseline=True)
@@ -628,23 +677,45 @@ def run_all(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     B = base["baseline_mb"] * MB
     C = footprint(args.width, args.blocks_1x, args.momentum, args.optimizer)
     limit = int(B + (1 + args.headroom) * C)
-    print(f"baseline B = {B / MB:.0f} MB per process (cgroup charge; ru_maxrss {max(base['ru_maxrss_mb']):.0f} MB); "
-          f"cap C = {C / MB:.0f} MB; memory.limit_in_bytes = B + {1 + args.headroom:g}·C = {limit / MB:.0f} MB per rank", flush=True)
+    print(
+        f"baseline B = {B / MB:.0f} MB per process (cgroup charge; ru_maxrss {max(base['ru_maxrss_mb']):.0f} MB); "
+        f"cap C = {C / MB:.0f} MB; memory.limit_in_bytes = B + {1 + args.headroom:g}·C = {limit / MB:.0f} MB per rank",
+        flush=True,
+    )
     runs = []
     for scale in args.scales:
         blocks = args.blocks_1x * scale
         if blocks % args.pp:
-            raise SystemExit(f"{blocks} blocks do not cut into {args.pp} equal stages; choose --blocks-1x divisible by {args.pp}.")
+            raise SystemExit(
+                f"{blocks} blocks do not cut into {args.pp} equal stages; choose --blocks-1x divisible by {args.pp}."
+            )
         for cfg in args.configs:
             tag = f"{scale}x_{cfg}"
-            job = {"cfg": cfg, "width": args.width, "blocks": blocks, "batch": args.batch, "m": 1 if cfg in ONE_MICROBATCH else args.m, "pp": args.pp,
-                   "ranks": args.pp, "steps": args.steps, "lr": args.lr, "momentum": args.momentum, "optimizer": args.optimizer, "timeout": args.timeout,
-                   "grace": args.grace, "run_timeout": args.run_timeout, "out": str(out / "logs" / tag), "env": env}
+            job = {
+                "cfg": cfg,
+                "width": args.width,
+                "blocks": blocks,
+                "batch": args.batch,
+                "m": 1 if cfg in ONE_MICROBATCH else args.m,
+                "pp": args.pp,
+                "ranks": args.pp,
+                "steps": args.steps,
+                "lr": args.lr,
+                "momentum": args.momentum,
+                "optimizer": args.optimizer,
+                "timeout": args.timeout,
+                "grace": args.grace,
+                "run_timeout": args.run_timeout,
+                "out": str(out / "logs" / tag),
+                "env": env,
+            }
             t0 = time.time()
             res = launch(job, tag, limit)
             wall = time.time() - t0
             ranks = []
-            for r, (e, s, outcome) in enumerate(zip(res["exits"], res["groups"], classify(res["exits"], res["groups"]))):
+            for r, (e, s, outcome) in enumerate(
+                zip(res["exits"], res["groups"], classify(res["exits"], res["groups"]))
+            ):
                 rec_path = Path(job["out"]) / f"rank{r}.json"
                 rec = json.loads(rec_path.read_text()) if rec_path.exists() else {"phases": []}
                 pred = predict(cfg, blocks, r, job)
@@ -655,23 +726,45 @@ def run_all(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                     "last_phase": rec["phases"][-1]["phase"] if rec["phases"] else "(before joining its group)",
                     "record": rec,
                 })
-            row = {"scale": scale, "blocks": blocks, "cfg": cfg, "label": LABELS[cfg], "wall_s": round(wall, 1), "ranks": ranks,
-                   "params": blocks * (args.width**2 + args.width) + args.width * CLASSES + CLASSES,
-                   "footprint_mb": footprint(args.width, blocks, args.momentum, args.optimizer) / MB}
+            row = {
+                "scale": scale,
+                "blocks": blocks,
+                "cfg": cfg,
+                "label": LABELS[cfg],
+                "wall_s": round(wall, 1),
+                "ranks": ranks,
+                "params": blocks * (args.width**2 + args.width) + args.width * CLASSES + CLASSES,
+                "footprint_mb": footprint(args.width, blocks, args.momentum, args.optimizer) / MB,
+            }
             runs.append(row)
-            print(f"{scale}x ({blocks} blocks) {LABELS[cfg]}: " + ", ".join(
-                f"r{x['rank']} {x['outcome']} {x['peak_mb']:.0f} MB ({x['ratio']:.2f}, {x['last_phase']})" for x in ranks)
-                + f"  [{wall:.0f} s]", flush=True)
+            print(
+                f"{scale}x ({blocks} blocks) {LABELS[cfg]}: "
+                + ", ".join(
+                    f"r{x['rank']} {x['outcome']} {x['peak_mb']:.0f} MB ({x['ratio']:.2f}, {x['last_phase']})"
+                    for x in ranks
+                )
+                + f"  [{wall:.0f} s]",
+                flush=True,
+            )
     return {"baseline": base, "B_mb": B / MB, "C_mb": C / MB, "limit_mb": limit / MB, "runs": runs}
 
 
 # ============================================================================================ report
 def table(res: dict[str, Any]) -> str:
-    short = {"finished": "ok", "OOM-killed": "**OOM**", "failed (peer OOM-killed)": "peer†", "stopped (peer OOM-killed)": "stop†",
-             "stopped (timeout)": "timeout"}
-    lines = [("| size | configuration | outcome per rank | peak MB per rank (cgroup) | ru_maxrss MB | B + predicted MB | "
-              "peak ÷ (B + predicted) | failcnt | OOM-killed during | s |"),
-             "|---|---|---|---|---|---|---|---|---|---:|"]
+    short = {
+        "finished": "ok",
+        "OOM-killed": "**OOM**",
+        "failed (peer OOM-killed)": "peer†",
+        "stopped (peer OOM-killed)": "stop†",
+        "stopped (timeout)": "timeout",
+    }
+    lines = [
+        (
+            "| size | configuration | outcome per rank | peak MB per rank (cgroup) | ru_maxrss MB | B + predicted MB | "
+            "peak ÷ (B + predicted) | failcnt | OOM-killed during | s |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---:|",
+    ]
     for run in res["runs"]:
         rk = run["ranks"]
 
@@ -681,9 +774,11 @@ def table(res: dict[str, Any]) -> str:
         outcomes = " / ".join(short.get(x["outcome"], x["outcome"]) for x in rk)
         where = sorted({killed_during(x["last_phase"]) for x in rk if x["outcome"] == "OOM-killed"})
         lines.append(
-            f"| {run['scale']}× ({run['blocks']} blocks) | {run['label']} | {outcomes} | {per_rank('.0f', 'peak_mb')} | "
+            f"| {run['scale']}× ({run['blocks']} blocks) | {run['label']} | {outcomes} | {per_rank('.0f', 'peak_mb')} "
+            "| "
             f"{per_rank('.0f', 'ru_maxrss_mb')} | {per_rank('.0f', 'predicted_mb')} | {per_rank('.2f', 'ratio')} | "
-            f"{per_rank('d', 'failcnt')} | {'; '.join(where) or '—'} | {run['wall_s']:.0f} |")
+            f"{per_rank('d', 'failcnt')} | {'; '.join(where) or '—'} | {run['wall_s']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -699,15 +794,22 @@ def killed_during(last_phase: str) -> str:
 
 def breakdown(res: dict[str, Any]) -> str:
     """The predicted terms per rank of the HPP meta runs (MB)."""
-    lines = ["| size | config | rank | params | grads | optimizer | gathered (FSDP2) | activations | predicted | measured peak − B |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| size | config | rank | params | grads | optimizer | gathered (FSDP2) | activations | predicted | measured "
+        "peak − B |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for run in res["runs"]:
         if run["cfg"] not in ("hpp", "ddp", *SHARDED):
             continue
         for x in run["ranks"]:
             p = {k: v / MB for k, v in x["predicted"].items()}
-            lines.append(f"| {run['scale']}× | {run['cfg']} | {x['rank']} | {p['params']:.1f} | {p['grads']:.1f} | {p['optimizer']:.1f} | "
-                         f"{p.get('gathered', 0.0):.1f} | {p['activations']:.2f} | {p['total']:.1f} | {x['peak_mb'] - res['B_mb']:.1f} |")
+            lines.append(
+                f"| {run['scale']}× | {run['cfg']} | {x['rank']} | {p['params']:.1f} | {p['grads']:.1f} | "
+                f"{p['optimizer']:.1f} | "
+                f"{p.get('gathered', 0.0):.1f} | {p['activations']:.2f} | {p['total']:.1f} | "
+                f"{x['peak_mb'] - res['B_mb']:.1f} |"
+            )
     return "\n".join(lines)
 
 
@@ -732,7 +834,9 @@ def largest(res: dict[str, Any]) -> str:
         best = max(ok) if ok else None
         size = f"{best}× ({runs[best]['params'] / 1e6:.1f} M params)" if best else "none"
         times = [step_s(runs[sc]) if sc in runs and sc in ok else None for sc in scales]
-        lines.append(f"| {LABELS[cfg]} | {size} | " + " | ".join("—" if t is None else f"{t:.2f}" for t in times) + " |")
+        lines.append(
+            f"| {LABELS[cfg]} | {size} | " + " | ".join("—" if t is None else f"{t:.2f}" for t in times) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -744,9 +848,19 @@ def chart(res: dict[str, Any], path: Path) -> None:
     scales = sorted({r["scale"] for r in res["runs"]})
     fig = Figure(figsize=(5.2 * len(scales), 5.2))
     FigureCanvasAgg(fig)
-    colors = {"hpp": "#4C72B0", "hpp_ckpt": "#64B5CD", "hpp_eager": "#8172B2", "ddp": "#DD8452", "hpp_probe": "#55A868",
-              "pp2_ddp": "#C44E52", "pp2_fsdp": "#937860", "pp2_fsdp_raf": "#DA8BC3", "fsdp": "#8C8C8C", "fsdp_m1": "#CCB974",
-              "fsdp_plain": "#2F4F4F"}
+    colors = {
+        "hpp": "#4C72B0",
+        "hpp_ckpt": "#64B5CD",
+        "hpp_eager": "#8172B2",
+        "ddp": "#DD8452",
+        "hpp_probe": "#55A868",
+        "pp2_ddp": "#C44E52",
+        "pp2_fsdp": "#937860",
+        "pp2_fsdp_raf": "#DA8BC3",
+        "fsdp": "#8C8C8C",
+        "fsdp_m1": "#CCB974",
+        "fsdp_plain": "#2F4F4F",
+    }
     top = max(max(x["peak_mb"] for r in res["runs"] for x in r["ranks"]), res["limit_mb"]) * 1.12
     for col, scale in enumerate(scales):
         ax = fig.add_subplot(1, len(scales), 1 + col)
@@ -758,14 +872,37 @@ def chart(res: dict[str, Any], path: Path) -> None:
                 pos = i * (n + 1) + x["rank"]
                 killed = x["outcome"] != "finished"
                 ax.bar(pos, res["B_mb"], color="#D9D9D9")
-                ax.bar(pos, x["peak_mb"] - res["B_mb"], bottom=res["B_mb"], color=colors[run["cfg"]], hatch="//" if killed else None,
-                       edgecolor="#C44E52" if killed else "none", linewidth=1.2 if killed else 0)
+                ax.bar(
+                    pos,
+                    x["peak_mb"] - res["B_mb"],
+                    bottom=res["B_mb"],
+                    color=colors[run["cfg"]],
+                    hatch="//" if killed else None,
+                    edgecolor="#C44E52" if killed else "none",
+                    linewidth=1.2 if killed else 0,
+                )
                 if x["predicted_mb"] < top:
                     ax.plot([pos - 0.4, pos + 0.4], [x["predicted_mb"]] * 2, color="black", linewidth=1.5)
                 elif x["rank"] == 0:  # the prediction is off the chart: say it under the top
-                    ax.text(pos + (n - 1) / 2, top * 0.995, f"B + predicted: {x['predicted_mb']:.0f} ↑", ha="center", va="top", fontsize=6)
+                    ax.text(
+                        pos + (n - 1) / 2,
+                        top * 0.995,
+                        f"B + predicted: {x['predicted_mb']:.0f} ↑",
+                        ha="center",
+                        va="top",
+                        fontsize=6,
+                    )
                 if x["outcome"] == "OOM-killed":
-                    ax.text(pos, x["peak_mb"] + top * 0.01, "OOM", ha="center", va="bottom", fontsize=6, color="#C44E52", rotation=90)
+                    ax.text(
+                        pos,
+                        x["peak_mb"] + top * 0.01,
+                        "OOM",
+                        ha="center",
+                        va="bottom",
+                        fontsize=6,
+                        color="#C44E52",
+                        rotation=90,
+                    )
             ticks.append(i * (n + 1) + (n - 1) / 2)
             names.append(SHORT[run["cfg"]])
         ax.axhline(res["limit_mb"], color="#C44E52", linestyle="--", linewidth=1)
@@ -776,7 +913,10 @@ def chart(res: dict[str, Any], path: Path) -> None:
         ax.set_ylim(0, top)
         ax.set_ylabel("peak memory per rank, MB (cgroup max_usage)", fontsize=8)
         fp = runs[0]["footprint_mb"]
-        ax.set_title(f"{scale}× C: {runs[0]['blocks']} blocks, {runs[0]['params'] / 1e6:.0f}M params, state {fp:.0f} MB", fontsize=9)
+        ax.set_title(
+            f"{scale}× C: {runs[0]['blocks']} blocks, {runs[0]['params'] / 1e6:.0f}M params, state {fp:.0f} MB",
+            fontsize=9,
+        )
     fig.legend(handles=[Patch(facecolor="#D9D9D9", label="idle baseline B"),
                         Patch(facecolor="white", edgecolor="#C44E52", hatch="//", label="killed / did not finish"),
                         Patch(facecolor="black", label="black tick: B + predicted (rank's stage)")],
@@ -792,13 +932,22 @@ def environment() -> dict[str, Any]:
 
     with open("/proc/cpuinfo") as f:
         cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
-            "python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
-            "kernel": platform.release(), "load_average_start": os.getloadavg()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "kernel": platform.release(),
+        "load_average_start": os.getloadavg(),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--width", type=int, default=2048, help="W of the Linear(W, W) blocks")
     p.add_argument("--blocks-1x", type=int, default=8, help="blocks of the 1× model (its footprint is the cap C)")
     p.add_argument("--scales", type=int, nargs="+", default=[1, 2, 4], help="model sizes, in multiples of C")
@@ -814,9 +963,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=float, default=120, help="collective timeout of the strategies, s")
     p.add_argument("--grace", type=float, default=30, help="s the other ranks get to end on their own after one failed")
     p.add_argument("--run-timeout", type=float, default=300, help="s one configuration may take before it is killed")
-    p.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
-                   help="diagnostic: MALLOC_MMAP_THRESHOLD_ for the ranks (glibc then mmaps every block of this size or "
-                        "larger and returns it on free; default: glibc's own, dynamic threshold)")
+    p.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="diagnostic: MALLOC_MMAP_THRESHOLD_ for the ranks (glibc then mmaps every block of this size or "
+        "larger and returns it on free; default: glibc's own, dynamic threshold)",
+    )
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--baseline", help=argparse.SUPPRESS)
@@ -843,16 +997,26 @@ def main(argv: list[str] | None = None) -> None:
     env = environment()
     started = time.time()
     res = run_all(args, out)
-    env.update(load_average_end=os.getloadavg(), wall_s=round(time.time() - started, 1),
-               command=" ".join(["python", os.path.relpath(sys.argv[0], ROOT) if not os.path.isabs(sys.argv[0]) else sys.argv[0],
-                                 *sys.argv[1:]]))
+    env.update(
+        load_average_end=os.getloadavg(),
+        wall_s=round(time.time() - started, 1),
+        command=" ".join(
+            [
+                "python",
+                os.path.relpath(sys.argv[0], ROOT) if not os.path.isabs(sys.argv[0]) else sys.argv[0],
+                *sys.argv[1:],
+            ]
+        ),
+    )
     res["environment"] = env
     res["args"] = {k: v for k, v in vars(args).items() if k not in ("worker", "baseline")}
     text = table(res)
     print(f"\n{text}\n\n{largest(res)}\n\n{breakdown(res)}")
     (out / "results.json").write_text(json.dumps(res, indent=1))
-    (out / "results.md").write_text(f"Environment: {json.dumps(env)}\n\nB = {res['B_mb']:.0f} MB, C = {res['C_mb']:.0f} MB, "
-                                    f"cap {res['limit_mb']:.0f} MB\n\n{text}\n\n{largest(res)}\n\n{breakdown(res)}\n")
+    (out / "results.md").write_text(
+        f"Environment: {json.dumps(env)}\n\nB = {res['B_mb']:.0f} MB, C = {res['C_mb']:.0f} MB, "
+        f"cap {res['limit_mb']:.0f} MB\n\n{text}\n\n{largest(res)}\n\n{breakdown(res)}\n"
+    )
     chart(res, out / "memory.png")
     print(f"\nwrote {out / 'results.json'}, results.md and memory.png in {env['wall_s']:.0f} s")
 

@@ -78,8 +78,13 @@ def predict(cfg: str, rank: int, job: dict[str, Any]) -> dict[str, int]:
                                largest_unit_bytes=largest)
     a = (batch // dp) * w * 4  # one micro-batch (the replica's batch) of a block's activation
     act = k * a + a + (a if position == 0 else 0) + 2 * a  # as main.predict's count with m = 1
-    gathered = gathered_bytes(held, shard, n_microbatches=1, reshard_after_forward=bool(sharding.get("reshard_after_forward")),
-                              largest_unit_bytes=largest)
+    gathered = gathered_bytes(
+        held,
+        shard,
+        n_microbatches=1,
+        reshard_after_forward=bool(sharding.get("reshard_after_forward")),
+        largest_unit_bytes=largest,
+    )
     return {"share": int(share), "gathered": int(gathered), "activations": act, "total": int(share) + act}
 
 
@@ -195,15 +200,27 @@ def run_all(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         res = base.launch(job, f"3d_{cfg}", limit, script=Path(__file__).resolve())
         wall = time.time() - t0
         ranks = []
-        for r, (e, s, outcome) in enumerate(zip(res["exits"], res["groups"], base.classify(res["exits"], res["groups"]))):
+        for r, (e, s, outcome) in enumerate(
+            zip(res["exits"], res["groups"], base.classify(res["exits"], res["groups"]))
+        ):
             rec_path = Path(job["out"]) / f"rank{r}.json"
             rec = json.loads(rec_path.read_text()) if rec_path.exists() else {"phases": []}
             pred = predict(cfg, r, job)
-            ranks.append({"rank": r, "outcome": outcome, **e, **s, "peak_mb": s["max_usage"] / base.MB, "predicted": pred,
-                          "predicted_mb": (B + pred["total"]) / base.MB, "ratio": s["max_usage"] / (B + pred["total"]),
-                          "above_baseline_ratio": (s["max_usage"] - B) / pred["total"],
-                          "last_phase": rec["phases"][-1]["phase"] if rec["phases"] else "(before joining its group)",
-                          "record": rec})
+            ranks.append(
+                {
+                    "rank": r,
+                    "outcome": outcome,
+                    **e,
+                    **s,
+                    "peak_mb": s["max_usage"] / base.MB,
+                    "predicted": pred,
+                    "predicted_mb": (B + pred["total"]) / base.MB,
+                    "ratio": s["max_usage"] / (B + pred["total"]),
+                    "above_baseline_ratio": (s["max_usage"] - B) / pred["total"],
+                    "last_phase": rec["phases"][-1]["phase"] if rec["phases"] else "(before joining its group)",
+                    "record": rec,
+                }
+            )
         rows.append({"cfg": cfg, "label": LABELS[cfg], "wall_s": round(wall, 1), "ranks": ranks})
         print(f"{LABELS[cfg]}: " + ", ".join(f"r{x['rank']} {x['outcome']} {x['peak_mb']:.0f} MB ({x['ratio']:.2f})"
                                               for x in ranks) + f"  [{wall:.0f} s]", flush=True)
@@ -232,7 +249,9 @@ def table(res: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--width", type=int, default=4096, help="W of the Linear(W, W) blocks")
-    p.add_argument("--blocks", type=int, default=4, help="blocks (an even number per stage: tensor parallel pairs them)")
+    p.add_argument(
+        "--blocks", type=int, default=4, help="blocks (an even number per stage: tensor parallel pairs them)"
+    )
     p.add_argument("--headroom", type=float, default=0.25, help="the cap above the baseline is (1.5 + headroom)·S")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--batch", type=int, default=16, help="global batch")
@@ -262,8 +281,10 @@ def main(argv: list[str] | None = None) -> None:
     text = table(res)
     print(f"\n{text}")
     (out / "results.json").write_text(json.dumps(res, indent=1))
-    (out / "results.md").write_text(f"Environment: {json.dumps(env)}\n\nB = {res['B_mb']:.0f} MB, S = {res['S_mb']:.0f} MB, "
-                                    f"cap {res['limit_mb']:.0f} MB per rank\n\n{text}\n")
+    (out / "results.md").write_text(
+        f"Environment: {json.dumps(env)}\n\nB = {res['B_mb']:.0f} MB, S = {res['S_mb']:.0f} MB, "
+        f"cap {res['limit_mb']:.0f} MB per rank\n\n{text}\n"
+    )
     print(f"\nwrote {out / 'results.json'} and results.md in {env['wall_s']:.0f} s")
 
 

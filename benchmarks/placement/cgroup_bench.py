@@ -9,7 +9,8 @@ see (``--period-ms 100`` measures that). Each rank pins itself and (rank 1) writ
 group's ``cgroup.procs`` at the top of its worker, before torch is imported, so every thread it starts
 (torch, gloo) inherits both. Where the cgroup cannot be created (not root, cgroup v2 only, read-only
 mount), rank 1 shares core 1 with a busy-loop process instead, which the kernel's fair scheduler also
-halves it with; the output says which one ran. The group (or the busy loop) is removed afterwards, also when something fails.
+halves it with; the output says which one ran. The group (or the busy loop) is removed afterwards, also when something
+fails.
 With ``--equal`` nothing is throttled: two equal cores, one kind (``cpu``).
 
 ``--ranks 4`` runs four ranks, two per core (ranks 0 and 1 on core 0, 2 and 3 on core 1), each held by
@@ -158,7 +159,9 @@ class SlowCore:
         if self.group is None:
             return
         try:
-            self.stat = {k: int(v) for k, v in (ln.split() for ln in (self.group / "cpu.stat").read_text().splitlines())}
+            self.stat = {
+                k: int(v) for k, v in (ln.split() for ln in (self.group / "cpu.stat").read_text().splitlines())
+            }
         except (OSError, ValueError):
             pass
         try:
@@ -293,7 +296,9 @@ def worker(job: dict[str, Any]) -> None:
             res.update(config=name, round=rnd, rank=rank, wall_s=time.perf_counter() - t0)
             results.append(res)
             dist.barrier()
-    Path(job["out"], f"rank{rank}.json").write_text(json.dumps({"placed": placed, "gflops": gflops, "results": results}))
+    Path(job["out"], f"rank{rank}.json").write_text(
+        json.dumps({"placed": placed, "gflops": gflops, "results": results})
+    )
     dist.destroy_process_group()
 
 
@@ -330,7 +335,9 @@ def _timer(warmup: int) -> Any:
 def _block_counts(n: int, weights: list[float], minimum: int = 1) -> list[int]:
     """``n`` blocks in proportion to ``weights`` (largest remainders), at least ``minimum`` each."""
     if n < minimum * len(weights):
-        raise SystemExit(f"{n} blocks cannot give {len(weights)} ranks {minimum} each; use --layers {minimum * len(weights)} or more")
+        raise SystemExit(
+            f"{n} blocks cannot give {len(weights)} ranks {minimum} each; use --layers {minimum * len(weights)} or more"
+        )
     exact = [n * w / sum(weights) for w in weights]
     counts = [int(x) for x in exact]
     for i in sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)[: n - sum(counts)]:
@@ -399,15 +406,26 @@ def run_pipeline(tp: Any, job: dict[str, Any], size: Any, name: str) -> dict[str
     else:
         plan = StagePlan([StageSpec(modules=u) for u in cuts(base, [n for n, _ in find_units(model)], speeds(job))])
         fixed = {"schedule": "1f1b", "n_microbatches": int(m), "pp_degree": job["devices"]}
-    strategy = HPPStrategy(plan=plan, telemetry=TelemetryOptions(every_n_steps=10**9), placement=PlacementOptions(**placement),
-                           timeout=300, **fixed, **tp._hpp_options())
+    strategy = HPPStrategy(
+        plan=plan,
+        telemetry=TelemetryOptions(every_n_steps=10**9),
+        placement=PlacementOptions(**placement),
+        timeout=300,
+        **fixed,
+        **tp._hpp_options(),
+    )
     trainer = tp._trainer(job, strategy, [timer])
     trainer.fit(model, tp._loader(job, size, size.batch))
     telemetry = timer.telemetry
     out = {**tp._timing(timer.times, job["warmup"], True), **tp._history(telemetry.history if telemetry else [])}
     out["units"] = [list(s.modules) for s in strategy.plan.stages]
-    out["chosen"] = {"pp": strategy.mesh.pp, "dp": strategy.mesh.dp, "m": strategy.n_microbatches, "schedule": strategy.schedule,
-                     "stages": strategy.plan.num_stages}
+    out["chosen"] = {
+        "pp": strategy.mesh.pp,
+        "dp": strategy.mesh.dp,
+        "m": strategy.n_microbatches,
+        "schedule": strategy.schedule,
+        "stages": strategy.plan.num_stages,
+    }
     out["predicted"] = strategy.plan.meta.get("predicted")
     return out
 
@@ -451,7 +469,12 @@ def summarize(per_rank: list[dict[str, Any]], batch: int, names: list[str]) -> d
         if not runs[0]:
             continue
         step = max(statistics.median([t for run in rank_runs for t in run["plain"]]) for rank_runs in runs)
-        row: dict[str, Any] = {"label": label(name), "step_ms": 1e3 * step, "samples_s": batch / step, "rounds": len(runs[0])}
+        row: dict[str, Any] = {
+            "label": label(name),
+            "step_ms": 1e3 * step,
+            "samples_s": batch / step,
+            "rounds": len(runs[0]),
+        }
         first = runs[0][0]
         if "units" in first:
             row["units"] = runs[0][-1]["units"]  # the last round's plan (the stage table's)
@@ -468,10 +491,14 @@ def summarize(per_rank: list[dict[str, Any]], batch: int, names: list[str]) -> d
                 m = last["chosen"]["m"]
                 stages = sorted({int(k) for st in steps for k in st["stages"]})
                 row["measured_stage_ms"] = [
-                    statistics.median((st["stages"][str(k)]["fwd_ms"] + st["stages"][str(k)]["bwd_ms"]) / m for st in steps)
+                    statistics.median(
+                        (st["stages"][str(k)]["fwd_ms"] + st["stages"][str(k)]["bwd_ms"]) / m for st in steps
+                    )
                     for k in stages
                 ]
-                row["measured_comm_ms"] = [statistics.median(st["stages"][str(k)]["comm_ms"] / m for st in steps) for k in stages]
+                row["measured_comm_ms"] = [
+                    statistics.median(st["stages"][str(k)]["comm_ms"] / m for st in steps) for k in stages
+                ]
                 row["measured_sched_ms"] = statistics.median(st["step_ms"] for st in steps)
             row["predicted"] = [run["predicted"] for run in runs[0]]
         rows[name] = row
@@ -500,10 +527,15 @@ def ratios(rows: dict[str, dict[str, Any]], equal: bool, m: int) -> list[str]:
     out = []
     if "ddp" in rows:
         r = auto["samples_s"] / rows["ddp"]["samples_s"]
-        out.append(f"auto ÷ DDP: {r:.2f}" + ("" if equal else f"  (target >= 1.15: {'met' if r >= 1.15 else 'NOT met'})"))
+        out.append(
+            f"auto ÷ DDP: {r:.2f}" + ("" if equal else f"  (target >= 1.15: {'met' if r >= 1.15 else 'NOT met'})")
+        )
     if f"uniform@{m}" in rows:
         r = auto["samples_s"] / rows[f"uniform@{m}"]["samples_s"]
-        out.append(f"auto ÷ uniform cut (1F1B m={m}): {r:.2f}" + ("" if equal else f"  (target >= 1.30: {'met' if r >= 1.30 else 'NOT met'})"))
+        out.append(
+            f"auto ÷ uniform cut (1F1B m={m}): {r:.2f}"
+            + ("" if equal else f"  (target >= 1.30: {'met' if r >= 1.30 else 'NOT met'})")
+        )
     others = {k: v for k, v in rows.items() if k != "auto"}
     if others:
         best = max(others, key=lambda k: others[k]["samples_s"])
@@ -513,7 +545,9 @@ def ratios(rows: dict[str, dict[str, Any]], equal: bool, m: int) -> list[str]:
     families: dict[str, str] = {}
     for k in rows:
         base = k.partition("@")[0]
-        fam = "1f1b" if base in ("uniform", "hand") else base.removeprefix("hand-") if base.startswith("hand-") else None
+        fam = (
+            "1f1b" if base in ("uniform", "hand") else base.removeprefix("hand-") if base.startswith("hand-") else None
+        )
         if fam and (fam not in families or rows[k]["samples_s"] > rows[families[fam]]["samples_s"]):
             families[fam] = k
     for fam, k in families.items():
@@ -531,8 +565,10 @@ def bubbles(rows: dict[str, dict[str, Any]]) -> list[str]:
     for r in rows.values():
         if "bubble" in r and r["chosen"][-1]["pp"] > 1:
             d = 100 * abs(r["bubble"] - r["bubble_replayed"])
-            out.append(f"bubble of {r['label']}: measured {r['bubble']:.3f}, replayed {r['bubble_replayed']:.3f}, {d:.1f} "
-                       f"points (with the stage costs alone {r['bubble_expected']:.3f})")
+            out.append(
+                f"bubble of {r['label']}: measured {r['bubble']:.3f}, replayed {r['bubble_replayed']:.3f}, {d:.1f} "
+                f"points (with the stage costs alone {r['bubble_expected']:.3f})"
+            )
     return out
 
 
@@ -545,7 +581,8 @@ def report(rows: dict[str, dict[str, Any]], kinds: tuple[str, str]) -> str:
     auto = rows.get("auto")
     if auto and auto.get("predicted") and auto.get("measured_stage_ms"):
         pred = auto["predicted"][-1]
-        title = f"{auto['label']}, last round: predicted (profile) vs measured (telemetry, median of recorded steps), per micro-batch"
+        title = (f"{auto['label']}, last round: predicted (profile) vs measured (telemetry, median of recorded steps), "
+                 "per micro-batch")
         head = ("| stage | device kind | units | predicted compute ms | measured fwd+bwd ms | measured ÷ predicted | "
                 "predicted comm ms | measured comm ms |")
         lines += ["", title, "", head, "|---:|---|---|---:|---:|---:|---:|---:|"]
@@ -557,22 +594,34 @@ def report(rows: dict[str, dict[str, Any]], kinds: tuple[str, str]) -> str:
             kind = kinds[pos] if len(units) < sum(map(len, auto["units"])) else "+".join(sorted(set(kinds)))
             lines.append(f"| {k} | {kind} | {text} | {p:.2f} | {meas:.2f} | {meas / p:.2f} | {c:.3f} | {mc:.3f} |")
         sched_ms = pred.get("pipeline_ms") or (pred["n_microbatches"] + pred["pp_degree"] - 1) * max(pred["stage_ms"])
-        lines += ["", (f"predicted step {pred['step_ms']:.0f} ms, of it the schedule {sched_ms:.0f} ms (bubble "
-                       f"{pred['bubble_fraction']:.3f}); measured in-schedule step {auto['measured_sched_ms']:.0f} ms (bubble "
-                       f"{auto['bubble']:.3f}, replayed with everything measured {auto['bubble_replayed']:.3f}, with the "
-                       f"stage costs alone {auto['bubble_expected']:.3f}, theory "
-                       f"{auto['bubble_theory']:.3f})")]
+        lines += [
+            "",
+            (
+                f"predicted step {pred['step_ms']:.0f} ms, of it the schedule {sched_ms:.0f} ms (bubble "
+                f"{pred['bubble_fraction']:.3f}); measured in-schedule step {auto['measured_sched_ms']:.0f} ms (bubble "
+                f"{auto['bubble']:.3f}, replayed with everything measured {auto['bubble_replayed']:.3f}, with the "
+                f"stage costs alone {auto['bubble_expected']:.3f}, theory "
+                f"{auto['bubble_theory']:.3f})"
+            ),
+        ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", choices=["mlp", "lm"], default="mlp")
-    p.add_argument("--layers", type=int, default=None, help="blocks (default: 12 for mlp, 6 for lm; 8 for lm at --ranks 4)")
+    p.add_argument(
+        "--layers", type=int, default=None, help="blocks (default: 12 for mlp, 6 for lm; 8 for lm at --ranks 4)"
+    )
     p.add_argument("--width", type=int, default=1024, help="mlp width")
     p.add_argument("--batch", type=int, default=None, help="global batch (DDP: half per rank; default 192 mlp, 48 lm)")
-    p.add_argument("--m", type=int, default=12, help="micro-batches of the reference uniform cut (the × uniform ratio)")
-    p.add_argument("--hand-m", type=int, nargs="+", default=None, help="micro-batch counts of the fixed cuts (default: 4 and --m)")
+    p.add_argument("--m", type=int, default=12,
+                   help="micro-batches of the reference uniform cut (the × uniform ratio)")
+    p.add_argument(
+        "--hand-m", type=int, nargs="+", default=None, help="micro-batch counts of the fixed cuts (default: 4 and --m)"
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=16, help="timed steps per configuration and round (half recorded)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all configurations (medians pool them)")
@@ -597,7 +646,9 @@ def main(argv: list[str] | None = None) -> None:
     batch = args.batch or (192 if args.model == "mlp" else 48)
     hand_m = args.hand_m or sorted({4, args.m})
     if any(batch % m for m in hand_m) or batch % args.ranks:
-        raise SystemExit(f"--batch {batch} must be divisible by every --hand-m {hand_m} and by {args.ranks} (DDP's ranks).")
+        raise SystemExit(
+            f"--batch {batch} must be divisible by every --hand-m {hand_m} and by {args.ranks} (DDP's ranks)."
+        )
     four = "_4ranks" if args.ranks == 4 else ""
     out = Path(args.out or ROOT / "runs" / f"cgroup_bench{'_equal' if args.equal else ''}{four}_{args.model}").resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -626,9 +677,15 @@ def main(argv: list[str] | None = None) -> None:
             print(f"slow rank: {slow.method}", flush=True)
             per_rank = launch(job, {"1": slow.procs_file} if slow.procs_file else {})
         method, stat = slow.method, slow.stat
-    env.update(load_average_end=os.getloadavg(), wall_s=round(time.time() - started, 1), throttle=method, cgroup_cpu_stat=stat,
-               placed=[r["placed"] for r in per_rank], calibration_gflops=[round(r["gflops"], 2) for r in per_rank],
-               command=" ".join(["python", *sys.argv]))
+    env.update(
+        load_average_end=os.getloadavg(),
+        wall_s=round(time.time() - started, 1),
+        throttle=method,
+        cgroup_cpu_stat=stat,
+        placed=[r["placed"] for r in per_rank],
+        calibration_gflops=[round(r["gflops"], 2) for r in per_rank],
+        command=" ".join(["python", *sys.argv]),
+    )
     rows = summarize(per_rank, batch, expand(args.configs, hand_m, args.ranks))
     text = report(rows, kinds)
     summary = ratios(rows, args.equal, args.m) + bubbles(rows)

@@ -48,7 +48,9 @@ def _conv(ops, b, hin, cin, cout, k, stride):
     """Append a conv + batch-norm + ReLU; return the output spatial size."""
     hout = hin // stride
     out = b * hout * hout * cout
-    ops.append(("mm", 2 * out * cin * k * k, ACT_BYTES * (b * hin * hin * cin + out), cin * cout * k * k, b * hin * hin * cin))
+    ops.append(
+        ("mm", 2 * out * cin * k * k, ACT_BYTES * (b * hin * hin * cin + out), cin * cout * k * k, b * hin * hin * cin)
+    )
     ops.append(("ew", 0, ACT_BYTES * out * 4, 2 * cout, 2 * out))  # bn read+write, relu read+write
     return hout
 
@@ -72,7 +74,11 @@ def units(b: int):
     ops.append(("ew", 0, ACT_BYTES * b * 112 * 112 * 64 * 1.25, 0, 0))
     out.append(("encoder.stem", ops, b * h * h * 64))
     cin = 64
-    for name, mid, cout, n, stride in (("layer1", 64, 256, 3, 1), ("layer2", 128, 512, 4, 2), ("layer3", 256, 1024, 6, 2)):
+    for name, mid, cout, n, stride in (
+        ("layer1", 64, 256, 3, 1),
+        ("layer2", 128, 512, 4, 2),
+        ("layer3", 256, 1024, 6, 2),
+    ):
         ops = []
         for i in range(n):
             h = _bottleneck(ops, b, h, cin, mid, cout, stride if i == 0 else 1)
@@ -137,7 +143,8 @@ def build_profile() -> CostProfile:
             "description": "ResNet-50 stem..layer3 + 1x1 projection -> 12 ViT-B blocks (d=768, 196 tokens) -> "
             "LayerNorm, mean pool, Linear(768, 10); 8 images of 3x224x224 per micro-batch",
             "assumptions": ASSUMPTIONS,
-            "generated_by": "python benchmarks/placement/simulate.py --write-profile benchmarks/placement/field_report_profile.json",
+            "generated_by": "python benchmarks/placement/simulate.py --write-profile "
+            "benchmarks/placement/field_report_profile.json",
         },
     )
 
@@ -166,7 +173,10 @@ def main(argv=None) -> int:
             print("```\n")
             print(sim.comparison_table(markdown=args.markdown))
     print("\nAssumptions (predictions, not measurements):")
-    for a in [*ASSUMPTIONS, "link 25 GB/s per device (200 Gb/s InfiniBand) for stage boundaries and gradient all-reduce, not overlapped"]:
+    for a in [
+        *ASSUMPTIONS,
+        "link 25 GB/s per device (200 Gb/s InfiniBand) for stage boundaries and gradient all-reduce, not overlapped",
+    ]:
         print(f"- {a}")
     return 0
 

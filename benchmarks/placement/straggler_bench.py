@@ -133,7 +133,9 @@ def _plan(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--batch", type=int, default=192)
@@ -161,11 +163,31 @@ def main(argv: list[str] | None = None) -> None:
         print(f"slow rank: {slow.method}", flush=True)
         common = {**base, "procs_file": slow.procs_file, "ckpt": str(out / "ckpt"), "device_map": None}
         jobs = {
-            "slowdown": {**common, "phase": "slowdown", "watch": "replan", "slow_at": args.slow_at, "throttled_from_start": False,
-                         "max_steps": first_max},
-            "replanned": {**common, "phase": "replanned", "watch": "warn", "slow_at": None, "throttled_from_start": True},
-            "scratch": {**common, "phase": "scratch", "watch": "warn", "slow_at": None, "throttled_from_start": True,
-                        "ckpt": str(out / "ckpt_scratch"), "device_map": "0:fast,1:slow", "max_steps": args.steps},
+            "slowdown": {
+                **common,
+                "phase": "slowdown",
+                "watch": "replan",
+                "slow_at": args.slow_at,
+                "throttled_from_start": False,
+                "max_steps": first_max,
+            },
+            "replanned": {
+                **common,
+                "phase": "replanned",
+                "watch": "warn",
+                "slow_at": None,
+                "throttled_from_start": True,
+            },
+            "scratch": {
+                **common,
+                "phase": "scratch",
+                "watch": "warn",
+                "slow_at": None,
+                "throttled_from_start": True,
+                "ckpt": str(out / "ckpt_scratch"),
+                "device_map": "0:fast,1:slow",
+                "max_steps": args.steps,
+            },
         }
         runs: dict[str, list[dict[str, Any]]] = {}
         notes: list[str] = []
@@ -212,9 +234,11 @@ def main(argv: list[str] | None = None) -> None:
         f"| before the slowdown | {_plan(s0)} | {before:.1f} | {n_before} |",
         f"| after the slowdown, until the finding | {_plan(s0)} | {after:.1f} | {n_after} |",
         f"| after re-planning (recorded speeds {r0['rank_speeds']}) | {_plan(r0)} | {replanned:.1f} | {n_re} |",
-        f"| plan='auto' from scratch on the slowed ranks (kinds fast/slow) | {_plan(runs['scratch'][0])} | {scratch:.1f} | {n_sc} |",
+        f"| plan='auto' from scratch on the slowed ranks (kinds fast/slow) | {_plan(runs['scratch'][0])} | "
+        f"{scratch:.1f} | {n_sc} |",
         "",
-        f"re-planned ÷ from scratch: {replanned / scratch:.2f} (goal >= 0.9); re-planned ÷ before: {replanned / before:.2f}; "
+        f"re-planned ÷ from scratch: {replanned / scratch:.2f} (goal >= 0.9); re-planned ÷ before: "
+        f"{replanned / before:.2f}; "
         f"slowed ÷ before: {after / before:.2f}",
     ]
     text = "\n".join(lines)

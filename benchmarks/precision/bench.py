@@ -92,8 +92,13 @@ def run(tp: Any, job: dict[str, Any], name: str) -> dict[str, Any]:
     telemetry = PipelineTelemetry(every_n_steps=10**9)
     timer = tp._lightning_timer(job, memory, telemetry)
     precision = {"fp8_backend": "emulate"} if name == "mixed" else {}
-    strategy = HPPStrategy(plan=mixed_plan() if name == "mixed" else fp32_plan(), schedule="1f1b", n_microbatches=job["m"],
-                           timeout=300, **tp._hpp_options(**precision))
+    strategy = HPPStrategy(
+        plan=mixed_plan() if name == "mixed" else fp32_plan(),
+        schedule="1f1b",
+        n_microbatches=job["m"],
+        timeout=300,
+        **tp._hpp_options(**precision),
+    )
     trainer = tp._trainer(job, strategy, [telemetry, timer])
     model = HybridVisionModel(image_size=job["image_size"], channels=job["channels"], dim=job["dim"])
     n_params = sum(p.numel() for p in model.parameters())
@@ -129,8 +134,12 @@ def summarize(per_rank: list[list[dict[str, Any]]]) -> dict[str, dict[str, Any]]
             med = lambda key: statistics.median(st["stages"][str(k)][key] for st in steps)  # noqa: E731
             holder = next(r for r, rank_runs in enumerate(runs) if k in rank_runs[0]["stage_ids"])
             stages[k] = {
-                "fwd_ms": med("fwd_ms"), "bwd_ms": med("bwd_ms"), "comm_ms": med("comm_ms"), "idle_ms": med("idle_ms"),
-                "peak_mb": max(run["peak_mb"] for run in runs[holder]), "hwm_mb": max(run["hwm_mb"] for run in runs[holder]),
+                "fwd_ms": med("fwd_ms"),
+                "bwd_ms": med("bwd_ms"),
+                "comm_ms": med("comm_ms"),
+                "idle_ms": med("idle_ms"),
+                "peak_mb": max(run["peak_mb"] for run in runs[holder]),
+                "hwm_mb": max(run["hwm_mb"] for run in runs[holder]),
                 "precision": runs[0][0]["precision"][k],
             }
         rows[name] = {"step_ms": 1e3 * step, "sched_ms": statistics.median(st["step_ms"] for st in steps),
@@ -144,18 +153,22 @@ def _short(label: str) -> str:
 
 
 def report(rows: dict[str, dict[str, Any]]) -> str:
-    lines = ["| stage | unit | fp32: precision | fwd ms | bwd ms | peak +MB (RSS MB) | mixed: precision | fwd ms | bwd ms | "
-             "peak +MB (RSS MB) | "
-             "fwd+bwd mixed ÷ fp32 |",
-             "|---:|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        "| stage | unit | fp32: precision | fwd ms | bwd ms | peak +MB (RSS MB) | mixed: precision | fwd ms | bwd ms | "
+        "peak +MB (RSS MB) | "
+        "fwd+bwd mixed ÷ fp32 |",
+        "|---:|---|---|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
     a, b = rows.get("fp32"), rows.get("mixed")
     if a and b:
         for k in sorted(a["stages"]):
             x, y = a["stages"][k], b["stages"][k]
             ratio = (y["fwd_ms"] + y["bwd_ms"]) / (x["fwd_ms"] + x["bwd_ms"])
             lines.append(
-                f"| {k} | {STAGE_NAMES[k] if k < len(STAGE_NAMES) else ''} | {_short(x['precision'])} | {x['fwd_ms']:.1f} | "
-                f"{x['bwd_ms']:.1f} | {x['peak_mb']:.0f} ({x['hwm_mb']:.0f}) | {_short(y['precision'])} | {y['fwd_ms']:.1f} | "
+                f"| {k} | {STAGE_NAMES[k] if k < len(STAGE_NAMES) else ''} | {_short(x['precision'])} | "
+                f"{x['fwd_ms']:.1f} | "
+                f"{x['bwd_ms']:.1f} | {x['peak_mb']:.0f} ({x['hwm_mb']:.0f}) | {_short(y['precision'])} | "
+                f"{y['fwd_ms']:.1f} | "
                 f"{y['bwd_ms']:.1f} | {y['peak_mb']:.0f} ({y['hwm_mb']:.0f}) | {ratio:.2f} |"
             )
         lines += [
@@ -164,15 +177,22 @@ def report(rows: dict[str, dict[str, Any]]) -> str:
             "|---|---:|---:|---:|---:|",
         ]
     for name, r in rows.items():
-        lines.append(f"| {name} | {r['step_ms']:.0f} | {r['sched_ms']:.0f} | {r['bubble']:.3f} | {r['batch'] / (r['step_ms'] / 1e3):.0f} |")
+        lines.append(
+            f"| {name} | {r['step_ms']:.0f} | {r['sched_ms']:.0f} | {r['bubble']:.3f} | "
+            f"{r['batch'] / (r['step_ms'] / 1e3):.0f} |"
+        )
     if a and b:
         lines.append(f"\nmixed ÷ fp32 step time: {b['step_ms'] / a['step_ms']:.2f}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--image-size", type=int, default=8, help="side of the (upsampled) digits images; the example uses 8")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--image-size", type=int, default=8, help="side of the (upsampled) digits images; the example uses 8"
+    )
     p.add_argument("--channels", type=int, default=32)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=64)
@@ -198,9 +218,17 @@ def main(argv: list[str] | None = None) -> None:
     rows = summarize(launch(job))
     for r in rows.values():
         r["batch"] = args.batch
-    env.update(load_average_end=os.getloadavg(), wall_s=round(time.time() - started, 1), command=" ".join(["python", *sys.argv]),
-               model={"image_size": args.image_size, "channels": args.channels, "dim": args.dim,
-                      "params": next(iter(rows.values()))["params"]})
+    env.update(
+        load_average_end=os.getloadavg(),
+        wall_s=round(time.time() - started, 1),
+        command=" ".join(["python", *sys.argv]),
+        model={
+            "image_size": args.image_size,
+            "channels": args.channels,
+            "dim": args.dim,
+            "params": next(iter(rows.values()))["params"],
+        },
+    )
     text = report(rows)
     print(text)
     (out / "results.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))

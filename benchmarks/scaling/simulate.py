@@ -141,7 +141,9 @@ def from_results(path: Path, model: str, mb: int) -> Costs:
     fwd = sum(s["fwd_ms"] for s in stages) * per_sample_block * mb
     bwd = sum(s["bwd_ms"] for s in stages) * per_sample_block * mb
     act, params = block_bytes(model, size.width, size.seq, mb)
-    return Costs(fwd, bwd, act, params, f"telemetry of {path} ({row['label']}, width {size.width}), scaled to micro-batch {mb}")
+    return Costs(
+        fwd, bwd, act, params, f"telemetry of {path} ({row['label']}, width {size.width}), scaled to micro-batch {mb}"
+    )
 
 
 @dataclass
@@ -158,7 +160,9 @@ class Row:
     efficiency: float = 0.0
 
 
-def predict(costs: Costs, net: Network, devices: int, pp: int, blocks: int, global_batch: int, mb: int, schedule: str) -> Row | None:
+def predict(
+    costs: Costs, net: Network, devices: int, pp: int, blocks: int, global_batch: int, mb: int, schedule: str
+) -> Row | None:
     """One configuration's predicted step, or None where the batch does not fit the layout."""
     dp = devices // pp
     if global_batch % (dp * mb):
@@ -176,7 +180,9 @@ def predict(costs: Costs, net: Network, devices: int, pp: int, blocks: int, glob
         orders = schedule_actions(schedule, pp, m)
         cost = lambda a: f if a.kind == "F" else b  # noqa: E731
         ideal = simulate(orders, cost)
-        pipe = simulate(orders, cost, latency=lambda src, dst, a: net.p2p_s(src * dp, dst * dp, costs.act_bytes)).makespan
+        pipe = simulate(
+            orders, cost, latency=lambda src, dst, a: net.p2p_s(src * dp, dst * dp, costs.act_bytes)
+        ).makespan
         free, bubble = ideal.makespan, ideal.bubble
     reduce = max(net.allreduce_s([r * dp + d for d in range(dp)], params) for r in range(pp))
     step = pipe + reduce
@@ -192,7 +198,8 @@ def table(rows: list[Row], title: str) -> str:
     lines = [
         f"**{title}**",
         "",
-        "| devices | pp × dp | micro-batches | step s | bubble | communication share | samples/s | scaling efficiency | memory per device GB |",
+        "| devices | pp × dp | micro-batches | step s | bubble | communication share | samples/s | scaling efficiency "
+        "| memory per device GB |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     best = {}
@@ -209,7 +216,9 @@ def table(rows: list[Row], title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Predicted pp × dp scaling, by simulation (a prediction, not a measurement).")
+    p = argparse.ArgumentParser(
+        description="Predicted pp × dp scaling, by simulation (a prediction, not a measurement)."
+    )
     p.add_argument("--model", default="mlp", choices=["mlp", "lm"])
     p.add_argument("--width", type=int, default=1792, help="block width (mlp hidden size / lm d_model)")
     p.add_argument("--seq", type=int, default=64, help="lm sequence length")
@@ -219,9 +228,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved1f1b", "zbv"])
     p.add_argument("--devices", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
     p.add_argument("--network", default="cpu", choices=list(NETWORKS))
-    p.add_argument("--compute-scale", type=float, default=1.0, help="divide the measured compute costs (faster devices)")
+    p.add_argument(
+        "--compute-scale", type=float, default=1.0, help="divide the measured compute costs (faster devices)"
+    )
     p.add_argument("--memory-gb", type=float, help="leave out layouts that need more memory per device")
-    p.add_argument("--fwd-ms", type=float, help="forward ms of one block on one micro-batch (with --bwd-ms: skip the profile)")
+    p.add_argument(
+        "--fwd-ms", type=float, help="forward ms of one block on one micro-batch (with --bwd-ms: skip the profile)"
+    )
     p.add_argument("--bwd-ms", type=float, help="backward ms of one block on one micro-batch")
     p.add_argument("--costs", type=Path, help="results.json of benchmarks/throughput/main.py instead of profiling")
     args = p.parse_args(argv)
@@ -229,13 +242,24 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--schedule {args.schedule!r}: this table places one stage per device; use gpipe or 1f1b.")
     seq = args.seq if args.model == "lm" else 0
     if args.fwd_ms is not None and args.bwd_ms is not None:
-        costs = Costs(args.fwd_ms / 1e3, args.bwd_ms / 1e3, *block_bytes(args.model, args.width, seq, args.micro_batch), "given on the command line")
+        costs = Costs(
+            args.fwd_ms / 1e3,
+            args.bwd_ms / 1e3,
+            *block_bytes(args.model, args.width, seq, args.micro_batch),
+            "given on the command line",
+        )
     elif args.costs:
         costs = from_results(args.costs, args.model, args.micro_batch)
     else:
         costs = profile(args.model, args.width, seq, args.micro_batch)
     if args.compute_scale != 1.0:
-        costs = Costs(costs.fwd_s / args.compute_scale, costs.bwd_s / args.compute_scale, costs.act_bytes, costs.param_bytes, costs.source + f", compute ÷ {args.compute_scale:g}")
+        costs = Costs(
+            costs.fwd_s / args.compute_scale,
+            costs.bwd_s / args.compute_scale,
+            costs.act_bytes,
+            costs.param_bytes,
+            costs.source + f", compute ÷ {args.compute_scale:g}",
+        )
     net = NETWORKS[args.network]
     rows: list[Row] = []
     for devices in args.devices:
@@ -252,10 +276,15 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         r.efficiency = r.samples_s / r.devices / base
     print("PREDICTION by simulation — not measured on these device counts.")
-    print(f"costs: fwd {costs.fwd_s * 1e3:.3f} ms, bwd {costs.bwd_s * 1e3:.3f} ms per block and micro-batch; "
-          f"activation {costs.act_bytes / 1e3:.1f} kB, block parameters {costs.param_bytes / 1e6:.2f} MB ({costs.source})")
+    print(
+        f"costs: fwd {costs.fwd_s * 1e3:.3f} ms, bwd {costs.bwd_s * 1e3:.3f} ms per block and micro-batch; "
+        f"activation {costs.act_bytes / 1e3:.1f} kB, block parameters {costs.param_bytes / 1e6:.2f} MB ({costs.source})"
+    )
     print(f"network {args.network!r}: {asdict(net)}")
-    print(f"model: {args.blocks} blocks, global batch {args.global_batch}, micro-batch {args.micro_batch}, schedule {args.schedule}\n")
+    print(
+        f"model: {args.blocks} blocks, global batch {args.global_batch}, micro-batch {args.micro_batch}, schedule "
+        f"{args.schedule}\n"
+    )
     print(table(rows, f"Predicted scaling ({args.model}, network {args.network!r}, compute ÷ {args.compute_scale:g})"))
 
 

@@ -59,19 +59,26 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [
         _sweep(args.out, "asha", args.trials, 1),
-        _sweep(args.out, "none", args.trials, 1, "hydra.sweeper.pruner=null", "hydra.sweeper.study_name=mlp_sweep_nopruning"),
+        _sweep(args.out, "none", args.trials, 1, "hydra.sweeper.pruner=null",
+               "hydra.sweeper.study_name=mlp_sweep_nopruning"),
         _sweep(args.out, "asha2", args.trials, 2),
     ]  # fmt: skip
     (args.out / "measure.json").write_text(json.dumps(rows, indent=2))
     same = all(r["configurations"] == rows[0]["configurations"] for r in rows)
     print(f"same {args.trials} configurations in every sweep: {same}")
-    print("| sweep | drivers | wall time | completed / pruned | optimizer steps trained | best val_loss (trial) | load average at start |")
+    print(
+        "| sweep | drivers | wall time | completed / pruned | optimizer steps trained | best val_loss (trial) | load "
+        "average at start |"
+    )
     print("|---|---|---|---|---|---|---|")
     labels = {"asha": ("ASHA", 1), "none": ("no pruning", 1), "asha2": ("ASHA", 2)}
     for r in rows:
         label, drivers = labels[r["name"]]
         best = "-" if r["best"] is None else f"{r['best'][0]} (trial {r['best'][1]})"
-        print(f"| {label} | {drivers} | {r['wall_s']} s | {r['completed']} / {r['pruned']} | {r['steps']} | {best} | {r['load']} |")
+        print(
+            f"| {label} | {drivers} | {r['wall_s']} s | {r['completed']} / {r['pruned']} | {r['steps']} | {best} | "
+            f"{r['load']} |"
+        )
     if any(c != 0 for r in rows for c in r["codes"]):
         sys.exit(f"a driver failed: {[(r['name'], r['codes']) for r in rows]}")
 

@@ -526,7 +526,11 @@ def run_paired(job: dict[str, Any], cfg: dict[str, Any], size: Any, device: Any)
 
         probes = Probes()
         probes.install()
-    raw = PlainDDP(job, size, device) if job.get("paired_with") == "ddp" else RawPipeline(job, cfg, size, device, record=False)
+    raw = (
+        PlainDDP(job, size, device)
+        if job.get("paired_with") == "ddp"
+        else RawPipeline(job, cfg, size, device, record=False)
+    )
 
     class RawAfterEach(Callback):
         def __init__(self) -> None:
@@ -663,8 +667,16 @@ def merge(per_rank: list[list[dict[str, Any]]], batch: int) -> list[dict[str, An
             row["paired"] = paired.pop(key)
         rows.append(row)
     for (schedule, m), pair in paired.items():  # paired runs without an unpaired HPP run of their own (--paired-only)
-        rows.append({"label": f"paired {schedule} m={m}", "cfg": {"kind": "paired", "schedule": schedule, "m": m},
-                     "step_ms": pair["hpp_ms"], "samples_s": batch / (pair["hpp_ms"] / 1e3), "peak_mb": [], "paired": pair})
+        rows.append(
+            {
+                "label": f"paired {schedule} m={m}",
+                "cfg": {"kind": "paired", "schedule": schedule, "m": m},
+                "step_ms": pair["hpp_ms"],
+                "samples_s": batch / (pair["hpp_ms"] / 1e3),
+                "peak_mb": [],
+                "paired": pair,
+            }
+        )
     return rows
 
 
@@ -672,13 +684,17 @@ def merge(per_rank: list[list[dict[str, Any]]], batch: int) -> list[dict[str, An
 def table(model: str, rows: list[dict[str, Any]], baseline: str = "raw") -> str:
     ddp = next((r["samples_s"] for r in rows if r["cfg"]["kind"] == "ddp"), None)
     lines = [
-        f"| {model} | samples/s | × DDP | HPP ÷ {'DDP' if baseline == 'ddp' else 'raw'} (paired) | step ms | in schedule ms | peak MB per rank | bubble (theory / expected / replayed) | comm share | telemetry overhead |",
+        f"| {model} | samples/s | × DDP | HPP ÷ {'DDP' if baseline == 'ddp' else 'raw'} (paired) | step ms | in "
+        "schedule ms | peak MB per rank | bubble (theory / expected / replayed) | comm share | telemetry overhead |",
         "|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for r in rows:
         vs_raw = f"{r['paired']['hpp_over_raw']:.3f}" if "paired" in r else ""
-        bubble = (f"{r['bubble']:.3f} ({r['bubble_theory']:.3f} / {r['bubble_expected']:.3f} / {r['bubble_replayed']:.3f})"
-                  if "bubble" in r else "")
+        bubble = (
+            f"{r['bubble']:.3f} ({r['bubble_theory']:.3f} / {r['bubble_expected']:.3f} / {r['bubble_replayed']:.3f})"
+            if "bubble" in r
+            else ""
+        )
         comm = f"{r['comm_share']:.3f}" if "comm_share" in r else ""
         sched = f"{r['sched_ms']:.0f}" if "sched_ms" in r else ""
         over = f"{100 * r['telemetry_overhead']:+.1f}%" if "telemetry_overhead" in r else ""
@@ -706,7 +722,9 @@ def chart(all_rows: dict[str, list[dict[str, Any]]], path: Path) -> None:
     for col, model in enumerate(models):
         rows = [r for r in all_rows[model] if not r["cfg"].get("sweep")]
         names = [r["label"].replace(" m=", "\nm=") for r in rows]
-        colors = [{"hpp": "#4C72B0", "raw": "#8C8C8C", "ddp": "#DD8452", "fsdp": "#55A868"}[r["cfg"]["kind"]] for r in rows]
+        colors = [
+            {"hpp": "#4C72B0", "raw": "#8C8C8C", "ddp": "#DD8452", "fsdp": "#55A868"}[r["cfg"]["kind"]] for r in rows
+        ]
         ax = fig.add_subplot(3, len(models), 1 + col)
         ax.bar(range(len(rows)), [r["samples_s"] for r in rows], color=colors)
         for i, r in enumerate(rows):
@@ -718,7 +736,10 @@ def chart(all_rows: dict[str, list[dict[str, Any]]], path: Path) -> None:
         ax.bar(range(len(rows)), [max(r["peak_mb"]) for r in rows], color=colors)
         ax.set_xticks(range(len(rows)), names, fontsize=6, rotation=90)
         ax.set_title(f"{model}: peak memory, largest rank (MB)", fontsize=9)
-        sweep = sorted((r for r in all_rows[model] if r["cfg"]["kind"] == "hpp" and r["cfg"]["schedule"] == "1f1b"), key=lambda r: r["cfg"]["m"])
+        sweep = sorted(
+            (r for r in all_rows[model] if r["cfg"]["kind"] == "hpp" and r["cfg"]["schedule"] == "1f1b"),
+            key=lambda r: r["cfg"]["m"],
+        )
         ax = fig.add_subplot(3, len(models), 1 + 2 * len(models) + col)
         ms = [r["cfg"]["m"] for r in sweep]
         ax.plot(ms, [r["bubble"] for r in sweep], "o-", label="bubble (measured)")
@@ -753,12 +774,16 @@ def environment(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--models", nargs="+", default=["mlp", "lm"], choices=["mlp", "lm"])
     p.add_argument("--size", default="cpu", help="size preset of models.SIZES (tiny, cpu, gpu; the LM also vocab)")
     p.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--devices", type=int, default=2, help="ranks (pipeline ranks x --dp for the pipeline runs)")
-    p.add_argument("--dp", type=int, default=1, help="replicas of the pipeline in the hpp, raw and paired runs (pp x dp)")
+    p.add_argument(
+        "--dp", type=int, default=1, help="replicas of the pipeline in the hpp, raw and paired runs (pp x dp)"
+    )
     p.add_argument("--m", type=int, default=8, help="micro-batches of the main comparison")
     p.add_argument("--sweep", type=int, nargs="*", default=[4, 8, 16], help="micro-batch counts of the 1f1b sweep")
     p.add_argument("--schedules", nargs="+", default=PIPELINE_SCHEDULES)
@@ -815,10 +840,20 @@ def main(argv: list[str] | None = None) -> None:
     for model in args.models:
         size = SIZES[model][args.size]
         job = {
-            "model": model, "size": args.size, "accelerator": args.accelerator, "devices": args.devices, "dp": args.dp,
-            "warmup": args.warmup, "steps": args.steps, "paired_steps": args.paired_steps, "paired_start": args.paired_start,
-            "paired_with": args.paired_with, "probe": args.probe, "frontend": args.frontend,
-            "threads": args.threads, "out": str(out),
+            "model": model,
+            "size": args.size,
+            "accelerator": args.accelerator,
+            "devices": args.devices,
+            "dp": args.dp,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "paired_steps": args.paired_steps,
+            "paired_start": args.paired_start,
+            "paired_with": args.paired_with,
+            "probe": args.probe,
+            "frontend": args.frontend,
+            "threads": args.threads,
+            "out": str(out),
             "configs": configs(args.m, args.sweep, args.schedules, args.paired_only, args.compile),
         }
         env = environment(job)
@@ -834,7 +869,9 @@ def main(argv: list[str] | None = None) -> None:
             continue
         rows = merge(launch(job), size.batch)
         all_rows[model] = rows
-        print(f"\n{model}: {n_params(build(model, size)) / 1e6:.1f}M parameters, global batch {size.batch}, {vars(size)}")
+        print(
+            f"\n{model}: {n_params(build(model, size)) / 1e6:.1f}M parameters, global batch {size.batch}, {vars(size)}"
+        )
         print(table(model, rows, args.paired_with), flush=True)
         for s in args.schedules if args.compile else []:
             eager, comp = (next(r for r in rows if r["label"] == f"hpp {s} m={args.m}{c}") for c in ("", " compiled"))

@@ -86,7 +86,9 @@ class ParamMLP(_Base):
     def __init__(self, size: Size, classes: int = 10, lr: float = 1e-3) -> None:
         super().__init__(lr)
         torch.manual_seed(0)
-        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(size.width, size.width), nn.ReLU()) for _ in range(size.blocks)])
+        self.blocks = nn.Sequential(
+            *[nn.Sequential(nn.Linear(size.width, size.width), nn.ReLU()) for _ in range(size.blocks)]
+        )
         self.head = nn.Linear(size.width, classes)
 
 
@@ -156,7 +158,10 @@ def split(name: str, size: Size, n_stages: int) -> list[list[str]]:
     """Unit names of ``n_stages`` stages with (nearly) equal numbers of blocks each."""
     per = size.blocks / n_stages
     if per != int(per):
-        raise ValueError(f"{size.blocks} blocks do not split into {n_stages} equal stages; use a block count divisible by {n_stages}.")
+        raise ValueError(
+            f"{size.blocks} blocks do not split into {n_stages} equal stages; use a block count divisible by "
+            f"{n_stages}."
+        )
     stages = [[f"blocks.{i}" for i in range(math.floor(k * per), math.floor((k + 1) * per))] for k in range(n_stages)]
     if name == "lm":
         stages[0].insert(0, "embed")

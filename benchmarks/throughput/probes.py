@@ -47,14 +47,14 @@ class Probes:
 
         from lightning_hpp.pipeline.runner import PipelineRunner
         from lightning_hpp.pipeline.shapes import BoundaryShapes, StageBoundary
-        from lightning_hpp.pipeline.stage import _Stage
+        from lightning_hpp.pipeline.stage import HookedStage
         from lightning_hpp.precision.guards import BoundaryGuard
 
         def backward(args: tuple, kwargs: dict) -> str:
             stage, full = args[0], kwargs.get("full_backward", args[3] if len(args) > 3 else True)
             return f"{'backward' if full else 'input backward'}, stage {stage.stage_index}"
 
-        def stage_action(what: str, skip: type | None = None) -> Label:  # HPP's backward is timed at _Stage
+        def stage_action(what: str, skip: type | None = None) -> Label:  # HPP's backward is timed at HookedStage
             def label(args: tuple, kwargs: dict) -> str | None:
                 stage = args[0]
                 return None if skip is not None and isinstance(stage, skip) else f"{what}, stage {stage.stage_index}"
@@ -62,10 +62,10 @@ class Probes:
 
         self._wrap(_PipelineStageBase, "forward_one_chunk", stage_action("forward"))
         self._wrap(_PipelineStageBase, "backward_one_chunk",
-                   lambda a, k: None if isinstance(a[0], _Stage) else backward(a, k))
-        self._wrap(_PipelineStageBase, "backward_weight_one_chunk", stage_action("weight", skip=_Stage))
-        self._wrap(_Stage, "backward_one_chunk", backward)
-        self._wrap(_Stage, "backward_weight_one_chunk", stage_action("weight"))
+                   lambda a, k: None if isinstance(a[0], HookedStage) else backward(a, k))
+        self._wrap(_PipelineStageBase, "backward_weight_one_chunk", stage_action("weight", skip=HookedStage))
+        self._wrap(HookedStage, "backward_one_chunk", backward)
+        self._wrap(HookedStage, "backward_weight_one_chunk", stage_action("weight"))
         self._wrap(S.PipelineScheduleSingle, "step", lambda a, k: "schedule step")
         self._wrap(S.PipelineScheduleMulti, "step", lambda a, k: "schedule step")
         self._wrap(PipelineRunner, "_loss_fn", lambda a, k: "loss")

@@ -54,7 +54,9 @@ class DigitsClassifier(L.LightningModule):
 
 
 @torch.no_grad()
-def accuracy(state: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, classes: tuple[int, ...]) -> tuple[float, float]:
+def accuracy(
+    state: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, classes: tuple[int, ...]
+) -> tuple[float, float]:
     """Accuracy of a full state dict on ``(x, y)``, overall and on the samples whose label is in ``classes``."""
     with torch.random.fork_rng(devices=[]):  # building the model must not advance this rank's RNG
         model = DigitsClassifier()

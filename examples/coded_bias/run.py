@@ -58,7 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64, help="batch of one pipeline replica")
     p.add_argument("--n-microbatches", type=int, default=2)
     p.add_argument("--samplings", default=",".join(SAMPLINGS), help=f"comma-separated subset of {SAMPLINGS}")
-    p.add_argument("--seeds", default="0,1,2", help="training seeds (initial weights and sampling); one fit per seed and sampling")
+    p.add_argument(
+        "--seeds", default="0,1,2", help="training seeds (initial weights and sampling); one fit per seed and sampling"
+    )
     p.add_argument("--out", default="runs/coded_bias")
     args = p.parse_args(argv)
     args.samplings = [s for s in args.samplings.split(",") if s]
@@ -90,7 +92,9 @@ class PipelineEval(L.Callback):
         if trainer.is_global_zero:
             state = {k: v for part in parts for k, v in part.items()}
             acc, rare = accuracy(state, self.x, self.y, RARE_CLASSES)
-            self.curve.append({"epoch": trainer.current_epoch, "step": trainer.global_step, "acc": acc, "rare_acc": rare})
+            self.curve.append(
+                {"epoch": trainer.current_epoch, "step": trainer.global_step, "acc": acc, "rare_acc": rare}
+            )
 
 
 def fit(kind: str, seed: int, args: argparse.Namespace, train, val) -> dict[str, Any]:
@@ -146,8 +150,12 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         ("expected", epochs, "bias/overlap_expected"),
         ("coverage", epochs, "bias/coverage"),
     )}
-    out.update(hazards={f"{a['code']} ({a['severity']})" for a in run["audit"]}, alarms={a.split(" ", 1)[0] for a in run["alarms"]},
-               acc=last["acc"], rare_acc=last["rare_acc"])
+    out.update(
+        hazards={f"{a['code']} ({a['severity']})" for a in run["audit"]},
+        alarms={a.split(" ", 1)[0] for a in run["alarms"]},
+        acc=last["acc"],
+        rare_acc=last["rare_acc"],
+    )
     return out
 
 

@@ -45,9 +45,19 @@ class CausalLM(L.LightningModule):
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq_len,
-                             tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=seq_len,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
         self.model = LlamaForCausalLM(config)
         self.lr = lr
 
@@ -118,8 +128,12 @@ def main(argv: list[str] | None = None) -> dict:
         enable_model_summary=False,
         callbacks=[history, progress_bar()],
     )
-    data = DataLoader(counting_sequences(args.batch_size * args.steps, args.seq_len, args.seed), batch_size=args.batch_size,
-                      shuffle=True, drop_last=True)
+    data = DataLoader(
+        counting_sequences(args.batch_size * args.steps, args.seq_len, args.seed),
+        batch_size=args.batch_size,
+        shuffle=True,
+        drop_last=True,
+    )
     model = CausalLM(layers=args.layers, seq_len=args.seq_len, lr=args.lr)
     trainer.fit(model, data)
     log_dir = trainer.log_dir or args.out  # a collective: every rank asks
@@ -139,8 +153,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             "\n=== lightning_hpp example: transformers LlamaForCausalLM, 2 pipeline stages on CPU ===\n"
             f"train loss          : {report['loss_start']:.3f} at step 1 -> {report['loss_end']:.3f} "
-            f"(mean of the last {len(tail)} steps; log({VOCAB}) = {torch.log(torch.tensor(float(VOCAB))):.3f} is chance)\n"
-            f"optimizer steps     : {report['steps']}  (batch {args.batch_size}, {args.n_microbatches} micro-batches, schedule 1f1b)\n"
+            f"(mean of the last {len(tail)} steps; log({VOCAB}) = {torch.log(torch.tensor(float(VOCAB))):.3f} is "
+            "chance)\n"
+            f"optimizer steps     : {report['steps']}  (batch {args.batch_size}, {args.n_microbatches} micro-batches, "
+            "schedule 1f1b)\n"
             f"wall time           : {report['wall_time_s']:.1f} s (process start-up included)\n"
             f"frontend            : {report['frontend']} (cut at {', '.join(report['cut_points'] or [])})\n"
             f"stage plan          : {report['stage_plan']}\n"

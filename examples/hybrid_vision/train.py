@@ -30,7 +30,12 @@ TARGET_ACCURACY = 0.95
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--plan", choices=["mixed", "fp32"], default="mixed", help="per-stage precisions (mixed: fp16 -> fp8 (emulated on CPU) -> bf16) or fp32 everywhere")
+    p.add_argument(
+        "--plan",
+        choices=["mixed", "fp32"],
+        default="mixed",
+        help="per-stage precisions (mixed: fp16 -> fp8 (emulated on CPU) -> bf16) or fp32 everywhere",
+    )
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--n-microbatches", type=int, default=8)
     p.add_argument("--epochs", type=int, default=8)
@@ -46,7 +51,9 @@ def main(argv: list[str] | None = None) -> float:
     start = time.monotonic()
     L.seed_everything(args.seed, verbose=False)
     plan = mixed_plan() if args.plan == "mixed" else fp32_plan()
-    strategy = HPPStrategy(plan=plan, schedule=args.schedule, n_microbatches=args.n_microbatches, **_precision_options(args.plan))
+    strategy = HPPStrategy(
+        plan=plan, schedule=args.schedule, n_microbatches=args.n_microbatches, **_precision_options(args.plan)
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,

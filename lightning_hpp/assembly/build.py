@@ -4,7 +4,8 @@ this rank) to a frozen :class:`Pipeline`.
 In order, on every rank together (the collectives are marked):
 
 1. rank 0's parameters and buffers on every rank (collective, as DDP starts; a meta model's stages are
-   initialised alike on every rank instead), the ranks' device kinds (collective) and the plan, resolved once (:func:`resolve_plan`): ``plan="auto"``
+   initialised alike on every rank instead), the ranks' device kinds (collective) and the plan, resolved once
+   (:func:`resolve_plan`): ``plan="auto"``
    (profiled and searched, collective), the user's plan, the ``@stage`` decorators, or a balanced cut;
 2. the cut (sequential or traced frontend) on one real micro-batch of the step's ``self(...)`` call;
 3. the rank grid (:class:`~lightning_hpp.pipeline.mesh.Mesh`, collective) and this rank's stages; a meta
@@ -175,7 +176,8 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     if not meta:  # as DDP does: every replica (and every stage's copy of a shared weight) starts from rank 0's model
         broadcast_tensors([t for t in (*module.parameters(), *module.buffers()) if t is not None], src=0)
     with fake_parameters(module, device) if meta else contextlib.nullcontext():
-        # the checks run the whole model, which stays where it is until it is cut (a meta model's stand-ins are on `device`)
+        # the checks run the whole model, which stays where it is until it is cut (a meta model's stand-ins are on
+        # `device`)
         home = next((p.device for p in module.parameters()), device)
         batch = None if inputs.batch is None else move_data_to_device(inputs.batch, home)
         resolved, example = resolve_plan(module, spec, inputs, batch, rank_kinds, free_sharding=free_sharding)
@@ -186,8 +188,10 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
         tp_plan = resolve_tp_plan(module, tp) if tp > 1 else None
         example = _in_stage_dtype(module, resolved.plan, example, inputs)
         # both modes whatever the entry point: a pipeline built by `validate()` is the one a later `fit()` trains
-        with (at_local_width(module, tp_plan, tp) if tp_plan is not None else contextlib.nullcontext(),
-              eager(module) as compiled_by_user):
+        with (
+            at_local_width(module, tp_plan, tp) if tp_plan is not None else contextlib.nullcontext(),
+            eager(module) as compiled_by_user,
+        ):
             cut = cut_model(module, resolved.plan, example, frontend=spec.frontend, modes=("train", "eval"))
     if tp_plan is not None:
         check_frontend(tp_plan, cut.frontend, type(module).__name__)
@@ -212,33 +216,67 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     cut.keep_only(module, stage_ids)
     bodies = [b for mode in ("train", "eval") for k in stage_ids for b in cut.bodies[mode][k]]
     traced = cut.frontend == "traced"
-    recompute = [spec.activation_checkpointing if s.activation_checkpointing is None else s.activation_checkpointing
-                 for s in plan.stages]
-    stages = {mode: {k: StageModule(plan.stages[k].modules, cut.bodies[mode][k], k, spread=cut.spread[k], captured=traced,
-                                    checkpoint_activations=recompute[k])
-                     for k in stage_ids} for mode in ("train", "eval")}
+    recompute = [
+        spec.activation_checkpointing if s.activation_checkpointing is None else s.activation_checkpointing
+        for s in plan.stages
+    ]
+    stages = {
+        mode: {
+            k: StageModule(
+                plan.stages[k].modules,
+                cut.bodies[mode][k],
+                k,
+                spread=cut.spread[k],
+                captured=traced,
+                checkpoint_activations=recompute[k],
+            )
+            for k in stage_ids
+        }
+        for mode in ("train", "eval")
+    }
     if cut.frontend == "sequential":
         stages["eval"] = stages["train"]
     if tp_plan is not None:  # before materializing: a meta model's ranks then materialize (and read) only their shards
-        split = split_stages(module, [*stages["train"].values(), *stages["eval"].values()], tp_plan, mesh.device_mesh["tp"])
+        split = split_stages(
+            module, [*stages["train"].values(), *stages["eval"].values()], tp_plan, mesh.device_mesh["tp"]
+        )
         plan.meta["tensor_parallel"] = {"degree": tp, "plan": tp_plan.source, "split": split}
     if has_meta_parameters(module):
         _materialize(module, inputs)
     module.to(device)
     for body in bodies:
-        if hasattr(body, "place"):  # traced stages: their own constants, and the ops that create tensors, on this device
+        # traced stages: their own constants, and the ops that create tensors, on this device
+        if hasattr(body, "place"):
             body.place(device)
     weights = None if spec.loss_weight is None else LossWeights(spec.loss_weight, mesh.dp_group, mesh.dp)
-    runner = PipelineRunner(module, stages["train"], plan.num_stages, mesh, resolved.schedule, resolved.n_microbatches,
-                            device, eval_stage_modules=stages["eval"], flatten=cut.flatten, unflatten=cut.unflatten,
-                            loss_weights=weights)
+    runner = PipelineRunner(
+        module,
+        stages["train"],
+        plan.num_stages,
+        mesh,
+        resolved.schedule,
+        resolved.n_microbatches,
+        device,
+        eval_stage_modules=stages["eval"],
+        flatten=cut.flatten,
+        unflatten=cut.unflatten,
+        loss_weights=weights,
+    )
     repeated = {k: {n for n, ks in cut.shared.items() if k in ks and min(ks) < k} for k in stage_ids}
-    view = StageView(stages["train"], eval_stages=stages["eval"], pp_group=mesh.pp_group if pp > 1 else None,
-                     dp_group=mesh.dp_group, microbatch=runner.current_microbatch, step=inputs.global_step,
-                     step_checks=runner.step_checks, repeated_names=repeated,
-                     named_parameters=lambda: dict(module.named_parameters()), rank=inputs.rank,
-                     stage_ranks={k: sorted(mesh.replica_ranks(r)) for r, ks in enumerate(positions) for k in ks},
-                     recompute=recompute)
+    view = StageView(
+        stages["train"],
+        eval_stages=stages["eval"],
+        pp_group=mesh.pp_group if pp > 1 else None,
+        dp_group=mesh.dp_group,
+        microbatch=runner.current_microbatch,
+        step=inputs.global_step,
+        step_checks=runner.step_checks,
+        repeated_names=repeated,
+        named_parameters=lambda: dict(module.named_parameters()),
+        rank=inputs.rank,
+        stage_ranks={k: sorted(mesh.replica_ranks(r)) for r, ks in enumerate(positions) for k in ks},
+        recompute=recompute,
+    )
     inputs.precision.configure_stages(plan, view, inputs.trainer_precision, device, rank_kinds[inputs.rank])
     to_compile = [*(blocks if options is not None else []), *compiled_by_user]
     if to_compile:  # after tensor parallel and the precisions, before FSDP2 (torchtitan's order)
@@ -249,28 +287,58 @@ def build_pipeline(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs) -
     # after sharding: the parameters several stages use are the ones the stages hold now (shards, under FSDP2)
     shared = shared_gradient_groups(cut.shared, held_by_name(module, aliases), positions, mesh)
     # FSDP2 reduces a sharded stage's gradients itself (reduce-scatter, and all-reduce over hsdp's replicas)
-    grads = GradHandover(stages["train"], None if runner.sharded else mesh.dp_group, 1 if runner.sharded else mesh.dp,
-                         shared=shared, ties=runner.sharded.ties if runner.sharded else ())
+    grads = GradHandover(
+        stages["train"],
+        None if runner.sharded else mesh.dp_group,
+        1 if runner.sharded else mesh.dp,
+        shared=shared,
+        ties=runner.sharded.ties if runner.sharded else (),
+    )
     runner.last_backward_window = grads.last_backward
     runner.replayed_steps = replayed
     rank_zero_info(
         f"HPPStrategy: {plan.num_stages} stages, frontend={cut.frontend} ({cut.reason}), schedule={resolved.schedule}, "
         f"n_microbatches={resolved.n_microbatches}, pp={pp} × dp={mesh.dp}"
-        + (f" ({inputs.sharding.data_parallel}: dp_replicate={mesh.dp_replicate} × dp_shard={mesh.dp_shard})"
-           if runner.sharded else "")
+        + (
+            f" ({inputs.sharding.data_parallel}: dp_replicate={mesh.dp_replicate} × dp_shard={mesh.dp_shard})"
+            if runner.sharded
+            else ""
+        )
         + (f" × tp={tp} ({tp_plan.source})" if tp_plan else "")
         + (f", shared parameters {sorted(cut.shared)}" if cut.shared else "")
-        + (f", replayed on every rank (they change the module's state): {sorted(replayed)}" if replayed and pp > 1 else "")
-        + (f", torch.compile on {plan.meta['compiled']}" if plan.meta.get("compiled") else "") + f"\n{plan.table()}"
+        + (
+            f", replayed on every rank (they change the module's state): {sorted(replayed)}"
+            if replayed and pp > 1
+            else ""
+        )
+        + (f", torch.compile on {plan.meta['compiled']}" if plan.meta.get("compiled") else "")
+        + f"\n{plan.table()}"
     )
-    return hold(module, Pipeline(module=module, plan=plan, mesh=mesh, stage_ids=tuple(stage_ids), schedule=resolved.schedule,
-                    n_microbatches=resolved.n_microbatches, split=resolved.split, frontend=cut.frontend, reason=cut.reason,
-                    rank_kinds=tuple(rank_kinds), runner=runner, grads=grads,
-                    precision=inputs.precision, key=key, aliases=aliases))
+    return hold(
+        module,
+        Pipeline(
+            module=module,
+            plan=plan,
+            mesh=mesh,
+            stage_ids=tuple(stage_ids),
+            schedule=resolved.schedule,
+            n_microbatches=resolved.n_microbatches,
+            split=resolved.split,
+            frontend=cut.frontend,
+            reason=cut.reason,
+            rank_kinds=tuple(rank_kinds),
+            runner=runner,
+            grads=grads,
+            precision=inputs.precision,
+            key=key,
+            aliases=aliases,
+        ),
+    )
 
 
-def _shard(root: nn.Module, plan: StagePlan, stages: dict[int, StageModule], mesh: Mesh, inputs: SetupInputs,
-           blocks: list[str]) -> ShardedStages | None:
+def _shard(
+    root: nn.Module, plan: StagePlan, stages: dict[int, StageModule], mesh: Mesh, inputs: SetupInputs, blocks: list[str]
+) -> ShardedStages | None:
     """FSDP2 on this rank's training stages when ``ShardingOptions`` asks for it (collective over the shard
     groups), after the precision plugin cast them to their stages' dtypes; ``None`` for unsharded stages. Each
     of the model's ``blocks`` and each unit of the plan a stage holds is sharded on its own (FSDP2 gathers one
@@ -280,12 +348,23 @@ def _shard(root: nn.Module, plan: StagePlan, stages: dict[int, StageModule], mes
     sharding = inputs.sharding
     if not sharding.sharded:
         return None
-    return shard_stages(root, stages, {k: [*blocks, *plan.stages[k].modules] for k in stages}, mesh.shard_mesh,
-                        sharding.reshard_after_forward)
+    return shard_stages(
+        root,
+        stages,
+        {k: [*blocks, *plan.stages[k].modules] for k in stages},
+        mesh.shard_mesh,
+        sharding.reshard_after_forward,
+    )
 
 
-def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch: Any, rank_kinds: list[str],
-                 free_sharding: bool = False) -> tuple[ResolvedPlan, tuple[tuple, dict] | None]:
+def resolve_plan(
+    module: nn.Module,
+    spec: PipelineSpec,
+    inputs: SetupInputs,
+    batch: Any,
+    rank_kinds: list[str],
+    free_sharding: bool = False,
+) -> tuple[ResolvedPlan, tuple[tuple, dict] | None]:
     """The plan before the cut, once, and the example call the cut sees (one micro-batch of the chosen size).
 
     ``plan="auto"`` (collective), the user's plan, the ``@stage`` decorators, or a cut balanced by
@@ -310,7 +389,9 @@ def resolve_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, bat
                 plan = StagePlan([StageSpec(modules=[name for name, _ in find_units(module)])])
             else:
                 plan = balanced_plan(module, n)
-                rank_zero_info(f"HPPStrategy: no plan given; {plan.meta['balanced']}: cut at {plan.meta['cut_points']}.")
+                rank_zero_info(
+                    f"HPPStrategy: no plan given; {plan.meta['balanced']}: cut at {plan.meta['cut_points']}."
+                )
     else:
         plan = spec.plan
     return ResolvedPlan(plan, schedule, m, pp_degree=spec.pp_degree), example
@@ -333,7 +414,8 @@ def _profile_batch(inputs: SetupInputs, batch: Any) -> Any:
             raise PlacementError(
                 f"`PlacementOptions(profile_batch=...)` holds {batch_size_of(chosen)} samples, but the training "
                 f"loader's batches hold {batch_size_of(batch)}: plan='auto' splits the batch it profiles as it splits "
-                f"the loader's. Give a batch of {batch_size_of(batch)} samples at the length to plan for.")
+                f"the loader's. Give a batch of {batch_size_of(batch)} samples at the length to plan for."
+            )
     if chosen is not None:
         shapes = [tuple(t.shape) for t in pytree.tree_leaves(chosen) if isinstance(t, torch.Tensor)]
         source = "PlacementOptions(profile_batch=...)" if given is not None else "the training loader's first batch"
@@ -341,9 +423,11 @@ def _profile_batch(inputs: SetupInputs, batch: Any) -> Any:
     return chosen
 
 
-def example_call(module: nn.Module, step_fn: Callable[..., Any], batch: Any, parts: int,
-                 at_least_two: bool = True) -> tuple[tuple, dict] | None:
-    """``(args, kwargs)`` of the step's ``self(...)`` call on one micro-batch (``1 / parts`` of ``batch``), RNG untouched.
+def example_call(
+    module: nn.Module, step_fn: Callable[..., Any], batch: Any, parts: int, at_least_two: bool = True
+) -> tuple[tuple, dict] | None:
+    """``(args, kwargs)`` of the step's ``self(...)`` call on one micro-batch (``1 / parts`` of ``batch``), RNG
+    untouched.
 
     With ``at_least_two`` a micro-batch of one sample is taken two samples large (the whole batch where
     its size is odd): ``torch.export`` fixes a dimension of size 1, and the traced stages would then
@@ -393,8 +477,15 @@ def replayed_steps(module: nn.Module, mode: str, batch: Any, parts: int) -> froz
     return frozenset().union(*all_gather_object(sorted(mine)))
 
 
-def _auto_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch: Any, example: tuple | None,
-               rank_kinds: list[str], free_sharding: bool) -> ResolvedPlan:
+def _auto_plan(
+    module: nn.Module,
+    spec: PipelineSpec,
+    inputs: SetupInputs,
+    batch: Any,
+    example: tuple | None,
+    rank_kinds: list[str],
+    free_sharding: bool,
+) -> ResolvedPlan:
     """``plan="auto"`` on this job (collective). The stages' data-parallel mode is the user's ``ShardingOptions``,
     or, with ``free_sharding``, ddp and fsdp where only sharded stages fit (unless the setup holds something
     sharded stages refuse: then ddp, and the no-plan error says why fsdp was not tried).
@@ -406,9 +497,11 @@ def _auto_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch
     if example is None:
         raise PlanError("plan='auto' profiles the model on one real micro-batch, but the dataloader gave no batch.")
     if has_meta_parameters(module) and inputs.placement.profile is None:
-        raise PlanError("plan='auto' measures the model, but it was built on the meta device (no weights yet). Pass a "
-                        "cost profile (`HPPStrategy(placement=PlacementOptions(profile=...))`, see "
-                        "`python -m lightning_hpp.planning.cli`), or a plan (`StagePlan.split_at([...])`).")
+        raise PlanError(
+            "plan='auto' measures the model, but it was built on the meta device (no weights yet). Pass a "
+            "cost profile (`HPPStrategy(placement=PlacementOptions(profile=...))`, see "
+            "`python -m lightning_hpp.planning.cli`), or a plan (`StagePlan.split_at([...])`)."
+        )
     units, unit_inputs, to_cut = planning_units(module, example)
     # the global batch of the unsearched plan: the loader's batch on each of its replicas
     groups = inputs.sharding.dims(inputs.world_size, spec.pp_degree).dp if spec.pp_degree else 1
@@ -416,8 +509,10 @@ def _auto_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch
     memory, sharding = inputs.placement.memory, inputs.sharding
     absent = sorted(set(memory or {}) - set(rank_kinds))
     if absent:
-        raise PlacementError(f"`PlacementOptions(memory=...)` gives the memory of kind(s) {absent}, but the job's ranks "
-                             f"are {sorted(set(rank_kinds))}. Name the ranks' kinds (see `device_map`).")
+        raise PlacementError(
+            f"`PlacementOptions(memory=...)` gives the memory of kind(s) {absent}, but the job's ranks "
+            f"are {sorted(set(rank_kinds))}. Name the ranks' kinds (see `device_map`)."
+        )
     refused = sharding_refusals(inputs.callbacks) if free_sharding else []
     mode = sharding.data_parallel if not free_sharding else "ddp" if refused else None
     # tensor parallel: the degree given, or (nothing given) every degree the model's plan divides, searched
@@ -427,38 +522,68 @@ def _auto_plan(module: nn.Module, spec: PipelineSpec, inputs: SetupInputs, batch
     hosts = gather_hosts()
     try:
         plan, grid, table, chosen = auto_plan(
-            units, unit_inputs, inputs.rank, rank_kinds, batch_size=batch_size_of(batch), device=inputs.device,
-            data_groups=groups, pp_degree=spec.pp_degree, schedule=spec.schedule, n_microbatches=spec.n_microbatches,
-            loss_probe=probe, profile_path=inputs.placement.profile, split_batches=inputs.split_batches and inputs.fitting,
-            speeds=inputs.recorded_speeds() if inputs.fitting else None, memory_bytes=memory, data_parallel=mode,
-            dp_replicate=sharding.dp_replicate, reshard_after_forward=bool(sharding.reshard_after_forward),
-            tp_degree=None if free_sharding else sharding.tp_degree, tp_allowed=allowed, tp_shape=shape, hosts=hosts,
-            tp_across_hosts=inputs.placement.tp_across_hosts)
+            units,
+            unit_inputs,
+            inputs.rank,
+            rank_kinds,
+            batch_size=batch_size_of(batch),
+            device=inputs.device,
+            data_groups=groups,
+            pp_degree=spec.pp_degree,
+            schedule=spec.schedule,
+            n_microbatches=spec.n_microbatches,
+            loss_probe=probe,
+            profile_path=inputs.placement.profile,
+            split_batches=inputs.split_batches and inputs.fitting,
+            speeds=inputs.recorded_speeds() if inputs.fitting else None,
+            memory_bytes=memory,
+            data_parallel=mode,
+            dp_replicate=sharding.dp_replicate,
+            reshard_after_forward=bool(sharding.reshard_after_forward),
+            tp_degree=None if free_sharding else sharding.tp_degree,
+            tp_allowed=allowed,
+            tp_shape=shape,
+            hosts=hosts,
+            tp_across_hosts=inputs.placement.tp_across_hosts,
+        )
     except PartitionError as err:
         if not refused:
             raise
-        raise PartitionError(f"{err} Sharded stages (data_parallel='fsdp'), which hold less per rank, were not tried: "
-                             f"{'; '.join(refused)}.") from None
+        raise PartitionError(
+            f"{err} Sharded stages (data_parallel='fsdp'), which hold less per rank, were not tried: "
+            f"{'; '.join(refused)}."
+        ) from None
     rank_zero_info(f"HPPStrategy: plan='auto' chose\n{table}")
     chose = None
     if free_sharding and (chosen.data_parallel != "ddp" or chosen.tp_degree > 1):
         chose = ShardingOptions(data_parallel=chosen.data_parallel, tp_degree=chosen.tp_degree)
-    return ResolvedPlan(to_cut(plan), chosen.schedule, chosen.n_microbatches, split=chosen.dp_degree // groups, grid=grid,
-                        pp_degree=chosen.pp_degree, sharding=chose)
+    return ResolvedPlan(
+        to_cut(plan),
+        chosen.schedule,
+        chosen.n_microbatches,
+        split=chosen.dp_degree // groups,
+        grid=grid,
+        pp_degree=chosen.pp_degree,
+        sharding=chose,
+    )
 
 
-def _in_stage_dtype(module: nn.Module, plan: StagePlan, example: tuple[tuple, dict] | None,
-                    inputs: SetupInputs) -> tuple[tuple, dict] | None:
+def _in_stage_dtype(
+    module: nn.Module, plan: StagePlan, example: tuple[tuple, dict] | None, inputs: SetupInputs
+) -> tuple[tuple, dict] | None:
     """Where every stage keeps its parameters in one dtype other than fp32 (``bf16-true``, ``16-true``), cast the
     model and the example's floating inputs to it before the cut, as the stages will be: a trace burns in the
-    dtype decisions of ``forward`` (a ``.to(x.dtype)`` it saw as a no-op in fp32), so it must see the model as it runs."""
+    dtype decisions of ``forward`` (a ``.to(x.dtype)`` it saw as a no-op in fp32), so it must see the model as it
+    runs."""
     dtypes = {MODES[p].param_dtype for p in inputs.precision.stage_precisions(plan, inputs.trainer_precision)}
     if len(dtypes) != 1 or (dtype := dtypes.pop()) == torch.float32:
         return example
     module.to(dtype)
     if example is None:
         return None
-    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, example)
+    return pytree.tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, example
+    )
 
 
 def _materialize(module: nn.Module, inputs: SetupInputs) -> None:
@@ -466,5 +591,7 @@ def _materialize(module: nn.Module, inputs: SetupInputs) -> None:
     init = inputs.init
     seed = init.seed if init.seed is not None else inputs.default_seed
     n = materialize_stages(module, inputs.device, seed=seed, weights=init.weights, rename=init.rename)
-    rank_zero_info(f"HPPStrategy: rank {inputs.rank} materialized its {n} parameters "
-                   f"({'read from ' + init.weights if init.weights else 'their modules initializers'}).")
+    rank_zero_info(
+        f"HPPStrategy: rank {inputs.rank} materialized its {n} parameters "
+        f"({'read from ' + init.weights if init.weights else 'their modules initializers'})."
+    )

@@ -17,7 +17,8 @@ from lightning_hpp.options import ShardingOptions, TelemetryOptions
 from lightning_hpp.precision.plugin import HPPPrecision
 from lightning_hpp.telemetry.callback import PipelineTelemetry
 from lightning_hpp.telemetry.report import PlacementReport
-from lightning_hpp.telemetry.watch import StragglerWatch, WatchOptions, strategy_timeout_s
+from lightning_hpp.telemetry.slowdown import WatchOptions
+from lightning_hpp.telemetry.watch import StragglerWatch, strategy_timeout_s
 
 
 def pipeline_callbacks(callbacks: Sequence[Any], telemetry: TelemetryOptions | None, *, auto: bool,
@@ -44,15 +45,25 @@ def pipeline_callbacks(callbacks: Sequence[Any], telemetry: TelemetryOptions | N
     only_for_report = telemetry is None and not has_telemetry
     if not has_telemetry:
         opts = telemetry or TelemetryOptions(every_n_steps=5)
-        added.append(PipelineTelemetry(every_n_steps=opts.every_n_steps, trace_step=opts.trace_step, trace_dir=opts.trace_dir))
+        added.append(
+            PipelineTelemetry(every_n_steps=opts.every_n_steps, trace_step=opts.trace_step, trace_dir=opts.trace_dir)
+        )
     if auto and not any(isinstance(cb, PlacementReport) for cb in callbacks):
         added.append(PlacementReport(stop_telemetry=only_for_report))
     return added
 
 
-def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fitting: bool, precision_flag: str | None,
-                         sharding: ShardingOptions | None = None, callbacks: Sequence[Any] = (),
-                         layer_sync: Any = None) -> None:
+def refuse_unkept_setups(
+    module: Any,
+    precision: Any,
+    *,
+    checkpoint_io: Any,
+    fitting: bool,
+    precision_flag: str | None,
+    sharding: ShardingOptions | None = None,
+    callbacks: Sequence[Any] = (),
+    layer_sync: Any = None,
+) -> None:
     """Refuse what a pipeline would silently ignore: a CheckpointIO plugin, manual optimization, a ``backward``
     override, two default precisions, ``ModelPruning``, ``sync_batchnorm``; and what does not compose with sharded or
     tensor-parallel stages in this version (:func:`~lightning_hpp.assembly.compose.refuse_with_trainer`).
@@ -62,8 +73,10 @@ def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fit
     """
     refuse_with_trainer(sharding, callbacks)
     if checkpoint_io is not None and type(checkpoint_io) is not TorchCheckpointIO:  # Lightning's default
-        raise PlanError(f"HPPStrategy writes sharded checkpoints itself; the CheckpointIO plugin {type(checkpoint_io).__name__} "
-                        f"would not be used. Remove it from `Trainer(plugins=...)`.")
+        raise PlanError(
+            f"HPPStrategy writes sharded checkpoints itself; the CheckpointIO plugin {type(checkpoint_io).__name__} "
+            f"would not be used. Remove it from `Trainer(plugins=...)`."
+        )
     if fitting and not module.automatic_optimization:
         raise PlanError(
             f"`{type(module).__name__}.automatic_optimization = False` cannot run under HPPStrategy: "
@@ -75,17 +88,20 @@ def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fit
     pruning = [type(cb).__name__ for cb in callbacks if _is_pruning(cb)]
     if fitting and pruning:
         raise PlanError(
-            f"`{pruning[0]}` prunes weights during training by re-registering each pruned weight as `<name>_orig` with a "
+            f"`{pruning[0]}` prunes weights during training by re-registering each pruned weight as `<name>_orig` with "
+            "a "
             f"`<name>_mask` buffer (torch.nn.utils.prune); under HPPStrategy the stages' parameters, their gradient "
             f"buckets, the tied-weight groups and the checkpoints' keys are fixed when the model is cut, so a pruned "
             f"stage would train its old parameters. Prune before `fit` (or after, on the exported model), or train "
-            f"without the callback.")
+            f"without the callback."
+        )
     if layer_sync is not None:
         raise PlanError(
             "`Trainer(sync_batchnorm=True)`: under HPPStrategy a BatchNorm layer normalises each micro-batch (the "
             "schedule runs one at a time), and SyncBatchNorm over the data-parallel replicas (which torch runs on GPUs "
             "only) is not composed with the micro-batches in this version. Train with `sync_batchnorm=False`, or use "
-            "GroupNorm/LayerNorm, whose results do not depend on the batch.")
+            "GroupNorm/LayerNorm, whose results do not depend on the batch."
+        )
     if fitting and is_overridden("backward", module):
         raise PlanError(
             f"`{type(module).__name__}.backward` is overridden, but under HPPStrategy the pipeline schedule runs every "
@@ -93,9 +109,15 @@ def refuse_unkept_setups(module: Any, precision: Any, *, checkpoint_io: Any, fit
             f"override would never run. Move what it does to `on_before_backward` / `on_after_backward`, or to "
             f"`configure_gradient_clipping` for gradient changes."
         )
-    if isinstance(precision, HPPPrecision) and precision.default not in (None, precision_flag) and precision_flag != "32-true":
-        raise PlanError(f"`Trainer(precision={precision_flag!r})` and `HPPPrecision(default={precision.default!r})` disagree on "
-                        f"the stages' default precision. Set it in one place.")
+    if (
+        isinstance(precision, HPPPrecision)
+        and precision.default not in (None, precision_flag)
+        and precision_flag != "32-true"
+    ):
+        raise PlanError(
+            f"`Trainer(precision={precision_flag!r})` and `HPPPrecision(default={precision.default!r})` disagree on "
+            f"the stages' default precision. Set it in one place."
+        )
 
 
 def _is_pruning(callback: Any) -> bool:

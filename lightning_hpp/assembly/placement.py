@@ -151,7 +151,8 @@ def auto_plan(
         hosts, tp_across_hosts: Every rank's host, and whether a tensor-parallel group may span hosts.
 
     Returns:
-        The plan (with ``meta["predicted"]`` and the profile it was made from in ``meta["profile"]``), the rank grid ``grid[position][replica]``, a table
+        The plan (with ``meta["predicted"]`` and the profile it was made from in ``meta["profile"]``), the rank grid
+        ``grid[position][replica]``, a table
         of the result for the log, and the search's result (schedule, micro-batches, degrees).
     """
     names = [n for n, _ in units]
@@ -171,8 +172,12 @@ def auto_plan(
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training draws as without it
             mine = _measure(units, example_args, rank_kinds[rank], device, big, loss_probe).to_dict()
         # on CPUs gloo sums the gradients on the cores the backward computes on: nothing of it hides
-        mine["entries"][0]["overheads"].update(p2p_latency_ms=lat, p2p_gbps=gbps, allreduce_gbps=ar_gbps,
-                                               allreduce_overlap=0.0 if device.type == "cpu" else 1.0)
+        mine["entries"][0]["overheads"].update(
+            p2p_latency_ms=lat,
+            p2p_gbps=gbps,
+            allreduce_gbps=ar_gbps,
+            allreduce_overlap=0.0 if device.type == "cpu" else 1.0,
+        )
         profile = mean_over_ranks([CostProfile.from_dict(part) for part in all_gather_object(mine)])
     if profile.tp_degrees is None:
         profile.tp_degrees = list(tp_allowed) if tp_allowed is not None else None
@@ -181,11 +186,22 @@ def auto_plan(
     planned, plan_kinds = with_rank_speeds(profile, rank_kinds, speeds)
     memory = {p: memory_bytes[k] for p, k in zip(plan_kinds, rank_kinds) if k in memory_bytes} if memory_bytes else None
     result = search_plan(
-        planned, plan_kinds, batch_size=batch_size, data_groups=data_groups, pp_degree=pp_degree,
-        n_microbatches=n_microbatches, schedule=schedule, memory_bytes=memory,
-        link_gbps=link_gbps if link_gbps is not None else DEFAULT_LINK_GBPS, split_batches=split_batches,
-        data_parallel=data_parallel, dp_replicate=dp_replicate, reshard_after_forward=reshard_after_forward,
-        tp_degree=tp_degree, hosts=hosts, tp_across_hosts=tp_across_hosts,
+        planned,
+        plan_kinds,
+        batch_size=batch_size,
+        data_groups=data_groups,
+        pp_degree=pp_degree,
+        n_microbatches=n_microbatches,
+        schedule=schedule,
+        memory_bytes=memory,
+        link_gbps=link_gbps if link_gbps is not None else DEFAULT_LINK_GBPS,
+        split_batches=split_batches,
+        data_parallel=data_parallel,
+        dp_replicate=dp_replicate,
+        reshard_after_forward=reshard_after_forward,
+        tp_degree=tp_degree,
+        hosts=hosts,
+        tp_across_hosts=tp_across_hosts,
     )
     plan = result.plan
     plan.meta["profile"] = profile.to_dict()  # what the plan was made from: re-plan offline with search_plan
@@ -197,8 +213,14 @@ def auto_plan(
     return plan, [list(row) for row in result.ranks], result.format_table(), result
 
 
-def _measure(units: Sequence[tuple[str, nn.Module]], example_args: tuple, kind: str, device: torch.device, big: int,
-             loss_probe: Callable[[int], Callable[[], Any]] | None):
+def _measure(
+    units: Sequence[tuple[str, nn.Module]],
+    example_args: tuple,
+    kind: str,
+    device: torch.device,
+    big: int,
+    loss_probe: Callable[[int], Callable[[], Any]] | None,
+):
     """This kind's profile entry at micro-batch ``big`` with fixed costs and overheads."""
     precision = next(p for p in precision_preference(kind) if p != "fp8")
     profile = profile_units(list(units), example_args, kind, precision=precision, device=device)
@@ -208,7 +230,9 @@ def _measure(units: Sequence[tuple[str, nn.Module]], example_args: tuple, kind: 
     if small < big:
         try:
             few = split_batch(tuple(example_args), big // small)[0]
-            profile = fit_fixed_costs(profile, profile_units(list(units), few, kind, precision=precision, device=device))
+            profile = fit_fixed_costs(
+                profile, profile_units(list(units), few, kind, precision=precision, device=device)
+            )
         except (MicroBatchError, RuntimeError, TypeError) as err:  # inputs without a common batch dim, a traced shape
             profile.meta["fixed_ms"] = f"not measured: {err}"
     per_mb, per_step = 0.0, 0.0
@@ -217,14 +241,23 @@ def _measure(units: Sequence[tuple[str, nn.Module]], example_args: tuple, kind: 
         per_mb, per_step = calibrate.schedule_overheads(device, alone)
     loss_ms, loss_fixed = calibrate.loss_costs(loss_probe, small, big, device) if loss_probe is not None else (0.0, 0.0)
     profile.entries[0].overheads = Overheads(
-        microbatch_ms=per_mb, step_ms=per_step, loss_ms=loss_ms, loss_fixed_ms=loss_fixed,
+        microbatch_ms=per_mb,
+        step_ms=per_step,
+        loss_ms=loss_ms,
+        loss_fixed_ms=loss_fixed,
         optimizer_ms_per_mb=calibrate.optimizer_ms_per_mb(device),
     )
     return profile
 
 
-def loss_probe(module: nn.Module, step_fn: Callable[..., Any], batch: Any, units: Sequence[tuple[str, nn.Module]],
-               inputs: tuple, device: torch.device) -> Callable[[int], Callable[[], Any]]:
+def loss_probe(
+    module: nn.Module,
+    step_fn: Callable[..., Any],
+    batch: Any,
+    units: Sequence[tuple[str, nn.Module]],
+    inputs: tuple,
+    device: torch.device,
+) -> Callable[[int], Callable[[], Any]]:
     """``probe(b)``: a callable running the user's step on ``b`` samples of ``batch`` with ``self(...)``
     returning the last unit's output (computed once, without gradients), and the loss's backward, on ``device``.
 

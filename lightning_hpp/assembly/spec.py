@@ -81,7 +81,9 @@ class PipelineSpec:
 
     def __post_init__(self) -> None:
         if self.schedule is not None and (not isinstance(self.schedule, str) or self.schedule not in SCHEDULES):
-            raise ScheduleError(f"`HPPStrategy(schedule={self.schedule!r})` is unknown. Valid schedules: {', '.join(SCHEDULES)}.")
+            raise ScheduleError(
+                f"`HPPStrategy(schedule={self.schedule!r})` is unknown. Valid schedules: {', '.join(SCHEDULES)}."
+            )
         check_int(self.n_microbatches, "HPPStrategy(n_microbatches=...)", optional=True)
         check_int(self.pp_degree, "HPPStrategy(pp_degree=...)", optional=True)
         check_choice(self.frontend, "HPPStrategy(frontend=...)", FRONTENDS)
@@ -89,15 +91,19 @@ class PipelineSpec:
         check_choice(self.step_replay, "HPPStrategy(step_replay=...)", STEP_REPLAYS)
         compile_options(self.compile)
         if self.loss_weight is not None and not callable(self.loss_weight):
-            raise PlanError(f"`HPPStrategy(loss_weight={self.loss_weight!r})` must be None or a function of a batch "
-                            f"giving the number of units (tokens) its loss averages over, e.g. "
-                            f"`lambda batch: (batch['labels'] != -100).sum()`.")
+            raise PlanError(
+                f"`HPPStrategy(loss_weight={self.loss_weight!r})` must be None or a function of a batch "
+                f"giving the number of units (tokens) its loss averages over, e.g. "
+                f"`lambda batch: (batch['labels'] != -100).sum()`."
+            )
         plan = self.plan
         if isinstance(plan, (str, os.PathLike)) and plan != "auto":
             object.__setattr__(self, "plan", StagePlan.load(os.fspath(plan)))
         elif plan is not None and plan != "auto" and not isinstance(plan, StagePlan):
-            raise PlanError(f"`HPPStrategy(plan=...)` must be None (use `@stage` decorators), a `StagePlan`, a path to a "
-                            f"stage_plan.json or 'auto'; got {type(plan).__name__}.")
+            raise PlanError(
+                f"`HPPStrategy(plan=...)` must be None (use `@stage` decorators), a `StagePlan`, a path to a "
+                f"stage_plan.json or 'auto'; got {type(plan).__name__}."
+            )
 
     @property
     def auto(self) -> bool:
@@ -129,8 +135,9 @@ class PipelineSpec:
             return max(1, world_size // tp)
         return plan.num_stages // self.kind.stages_per_rank
 
-    def dims_before_setup(self, world_size: int, module: nn.Module | None,
-                          sharding: ShardingOptions | None) -> ParallelDims:
+    def dims_before_setup(
+        self, world_size: int, module: nn.Module | None, sharding: ShardingOptions | None
+    ) -> ParallelDims:
         """The degrees as far as they are known before the plan is resolved (what Lightning's samplers read
         before setup); one replica where they do not divide the world (setup refuses that, naming the sizes)."""
         sharding = sharding or ShardingOptions()

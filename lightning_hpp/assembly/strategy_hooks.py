@@ -74,16 +74,29 @@ class ShardedCheckpointHooks:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Write one sharded checkpoint directory at ``filepath`` (collective: every rank calls it)."""
         p = self._pipeline
-        extra = self._session.metadata(plan=p.plan.to_dict(), metrics=dict(self.lightning_module.trainer.callback_metrics),
-                                       hyper_parameters=checkpoint.get("hyper_parameters"),
-                                       fingerprint=self._controls.checkpoint_metadata())
-        self._session.save(checkpoint, filepath, self.lightning_module, self.optimizers, global_rank=self.global_rank,
-                           position=p.mesh.position, replica=p.mesh.replica, extra=extra, storage_options=storage_options,
-                           fp8=self._fp8_slots())
+        extra = self._session.metadata(
+            plan=p.plan.to_dict(),
+            metrics=dict(self.lightning_module.trainer.callback_metrics),
+            hyper_parameters=checkpoint.get("hyper_parameters"),
+            fingerprint=self._controls.checkpoint_metadata(),
+        )
+        self._session.save(
+            checkpoint,
+            filepath,
+            self.lightning_module,
+            self.optimizers,
+            global_rank=self.global_rank,
+            position=p.mesh.position,
+            replica=p.mesh.replica,
+            extra=extra,
+            storage_options=storage_options,
+            fp8=self._fp8_slots(),
+        )
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        self._session.remove(filepath, is_global_zero=self.is_global_zero,
-                             resuming=self.lightning_module.trainer.ckpt_path is not None)
+        self._session.remove(
+            filepath, is_global_zero=self.is_global_zero, resuming=self.lightning_module.trainer.ckpt_path is not None
+        )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load this rank's part of a sharded checkpoint, whatever layout saved it (collective)."""
@@ -92,9 +105,15 @@ class ShardedCheckpointHooks:
 
     def _load_sharded(self, url: str) -> dict[str, Any]:
         mesh = self._pipeline.mesh if self._pipeline else None
-        return self._session.load_shards(url, self.lightning_module, self.optimizers, global_rank=self.global_rank,
-                                         position=mesh.position if mesh else 0, replica=mesh.replica if mesh else 0,
-                                         fp8=self._fp8_slots())
+        return self._session.load_shards(
+            url,
+            self.lightning_module,
+            self.optimizers,
+            global_rank=self.global_rank,
+            position=mesh.position if mesh else 0,
+            replica=mesh.replica if mesh else 0,
+            fp8=self._fp8_slots(),
+        )
 
     def _fp8_slots(self) -> dict[str, Any]:
         """This rank's fp8 scaling state, which checkpoints save and restore as data."""

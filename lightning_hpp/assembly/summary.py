@@ -50,7 +50,9 @@ def summarise_whole_models(callbacks: Sequence[Any], group: Any, aliases: dict[s
             cb._summary = functools.partial(_whole, cb, group, aliases)  # type: ignore[method-assign]
 
 
-def _whole(callback: Any, group: Any, aliases: dict[str, list[str]], trainer: Any, module: nn.Module) -> WholeModelSummary:
+def _whole(
+    callback: Any, group: Any, aliases: dict[str, list[str]], trainer: Any, module: nn.Module
+) -> WholeModelSummary:
     from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
     canonical = {a: names[0] for names in aliases.values() for a in names}
@@ -80,12 +82,21 @@ def _whole(callback: Any, group: Any, aliases: dict[str, list[str]], trainer: An
         ("FLOPs", [get_human_readable_count(0)] * len(names)),
     ]
     if total - sum(counts) > 0:
-        for (_, column), extra in zip(data, [" ", _LEFTOVER, _NA, get_human_readable_count(total - sum(counts)), _NA, _NA]):
+        for (_, column), extra in zip(
+            data, [" ", _LEFTOVER, _NA, get_human_readable_count(total - sum(counts)), _NA, _NA]
+        ):
             column.append(extra)
-    bits = {"16": 16, "bf16": 16, "16-true": 16, "bf16-true": 16, "64": 64, "64-true": 64}.get(str(trainer.precision), 32)
+    bits = {"16": 16, "bf16": 16, "16-true": 16, "bf16-true": 16, "64": 64, "64-true": 64}.get(
+        str(trainer.precision), 32
+    )
     modes_list = list(modes.values())
-    return WholeModelSummary(data, total, sum(numel for numel, grad in params.values() if grad), total * bits / 8 * 1e-6,
-                             {"train": modes_list.count(True), "eval": modes_list.count(False)})
+    return WholeModelSummary(
+        data,
+        total,
+        sum(numel for numel, grad in params.values() if grad),
+        total * bits / 8 * 1e-6,
+        {"train": modes_list.count(True), "eval": modes_list.count(False)},
+    )
 
 
 def _describe(module: nn.Module, max_depth: int, canonical: dict[str, str]) -> dict[str, Any]:

@@ -86,7 +86,9 @@ class PipelineProperties:
         """The last training step's ``{"loss": float, "local_grad_norms": {stage: norm before the dp all-reduce}}``
         (what ``BiasMonitor`` compares across replicas; the local norms are taken only when one is among the
         Trainer's callbacks). Read on the host when asked, not every step."""
-        return {k: (float(v) if k == "loss" else {s: float(n) for s, n in v.items()}) for k, v in self._step_stats.items()}
+        return {
+            k: (float(v) if k == "loss" else {s: float(n) for s, n in v.items()}) for k, v in self._step_stats.items()
+        }
 
     @property
     def resumed_from(self) -> str | None:

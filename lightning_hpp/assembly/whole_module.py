@@ -1,6 +1,7 @@
 """Lightning's callbacks that act on the whole LightningModule, on a rank that holds some of its stages.
 
-**Copies taken before the cut.** Lightning's weight-averaging callbacks (``StochasticWeightAveraging``, ``WeightAveraging``,
+**Copies taken before the cut.** Lightning's weight-averaging callbacks (``StochasticWeightAveraging``,
+``WeightAveraging``,
 ``EMAWeightAveraging``) copy the whole module in their ``setup`` hook, which Lightning calls before the strategy
 cuts the module; their averages then pair the copy's parameters with the module's, which each rank holds only
 for its stages. :func:`align_module_copies` makes every such copy hold what this rank's module holds, so the
@@ -39,7 +40,8 @@ def module_copies(callbacks: Sequence[Any], module: nn.Module) -> list[nn.Module
 
 
 def align_module_copies(callbacks: Sequence[Any], module: nn.Module) -> int:
-    """Cut every copy of ``module`` the callbacks hold as ``module`` is cut (:func:`~lightning_hpp.model.units.hold_as`);
+    """Cut every copy of ``module`` the callbacks hold as ``module`` is cut
+    (:func:`~lightning_hpp.model.units.hold_as`);
     returns how many there were."""
     copies = module_copies(callbacks, module)
     for copy in copies:
@@ -57,8 +59,9 @@ def keep_param_groups_aligned() -> None:
     if getattr(original, "_hpp_aligned", False):
         return
 
-    def unfreeze_and_add_param_group(modules: Any, optimizer: Any, lr: float | None = None,
-                                     initial_denom_lr: float = 10.0, train_bn: bool = True) -> None:
+    def unfreeze_and_add_param_group(
+        modules: Any, optimizer: Any, lr: float | None = None, initial_denom_lr: float = 10.0, train_bn: bool = True
+    ) -> None:
         groups = len(optimizer.param_groups)
         params_lr = optimizer.param_groups[0]["lr"] if lr is None else float(lr)  # as the original reads it, before
         original(modules, optimizer, lr, initial_denom_lr, train_bn)

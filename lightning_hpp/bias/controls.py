@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_hpp.bias.determinism import WorkerSeeder, determinism_seed, enable_determinism, ensure_hash_seed, worker_init_fn
+from lightning_hpp.bias.determinism import (
+    WorkerSeeder,
+    determinism_seed,
+    enable_determinism,
+    ensure_hash_seed,
+    worker_init_fn,
+)
 from lightning_hpp.bias.guard import BiasGuard
 
 if TYPE_CHECKING:

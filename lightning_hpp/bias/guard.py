@@ -204,7 +204,9 @@ class BiasGuard(Callback):
         mine = {
             # Plain JSON types only (torch.__version__ is a str subclass): checkpoints that hold the
             # fingerprints must load with torch.load(weights_only=True).
-            "fingerprint": json.loads(json.dumps(collect_fingerprint(device=trainer.strategy.root_device), default=str)),
+            "fingerprint": json.loads(
+                json.dumps(collect_fingerprint(device=trainer.strategy.root_device), default=str)
+            ),
             "device_kind": _device_kind(trainer),
             "stage": _first_stage(trainer),
         }
@@ -223,8 +225,12 @@ class BiasGuard(Callback):
                 save_fingerprints(self.fingerprints, self.fingerprint_path)
         self._write_findings()
         what = "environment fingerprint across ranks"
-        self._act(self.differences, lambda found, p: enforce(found, p, what, deterministic=True),
-                  self.fingerprint_policy, what)
+        self._act(
+            self.differences,
+            lambda found, p: enforce(found, p, what, deterministic=True),
+            self.fingerprint_policy,
+            what,
+        )
         if self._pending_saved is not None:
             saved, self._pending_saved = self._pending_saved, None
             self.check_resume(saved)
@@ -236,8 +242,12 @@ class BiasGuard(Callback):
         self.hazards = self.run_audit(trainer)
         self.audited_at_step = trainer.global_step
         self._write_findings()
-        self._act(self.hazards, lambda found, p: enforce_audit(found, p, deterministic=True), self.audit_policy,
-                  "data-loading audit")
+        self._act(
+            self.hazards,
+            lambda found, p: enforce_audit(found, p, deterministic=True),
+            self.audit_policy,
+            "data-loading audit",
+        )
 
     # ------------------------------------------------------------------ audit
     def run_audit(self, trainer: Any) -> list[Hazard]:
@@ -254,13 +264,21 @@ class BiasGuard(Callback):
         # What Lightning does: inject or wrap samplers only under a distributed strategy.
         connector = trainer._accelerator_connector
         use_ds = bool(connector.use_distributed_sampler and connector.is_distributed)
-        loaders = [(name, loader, True) for name, loader in _named_loaders(trainer.train_dataloader, "train dataloader")]
+        loaders = [
+            (name, loader, True) for name, loader in _named_loaders(trainer.train_dataloader, "train dataloader")
+        ]
         loaders += [(name, loader, False) for name, loader in _named_loaders(trainer.val_dataloaders, "val dataloader")]
         hazards: list[Hazard] = []
         draws: list[tuple[str, Any, Any]] = []
         for name, loader, train in loaders:
-            record = collect_audit_record(loader, rank=rank, world_size=size, use_distributed_sampler=use_ds,
-                                          max_indices=self.max_indices, train=train)
+            record = collect_audit_record(
+                loader,
+                rank=rank,
+                world_size=size,
+                use_distributed_sampler=use_ds,
+                max_indices=self.max_indices,
+                train=train,
+            )
             hazards += analyze_audit_records(all_gather_object(record, group), name=name, check_hash_seed=False)
             draws.append((name, record["shard"], record["worker_stream"]))
         if size < trainer.world_size:
@@ -271,8 +289,9 @@ class BiasGuard(Callback):
             hazards = _merge([h for part in parts for h in part["hazards"]])
             hazards += pipeline_peer_hazards(parts)
         # PYTHONHASHSEED concerns every rank, not only a data-parallel group.
-        record = collect_audit_record(None, rank=trainer.global_rank, world_size=trainer.world_size,
-                                      use_distributed_sampler=use_ds)
+        record = collect_audit_record(
+            None, rank=trainer.global_rank, world_size=trainer.world_size, use_distributed_sampler=use_ds
+        )
         hazards += analyze_audit_records(all_gather_object(record, None), check_hash_seed=True)
         return hazards
 
@@ -349,8 +368,9 @@ class BiasGuard(Callback):
             "format": 1,
             "deterministic": self.strict,
             "fingerprint_differences": [d.to_dict() for d in self.differences],
-            "resume_differences": None if self.resume_differences is None else
-            [d.to_dict() for d in self.resume_differences],
+            "resume_differences": None
+            if self.resume_differences is None
+            else [d.to_dict() for d in self.resume_differences],
             "hazards": [h.to_dict() for h in self.hazards],
         }
         with fsspec.open(self.audit_path, "w") as f:
@@ -376,8 +396,11 @@ def pipeline_peer_hazards(parts: Sequence[Mapping[str, Any]]) -> list[Hazard]:
     for i in range(n_loaders):
         name = parts[0]["draws"][i][0]
         for what, pos in (("data", 1), ("workers", 2)):
-            bad = {d: ps for d, ps in by_replica.items()
-                   if len({json.dumps(p["draws"][i][pos], default=str) for p in ps}) > 1}
+            bad = {
+                d: ps
+                for d, ps in by_replica.items()
+                if len({json.dumps(p["draws"][i][pos], default=str) for p in ps}) > 1
+            }
             if not bad:
                 continue
             replica, peers = next(iter(bad.items()))
@@ -387,25 +410,31 @@ def pipeline_peer_hazards(parts: Sequence[Mapping[str, Any]]) -> list[Hazard]:
             if len(bad) > 1:
                 where += f" and of {len(bad) - 1} other replica(s)"
             if what == "data":
-                out.append(Hazard(
-                    PIPELINE_PEERS_DATA,
-                    f"{where} draw different indices: {shown}. The first stage computes on one batch while the "
-                    f"last stage's loss uses the targets of another.",
-                    "Let the strategy shard the data over the data-parallel replicas: keep "
-                    "`use_distributed_sampler=True`, or use `DistributedWeightedSampler` / `DistributedSampler` "
-                    "(the strategy points them at the replicas); never seed a sampler with the global rank.",
-                    ranks))
+                out.append(
+                    Hazard(
+                        PIPELINE_PEERS_DATA,
+                        f"{where} draw different indices: {shown}. The first stage computes on one batch while the "
+                        f"last stage's loss uses the targets of another.",
+                        "Let the strategy shard the data over the data-parallel replicas: keep "
+                        "`use_distributed_sampler=True`, or use `DistributedWeightedSampler` / `DistributedSampler` "
+                        "(the strategy points them at the replicas); never seed a sampler with the global rank.",
+                        ranks,
+                    )
+                )
             else:
-                out.append(Hazard(
-                    PIPELINE_PEERS_WORKERS,
-                    f"{where} start their dataloader workers with different random streams: {shown}. If the "
-                    f"dataset draws random numbers (augmentation, label noise, mixing), the stages of one "
-                    f"pipeline see different versions of the same batch, and the last stage's targets no longer "
-                    f"match the first stage's inputs.",
-                    "Seed workers per data-parallel replica, not per global rank: "
-                    "`DataLoader(..., worker_init_fn=lightning_hpp.bias.determinism.worker_init_fn(seed, "
-                    "trainer.strategy.dp_rank))`.",
-                    ranks))
+                out.append(
+                    Hazard(
+                        PIPELINE_PEERS_WORKERS,
+                        f"{where} start their dataloader workers with different random streams: {shown}. If the "
+                        f"dataset draws random numbers (augmentation, label noise, mixing), the stages of one "
+                        f"pipeline see different versions of the same batch, and the last stage's targets no longer "
+                        f"match the first stage's inputs.",
+                        "Seed workers per data-parallel replica, not per global rank: "
+                        "`DataLoader(..., worker_init_fn=lightning_hpp.bias.determinism.worker_init_fn(seed, "
+                        "trainer.strategy.dp_rank))`.",
+                        ranks,
+                    )
+                )
     return out
 
 
@@ -435,12 +464,14 @@ def compare_runs(saved: Sequence[dict[str, Any]], current: Sequence[dict[str, An
         for d in compare_with_saved(ref, fp):
             if not same_world and d.field in DEVICE_FIELDS:
                 continue
-            key = (d.field, json.dumps(d.values[0], sort_keys=True, default=str),
-                   json.dumps(d.values[1], sort_keys=True, default=str))
+            key = (
+                d.field,
+                json.dumps(d.values[0], sort_keys=True, default=str),
+                json.dumps(d.values[1], sort_keys=True, default=str),
+            )
             grouped.setdefault(key, (d, []))[1].append(rank)
     out = [
-        FingerprintDifference(d.field, d.values, d.holders, scope=format_ranks(ranks))
-        for d, ranks in grouped.values()
+        FingerprintDifference(d.field, d.values, d.holders, scope=format_ranks(ranks)) for d, ranks in grouped.values()
     ]
     return sorted(out, key=lambda d: (d.field, d.scope or ""))
 
@@ -452,8 +483,12 @@ def _saved_ranks(saved: Any) -> list[dict[str, Any]]:
         saved = saved["ranks"]
     elif isinstance(saved, Mapping) and "torch" in saved:
         saved = [saved]
-    if (isinstance(saved, Sequence) and not isinstance(saved, str) and saved
-            and all(isinstance(fp, Mapping) for fp in saved)):
+    if (
+        isinstance(saved, Sequence)
+        and not isinstance(saved, str)
+        and saved
+        and all(isinstance(fp, Mapping) for fp in saved)
+    ):
         return [dict(fp) for fp in saved]
     raise BiasConfigError(
         f"`check_resume` got {type(saved).__name__} {str(saved)[:80]!r}; pass what `BiasGuard.checkpoint_metadata()` "
@@ -516,8 +551,12 @@ def _merge(hazards: Sequence[Hazard]) -> list[Hazard]:
     out = []
     for first, *others in by_code.values():
         if others:
-            first = Hazard(first.code, f"{first.message} (Found as well, with other values, in {len(others)} other "
-                                       f"data-parallel group(s).)", first.fix, first.ranks)
+            first = Hazard(
+                first.code,
+                f"{first.message} (Found as well, with other values, in {len(others)} other data-parallel group(s).)",
+                first.fix,
+                first.ranks,
+            )
         out.append(first)
     return out
 

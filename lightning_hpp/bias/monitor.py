@@ -127,10 +127,21 @@ class BiasMonitor(Callback):
                                   ("agreement_threshold", agreement_threshold, 0.0),
                                   ("min_coverage", min_coverage, 0.0),
                                   ("mad_factor", mad_factor, 0.0)):
-            check_number(value, f"BiasMonitor({label}=...)", minimum=low, strict=False, optional=True, error=BiasConfigError,
-                         hint="None disables it.")
-        for label, value in (("baseline_steps", baseline_steps), ("log_every_n_steps", log_every_n_steps),
-                             ("max_agreement_positions", max_agreement_positions), ("sustain_steps", sustain_steps)):
+            check_number(
+                value,
+                f"BiasMonitor({label}=...)",
+                minimum=low,
+                strict=False,
+                optional=True,
+                error=BiasConfigError,
+                hint="None disables it.",
+            )
+        for label, value in (
+            ("baseline_steps", baseline_steps),
+            ("log_every_n_steps", log_every_n_steps),
+            ("max_agreement_positions", max_agreement_positions),
+            ("sustain_steps", sustain_steps),
+        ):
             check_int(value, f"BiasMonitor({label}=...)", error=BiasConfigError)
         check_int(warmup_steps, "BiasMonitor(warmup_steps=...)", minimum=0, error=BiasConfigError)
         self.grad_norm_std_threshold = grad_norm_std_threshold
@@ -194,7 +205,10 @@ class BiasMonitor(Callback):
                     warnings.warn(
                         "BiasMonitor: the DDP model already has a communication hook, so local gradient norms "
                         "cannot be read before the all-reduce; bias/grad_norm_std will be 0 and carries no "
-                        "information.", CodedBiasWarning, stacklevel=2)
+                        "information.",
+                        CodedBiasWarning,
+                        stacklevel=2,
+                    )
             else:
                 self._hook_state = state
                 self._norm_source = "ddp_comm_hook"
@@ -280,27 +294,42 @@ class BiasMonitor(Callback):
             median = level.update(value)
             if median is not None:
                 stage = name.rsplit("_", 1)[-1]
-                raised += self._alarm(name, epoch, warn, (
-                    f"{name} = {value:.4g} exceeds {thr} (median {median:.4g} over the last {k} steps): the "
-                    f"data-parallel ranks of stage {stage} compute gradients of very different size at step {step}. "
-                    f"{_LIKELY_DATA}"))
+                raised += self._alarm(
+                    name,
+                    epoch,
+                    warn,
+                    (
+                        f"{name} = {value:.4g} exceeds {thr} (median {median:.4g} over the last {k} steps): the "
+                        f"data-parallel ranks of stage {stage} compute gradients of very different size at step "
+                        f"{step}. "
+                        f"{_LIKELY_DATA}"
+                    ),
+                )
         std = metrics.get("bias/loss_std")
         if std is None or self.loss_std_jump is None:
             return raised
         shift = self._loss_shift.update(std)
         if shift is not None:
-            raised += self._alarm("bias/loss_std", epoch, warn, (
-                f"bias/loss_std = {std:.4g}: its median over the last {k} steps, {shift.recent:.4g}, is "
-                f"{shift.factor:.1f}x the baseline {shift.base:.4g} (rolling median of up to {self.baseline_steps} "
-                f"steps before, MAD {shift.mad:.2g}), above the jump factor {self.loss_std_jump}: the ranks' losses "
-                f"diverged by step {step}. {_LIKELY_DATA}"))
+            raised += self._alarm(
+                "bias/loss_std",
+                epoch,
+                warn,
+                (
+                    f"bias/loss_std = {std:.4g}: its median over the last {k} steps, {shift.recent:.4g}, is "
+                    f"{shift.factor:.1f}x the baseline {shift.base:.4g} (rolling median of up to {self.baseline_steps} "
+                    f"steps before, MAD {shift.mad:.2g}), above the jump factor {self.loss_std_jump}: the ranks' "
+                    "losses "
+                    f"diverged by step {step}. {_LIKELY_DATA}"
+                ),
+            )
         return raised
 
     def _new_loss_rule(self) -> SustainedShift | None:
         if self.loss_std_jump is None:
             return None
-        return SustainedShift(self.loss_std_jump, self.baseline_steps, self.sustain_steps, self.warmup_steps,
-                              self.mad_factor)
+        return SustainedShift(
+            self.loss_std_jump, self.baseline_steps, self.sustain_steps, self.warmup_steps, self.mad_factor
+        )
 
     def check_epoch_metrics(self, metrics: Mapping[str, float], epoch: int, warn: bool = True) -> list[str]:
         """Judge one epoch's sample metrics against the thresholds.
@@ -317,18 +346,36 @@ class BiasMonitor(Callback):
         j, e = metrics["bias/overlap_jaccard"], metrics["bias/overlap_expected"]
         c, a = metrics["bias/coverage"], metrics.get("bias/sequence_agreement")
         if self.overlap_excess_threshold is not None and j - e > self.overlap_excess_threshold:
-            raised += self._alarm("bias/overlap_jaccard", epoch, warn, (
-                f"bias/overlap_jaccard = {j:.3f} exceeds the {e:.3f} expected for independent draws by more "
-                f"than {self.overlap_excess_threshold}: in epoch {epoch} the data-parallel ranks drew largely "
-                f"the same samples (coverage {c:.3f}). {_LIKELY_DATA}"))
+            raised += self._alarm(
+                "bias/overlap_jaccard",
+                epoch,
+                warn,
+                (
+                    f"bias/overlap_jaccard = {j:.3f} exceeds the {e:.3f} expected for independent draws by more "
+                    f"than {self.overlap_excess_threshold}: in epoch {epoch} the data-parallel ranks drew largely "
+                    f"the same samples (coverage {c:.3f}). {_LIKELY_DATA}"
+                ),
+            )
         if self.agreement_threshold is not None and a is not None and a > self.agreement_threshold:
-            raised += self._alarm("bias/sequence_agreement", epoch, warn, (
-                f"bias/sequence_agreement = {a:.3f} exceeds {self.agreement_threshold}: in epoch {epoch} the "
-                f"ranks drew the same index at the same position, i.e. the same sequence. {_LIKELY_DATA}"))
+            raised += self._alarm(
+                "bias/sequence_agreement",
+                epoch,
+                warn,
+                (
+                    f"bias/sequence_agreement = {a:.3f} exceeds {self.agreement_threshold}: in epoch {epoch} the "
+                    f"ranks drew the same index at the same position, i.e. the same sequence. {_LIKELY_DATA}"
+                ),
+            )
         if self.min_coverage is not None and c < self.min_coverage:
-            raised += self._alarm("bias/coverage", epoch, warn, (
-                f"bias/coverage = {c:.3f} is below {self.min_coverage}: in epoch {epoch} the ranks together "
-                f"left {1 - c:.1%} of the dataset unseen. {_LIKELY_DATA}"))
+            raised += self._alarm(
+                "bias/coverage",
+                epoch,
+                warn,
+                (
+                    f"bias/coverage = {c:.3f} is below {self.min_coverage}: in epoch {epoch} the ranks together "
+                    f"left {1 - c:.1%} of the dataset unseen. {_LIKELY_DATA}"
+                ),
+            )
         return raised
 
     def _alarm(self, metric: str, epoch: int, warn: bool, message: str) -> list[str]:
@@ -535,8 +582,9 @@ class _IndexRecorder:
                 recorder.add(index)
                 yield index
 
-        recording = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
-                                                "__qualname__": cls.__qualname__})
+        recording = type(
+            cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        )
         try:
             sampler.__class__ = recording
         except TypeError:

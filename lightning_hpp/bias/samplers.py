@@ -134,12 +134,12 @@ class DistributedWeightedSampler(DistributedSampler):
         self._check_topology()
 
     def _check_topology(self) -> None:
-        r = check_int(self._num_replicas, "DistributedWeightedSampler(num_replicas=...)", optional=True, error=SamplerError)
+        r = check_int(
+            self._num_replicas, "DistributedWeightedSampler(num_replicas=...)", optional=True, error=SamplerError
+        )
         k = check_int(self._rank, "DistributedWeightedSampler(rank=...)", minimum=0, optional=True, error=SamplerError)
         if r is not None and k is not None and k >= r:
-            raise SamplerError(
-                f"`rank={k}` is out of range for `num_replicas={r}`; use a rank in [0, {r - 1}]."
-            )
+            raise SamplerError(f"`rank={k}` is out of range for `num_replicas={r}`; use a rank in [0, {r - 1}].")
 
     @property
     def num_samples(self) -> int:
@@ -235,8 +235,11 @@ class DistributedWeightedSampler(DistributedSampler):
         Raises:
             SamplerError: the state was saved with other weights, ``num_samples`` or ``replacement``.
         """
-        for key, mine in (("num_samples", self.total_size), ("replacement", self.replacement),
-                          ("weights_digest", self._weights_digest)):
+        for key, mine in (
+            ("num_samples", self.total_size),
+            ("replacement", self.replacement),
+            ("weights_digest", self._weights_digest),
+        ):
             if state.get(key) != mine:
                 raise SamplerError(
                     f"Sampler state has {key}={state.get(key)!r} but this sampler has {mine!r}; "
@@ -254,8 +257,10 @@ def _per_rank(total: int, replicas: int, drop_last: bool) -> int:
 
 def _as_weights(weights: Any) -> torch.Tensor:
     try:
-        w = torch.as_tensor(np.asarray(weights, dtype=np.float64) if not isinstance(weights, torch.Tensor)
-                            else weights.detach().cpu(), dtype=torch.float64)
+        w = torch.as_tensor(
+            np.asarray(weights, dtype=np.float64) if not isinstance(weights, torch.Tensor) else weights.detach().cpu(),
+            dtype=torch.float64,
+        )
     except (TypeError, ValueError) as e:
         raise SamplerError(f"`weights` of type {type(weights).__name__} cannot be read as numbers: {e}.") from None
     if w.dim() != 1 or len(w) == 0:
@@ -293,7 +298,9 @@ def pin_wrapped_generator(dataloader: Any, seed: int) -> bool:
     except ImportError:  # Lightning absent: nothing wrapped the sampler
         return False
     batch_sampler = getattr(dataloader, "batch_sampler", None)
-    sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else getattr(dataloader, "sampler", None)
+    sampler = (
+        getattr(batch_sampler, "sampler", None) if batch_sampler is not None else getattr(dataloader, "sampler", None)
+    )
     if not isinstance(sampler, DistributedSamplerWrapper):
         return False
     inner = getattr(sampler.dataset, "_sampler", None)
@@ -301,4 +308,3 @@ def pin_wrapped_generator(dataloader: Any, seed: int) -> bool:
         return False
     inner.generator = torch.Generator().manual_seed(seed)
     return True
-

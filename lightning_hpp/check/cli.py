@@ -30,7 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="how", required=True)
     cli = sub.add_parser("cli", help="a LightningCLI script, with its configuration and arguments")
     cli.add_argument("script")
-    cli.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments after `fit` (e.g. --config cfg.yaml)")
+    cli.add_argument(
+        "args", nargs=argparse.REMAINDER, help="the script's arguments after `fit` (e.g. --config cfg.yaml)"
+    )
     mod = sub.add_parser("module", help="factories of the module and the data")
     mod.add_argument("model", help="'pkg.module:name' or 'path/file.py:name', called with no arguments")
     mod.add_argument("--data", default=None, help="the data: a LightningDataModule, a DataLoader or (train, val)")
@@ -45,11 +47,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.how == "cli":
             configs = [args.args[i + 1] for i, a in enumerate(args.args[:-1]) if a == "--config"]
-            rest = [a for i, a in enumerate(args.args) if a != "--config" and (i == 0 or args.args[i - 1] != "--config")]
+            rest = [
+                a for i, a in enumerate(args.args) if a != "--config" and (i == 0 or args.args[i - 1] != "--config")
+            ]
             target = Target(script=args.script, config=tuple(configs), args=tuple(rest))
         else:
-            target = Target(model=args.model, data=args.data, trainer=json.loads(args.trainer),
-                            strategy=json.loads(args.strategy), seed=args.seed)
+            target = Target(
+                model=args.model,
+                data=args.data,
+                trainer=json.loads(args.trainer),
+                strategy=json.loads(args.strategy),
+                seed=args.seed,
+            )
         report = check(target, layouts=tuple(x for x in args.layouts.split(",") if x), steps=args.steps, out=args.out)
     except (ValueError, RuntimeError) as e:
         print(f"lightning-hpp-check: {e}", file=sys.stderr)

@@ -32,36 +32,51 @@ def diff_hooks(where: str, got: list[HookEntry], ref: list[HookEntry], *, local_
     """The hook calls of a rank against one process's: the same hooks in the same order, with the same arguments.
 
     As under DDP, ``prepare_data`` runs on each node's local rank 0 only; :data:`SCHEDULE_OWNED` hooks and the
-    order of the setup's first loaders (:func:`setup_order`) are a pipeline's own. With several replicas a batch argument is
+    order of the setup's first loaders (:func:`setup_order`) are a pipeline's own. With several replicas a batch
+    argument is
     the replica's share of the reference batch (rows ``replica::replicas``), and what the replica computed from it
     (``outputs``, a loss) is its own: those are compared where there is one replica.
     """
-    expected = setup_order([e for e in ref if not (e[1] == "prepare_data" and local_rank != 0)
-                            and e[:2] not in SCHEDULE_OWNED])
+    expected = setup_order(
+        [e for e in ref if not (e[1] == "prepare_data" and local_rank != 0) and e[:2] not in SCHEDULE_OWNED]
+    )
     names_got = [f"{owner}.{name}" for owner, name, *_ in got]
     names_ref = [f"{owner}.{name}" for owner, name, *_ in expected]
     if names_got != names_ref:
-        at = next((i for i, (a, b) in enumerate(zip(names_got, names_ref)) if a != b), min(len(names_got), len(names_ref)))
-        return [f"{where}: hook calls differ from call {at} on: {names_got[at:at + 6]} (reference {names_ref[at:at + 6]}); "
-                f"{len(names_got)} calls (reference {len(names_ref)})"]
+        at = next(
+            (i for i, (a, b) in enumerate(zip(names_got, names_ref)) if a != b), min(len(names_got), len(names_ref))
+        )
+        return [
+            f"{where}: hook calls differ from call {at} on: {names_got[at : at + 6]} (reference "
+            f"{names_ref[at : at + 6]}); "
+            f"{len(names_got)} calls (reference {len(names_ref)})"
+        ]
     problems: list[str] = []
     for i, ((owner, name, args, *_), (_, _, ref_args, *_)) in enumerate(zip(got, expected)):
         for arg in sorted(set(args) | set(ref_args)):
             if arg not in args or arg not in ref_args:
-                problems.append(f"{where}: call {i} {owner}.{name}: argument {arg!r} only on "
-                                f"{'this rank' if arg in args else 'the reference'}")
+                problems.append(
+                    f"{where}: call {i} {owner}.{name}: argument {arg!r} only on "
+                    f"{'this rank' if arg in args else 'the reference'}"
+                )
                 continue
             if replicas > 1 and arg in ("outputs", "loss"):
                 continue
             want = ref_args[arg]
             if replicas > 1 and arg == "batch":
                 want = _rows(want, replica, replicas)
-            problems += [f"{where}: call {i} {owner}.{name}({arg}{path}): {d}" for path, d in diff_data(args[arg], want)]
+            problems += [
+                f"{where}: call {i} {owner}.{name}({arg}{path}): {d}" for path, d in diff_data(args[arg], want)
+            ]
     return problems
 
 
-_RESTORE = {("module", "on_load_checkpoint"), ("datamodule", "load_state_dict"), ("callback", "on_load_checkpoint"),
-            ("callback", "load_state_dict")}
+_RESTORE = {
+    ("module", "on_load_checkpoint"),
+    ("datamodule", "load_state_dict"),
+    ("callback", "on_load_checkpoint"),
+    ("callback", "load_state_dict"),
+}
 _BUILT = {("module", "setup"), ("module", "configure_model"), ("module", "configure_sharded_model")}
 
 
@@ -83,26 +98,32 @@ def setup_order(log: list[HookEntry]) -> list[HookEntry]:
         end = j + 1
         while j >= 0 and out[j][:2] in _RESTORE:
             j -= 1
-        block = out[j + 1:end]
+        block = out[j + 1 : end]
         if block:
-            del out[j + 1:end]
+            del out[j + 1 : end]
             at = next(k for k, e in enumerate(out) if e is fit_start)
-            out[at + 1:at + 1] = block
+            out[at + 1 : at + 1] = block
     for built in [e for e in out if e[:2] in _BUILT]:
         i = next(k for k, e in enumerate(out) if e is built)
         if i + 1 < len(out) and out[i + 1][:2] in _BUILT:
             continue
-        rest = out[i + 1:next((k for k in range(i + 1, len(out)) if out[k][:2] in _BUILT), len(out))]
+        rest = out[i + 1 : next((k for k in range(i + 1, len(out)) if out[k][:2] in _BUILT), len(out))]
         fitting = any(e[:2] == ("module", "configure_optimizers") for e in rest)  # a fit cuts on a training batch
-        j = next((i + 1 + k for k, e in enumerate(rest)
-                  if (e[1] == "train_dataloader" if fitting else e[1].endswith("_dataloader"))), None)
+        j = next(
+            (
+                i + 1 + k
+                for k, e in enumerate(rest)
+                if (e[1] == "train_dataloader" if fitting else e[1].endswith("_dataloader"))
+            ),
+            None,
+        )
         if j is not None:
             end = j + 1
             while end < len(out) and len(out[end]) > 3 and out[end][3] > out[j][3]:  # the calls it makes
                 end += 1
             block = out[j:end]
             del out[j:end]
-            out[i + 1:i + 1] = block
+            out[i + 1 : i + 1] = block
     return out
 
 

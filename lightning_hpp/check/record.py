@@ -24,7 +24,11 @@ OWN_FILES = ("stage_plan.json", "fingerprints.json", "bias_audit.json")
 
 
 def floats(metrics: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor)) and torch.as_tensor(v).numel() == 1}
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, (int, float, torch.Tensor)) and torch.as_tensor(v).numel() == 1
+    }
 
 
 class CheckRecorder(Callback):
@@ -45,8 +49,10 @@ class CheckRecorder(Callback):
         record_hooks(self, "callback", [h for h in callback_hooks() if h not in ("setup", "teardown")], self.hooks)
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        for obj, owner, names in ((pl_module, "module", module_hooks()),
-                                  (trainer.datamodule, "datamodule", datamodule_hooks())):
+        for obj, owner, names in (
+            (pl_module, "module", module_hooks()),
+            (trainer.datamodule, "datamodule", datamodule_hooks()),
+        ):
             if obj is not None and id(obj) not in self._wrapped:
                 record_hooks(obj, owner, names, self.hooks)
                 self._wrapped.add(id(obj))
@@ -54,9 +60,16 @@ class CheckRecorder(Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.steps.append({"global_step": trainer.global_step, "epoch": trainer.current_epoch, "batch_idx": batch_idx,
-                           "loss": None if loss is None else float(loss), "outputs": describe(outputs),
-                           "callback": floats(trainer.callback_metrics)})
+        self.steps.append(
+            {
+                "global_step": trainer.global_step,
+                "epoch": trainer.current_epoch,
+                "batch_idx": batch_idx,
+                "loss": None if loss is None else float(loss),
+                "outputs": describe(outputs),
+                "callback": floats(trainer.callback_metrics),
+            }
+        )
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
@@ -65,9 +78,13 @@ class CheckRecorder(Callback):
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.hooks.append(("callback", "teardown", {"stage": stage}, 0))
         record = {
-            "global_step": trainer.global_step, "epoch": trainer.current_epoch,
-            "callback": floats(trainer.callback_metrics), "logged": floats(trainer.logged_metrics),
-            "progress": floats(trainer.progress_bar_metrics), "hooks": list(self.hooks), "steps": self.steps,
+            "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "callback": floats(trainer.callback_metrics),
+            "logged": floats(trainer.logged_metrics),
+            "progress": floats(trainer.progress_bar_metrics),
+            "hooks": list(self.hooks),
+            "steps": self.steps,
             "validations": self.validations,
             "state": {k: v.detach().to("cpu", copy=True) for k, v in pl_module.state_dict().items()},
             # loggers write on global rank zero, whose teardown reads the files at the point one process does

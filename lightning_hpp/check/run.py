@@ -116,7 +116,9 @@ def _job(target: Target, where: Path, *, devices: int, hpp: bool, pp: int, steps
 def _cli_strategy(target: Target, hpp: bool, pp: int) -> list[str]:
     if not hpp:
         return ["--trainer.strategy=ddp"]
-    named = any("HPPStrategy" in Path(c).read_text() for c in target.config) or any("HPPStrategy" in a for a in target.args)
+    named = any("HPPStrategy" in Path(c).read_text() for c in target.config) or any(
+        "HPPStrategy" in a for a in target.args
+    )
     return ([] if named else ["--trainer.strategy=lightning_hpp.HPPStrategy"]) + [f"--trainer.strategy.pp_degree={pp}"]
 
 
@@ -126,8 +128,11 @@ def _run_side_by_side(jobs: dict[str, tuple[list[str], Path]], timeout: float) -
     started = {}
     for side, (cmd, run) in jobs.items():
         log = open(run / "output.log", "w")  # noqa: SIM115 - closed below, once the job ends
-        started[side] = (subprocess.Popen(cmd, cwd=run, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True), log, run)
+        started[side] = (
+            subprocess.Popen(cmd, cwd=run, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
+            log,
+            run,
+        )
     deadline = time.monotonic() + timeout
     failed = []
     for side, (proc, log, run) in started.items():
@@ -138,8 +143,10 @@ def _run_side_by_side(jobs: dict[str, tuple[list[str], Path]], timeout: float) -
             code = "timed out"
         log.close()
         if code != 0:
-            failed.append(f"the {side} job ({' '.join(jobs[side][0])}) ended with {code}:\n"
-                          f"{(run / 'output.log').read_text()[-4000:]}")
+            failed.append(
+                f"the {side} job ({' '.join(jobs[side][0])}) ended with {code}:\n"
+                f"{(run / 'output.log').read_text()[-4000:]}"
+            )
     if failed:
         raise RuntimeError("\n\n".join(failed))
 

@@ -20,29 +20,17 @@
 from __future__ import annotations
 
 from lightning_hpp.checkpoint import directory_guard
-from lightning_hpp.checkpoint.s3 import redact, s3_storage_options
-from lightning_hpp.checkpoint.sharded import (
-    KeyInfo,
-    PendingSave,
-    checkpoint_keys,
-    load_sharded,
-    save_sharded,
-    wait_for_pending_save,
-)
-from lightning_hpp.checkpoint.store import (
-    FORMAT_VERSION,
-    METADATA_FILE,
-    CheckpointInfo,
-    CheckpointWarning,
-    Retention,
-    RetryPolicy,
-    StorageFailure,
-    checkpoint_url,
-    is_transient,
-    latest_valid,
-    list_checkpoints,
-    verify,
-)
+from lightning_hpp.checkpoint.checksums import verify
+from lightning_hpp.checkpoint.commit import FORMAT_VERSION, METADATA_FILE, CheckpointInfo
+from lightning_hpp.checkpoint.dcp_index import KeyInfo, checkpoint_keys
+from lightning_hpp.checkpoint.discovery import latest_valid, list_checkpoints
+from lightning_hpp.checkpoint.load import load_sharded
+from lightning_hpp.checkpoint.retention import Retention
+from lightning_hpp.checkpoint.retry import RetryPolicy, StorageFailure, is_transient
+from lightning_hpp.checkpoint.s3 import s3_storage_options
+from lightning_hpp.checkpoint.save import PendingSave, save_sharded, wait_for_pending_save
+from lightning_hpp.checkpoint.storage import checkpoint_url
+from lightning_hpp.checkpoint.warning import CheckpointWarning
 from lightning_hpp.errors import (
     CheckpointError,
     CheckpointSaveError,
@@ -50,6 +38,7 @@ from lightning_hpp.errors import (
     S3ConfigError,
     ShardedCheckpointError,
 )
+from lightning_hpp.redaction import redact
 
 directory_guard.install()
 

@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
-from lightning_hpp.checkpoint.store import METADATA_FILE, filesystem, step_dirs
+from lightning_hpp.checkpoint.commit import METADATA_FILE
+from lightning_hpp.checkpoint.discovery import step_dirs
+from lightning_hpp.checkpoint.storage import filesystem
 from lightning_hpp.errors import ShardedCheckpointError
 
 _GUARDED = "__lightning_hpp_guard__"

@@ -42,7 +42,8 @@ import lightning
 import torch
 
 from lightning_hpp.checkpoint.model_source import module_on_meta, open_saved_model, source_names, warn_if_ties_unknown
-from lightning_hpp.checkpoint.store import CheckpointWarning, filesystem
+from lightning_hpp.checkpoint.storage import filesystem
+from lightning_hpp.checkpoint.warning import CheckpointWarning
 from lightning_hpp.errors import CheckpointError
 
 

@@ -27,9 +27,9 @@ own; Transformer Engine's, reduced over the replicas, are equal)::
                                          amax_history_len, amax_compute_algo); for TE "initialized"
                                          and "extra_fp8_variables" (TE's plain fp8_meta values)
 
-``<owner>`` is the module's name for an fp8 module (:class:`~lightning_hpp.precision.fp8.EmulatedFP8Linear`,
+``<owner>`` is the module's name for an fp8 module (:class:`~lightning_hpp.precision.fp8_emulation.EmulatedFP8Linear`,
 a Transformer Engine module) and the weight's parameter name for a traced stage's emulated GEMM
-(:class:`~lightning_hpp.precision.fp8.EmulatedFP8Mode`). The emulation's scale is computed from its
+(:class:`~lightning_hpp.precision.fp8_emulation.EmulatedFP8Mode`). The emulation's scale is computed from its
 history at every call, so the history is its whole state. The layout follows from the recipe and the
 module type alone: a Transformer Engine module that has not run an fp8 forward yet (TE allocates its
 tensors then) is saved with the values TE starts from (scale 1, zero history) and
@@ -48,7 +48,8 @@ TE 2.x, checked against 2.20.0.dev0), is::
                              int, float, str, tuple, list}}
 
 :func:`~lightning_hpp.precision.fp8_slots.te_extra_state_to_data` and
-:func:`~lightning_hpp.precision.fp8_slots.te_extra_state_from_data` convert between it and the layout above. The live state is read from the module's ``fp8_meta`` directly (what ``get_extra_state`` reads,
+:func:`~lightning_hpp.precision.fp8_slots.te_extra_state_from_data` convert between it and the layout above. The live
+state is read from the module's ``fp8_meta`` directly (what ``get_extra_state`` reads,
 without pickling it) and put back the way ``set_extra_state`` does once it has unpickled: update
 ``fp8_meta``, ``init_fp8_meta_tensors``, copy the scales and histories in place (TE's quantizers hold
 views of them). Transformer Engine's own ``_extra_state`` entries are left out of the saved model
@@ -63,8 +64,8 @@ from typing import Any
 
 import torch
 
-from lightning_hpp.checkpoint.sharded import KeyInfo
-from lightning_hpp.checkpoint.store import _warn
+from lightning_hpp.checkpoint.dcp_index import KeyInfo
+from lightning_hpp.checkpoint.warning import warn_checkpoint
 from lightning_hpp.errors import CorruptCheckpointError
 
 STATE_KEY = "fp8"
@@ -206,10 +207,14 @@ def restore_fp8_state(slots: Mapping[str, FP8Slot], loaded: Mapping[str, Any] | 
             refused.append(f"{name!r} ({reason})")
     missing = [repr(name) for name, slot in slots.items() if slot.present() and name not in data]
     if missing:
-        _warn(f"{source} holds no fp8 scaling state for {len(missing)} fp8 layer(s) of this rank: "
-              f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Their scaling starts afresh (the "
-              f"checkpoint was saved by a run where they were not fp8, or by an older version).")
+        warn_checkpoint(
+            f"{source} holds no fp8 scaling state for {len(missing)} fp8 layer(s) of this rank: "
+            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Their scaling starts afresh (the "
+            f"checkpoint was saved by a run where they were not fp8, or by an older version)."
+        )
     if refused:
-        _warn(f"{source}: the fp8 scaling state of {len(refused)} layer(s) is not restored, their scaling "
-              f"starts afresh: {'; '.join(refused[:4])}{' ...' if len(refused) > 4 else ''}.")
+        warn_checkpoint(
+            f"{source}: the fp8 scaling state of {len(refused)} layer(s) is not restored, their scaling "
+            f"starts afresh: {'; '.join(refused[:4])}{' ...' if len(refused) > 4 else ''}."
+        )
     return restored

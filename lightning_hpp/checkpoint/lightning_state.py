@@ -35,7 +35,7 @@ fp8 scaling state (amax histories, scales) is saved and restored as tensors and 
 :mod:`~lightning_hpp.checkpoint.fp8_state`; Transformer Engine's pickled ``_extra_state`` entries
 are left out of ``model`` (and given to ``load_state_dict`` as ``None``, which TE ignores). Any
 ``_extra_state`` entry the module would load is taken as saved, whatever its shape, and refused if
-it holds a pickle (:func:`~lightning_hpp.checkpoint.sharded.holds_pickle`): a module's
+it holds a pickle (:func:`~lightning_hpp.checkpoint.entries.holds_pickle`): a module's
 ``set_extra_state`` may unpickle it, as Transformer Engine's does.
 
 The name mapping is hand-written rather than torch.distributed.checkpoint.state_dict's
@@ -59,6 +59,8 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_hpp.checkpoint.dcp_index import KeyInfo, checkpoint_keys
+from lightning_hpp.checkpoint.entries import holds_pickle, is_extra_state, pickle_refused
 from lightning_hpp.checkpoint.fp8_state import (
     STATE_KEY,
     FP8Slot,
@@ -67,16 +69,9 @@ from lightning_hpp.checkpoint.fp8_state import (
     restore_fp8_state,
     te_extra_state_keys,
 )
-from lightning_hpp.checkpoint.sharded import (
-    KeyInfo,
-    checkpoint_keys,
-    holds_pickle,
-    is_extra_state,
-    load_sharded,
-    pickle_refused,
-    save_sharded,
-)
-from lightning_hpp.checkpoint.store import Retention
+from lightning_hpp.checkpoint.load import load_sharded
+from lightning_hpp.checkpoint.retention import Retention
+from lightning_hpp.checkpoint.save import save_sharded
 
 _SPLIT = ("state_dict", "optimizer_states", "lr_schedulers")
 _TOP = ("epoch", "global_step", "hyper_parameters", "hparams_name", "pytorch-lightning_version")
@@ -125,12 +120,18 @@ def optimizer_to_named(optimizer: torch.optim.Optimizer, names: dict[int, str]) 
         for idx, p in zip(group_sd["params"], group["params"]):
             index_to_name[idx] = names[id(p)]
     state = {index_to_name[i]: s for i, s in sd["state"].items()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index_to_name[i] for i in g["params"]]} for g in sd["param_groups"]]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [index_to_name[i] for i in g["params"]]}
+        for g in sd["param_groups"]
+    ]
     return state, groups
 
 
 def optimizer_from_named(
-    optimizer: torch.optim.Optimizer, names: dict[int, str], state: dict[str, Any], saved_groups: list[dict],
+    optimizer: torch.optim.Optimizer,
+    names: dict[int, str],
+    state: dict[str, Any],
+    saved_groups: list[dict],
     first_name: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The torch ``state_dict`` for ``optimizer`` built from name-keyed state and saved groups.
@@ -160,7 +161,11 @@ def optimizer_from_named(
 
 
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -209,8 +214,11 @@ def to_sharded(
             optim[str(i)], groups[str(i)] = optimizer_to_named(opt, names)
         state["optim"] = optim
         # one top-level entry per position: a tensor-free subtree is stored as one JSON value
-        state[f"position_pp{position}"] = {"param_groups": groups,
-                                           "lr_schedulers": list(checkpoint.get("lr_schedulers", [])), TIED: tied}
+        state[f"position_pp{position}"] = {
+            "param_groups": groups,
+            "lr_schedulers": list(checkpoint.get("lr_schedulers", [])),
+            TIED: tied,
+        }
     if global_rank == 0:
         state["trainer"] = {k: v for k, v in checkpoint.items() if k not in _SPLIT and k not in _TOP}
         for k in _TOP:
@@ -219,22 +227,32 @@ def to_sharded(
     return state
 
 
-def _state_template(param: torch.Tensor | None, saved_keys: Collection[tuple], i: int, name: str) -> dict[str, Any] | None:
+def _state_template(
+    param: torch.Tensor | None, saved_keys: Collection[tuple], i: int, name: str
+) -> dict[str, Any] | None:
     """What a parameter's optimizer state is asked for as: ``None`` (whatever was saved, whole) for a
     plain parameter; for a DTensor one, each saved entry of the parameter's shape as a DTensor laid out
     like it, so that each rank reads only its own shards (scalars such as Adam's ``step`` whole)."""
     if not isinstance(param, DTensor) or not isinstance(saved_keys, Mapping):
         return None
     entries = {k[3]: info for k, info in saved_keys.items() if len(k) == 4 and k[:3] == ("optim", str(i), name)}
-    return {key: torch.empty_like(param.detach(), dtype=info.dtype)
-            if info.kind == "tensor" and info.shape == tuple(param.shape) else None for key, info in entries.items()}
+    return {
+        key: torch.empty_like(param.detach(), dtype=info.dtype)
+        if info.kind == "tensor" and info.shape == tuple(param.shape)
+        else None
+        for key, info in entries.items()
+    }
 
 
-def load_template(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                  saved_keys: Collection[tuple] | Mapping[tuple, KeyInfo], fp8_extra_states: Collection[str] = ()) -> dict[str, Any]:
+def load_template(
+    module: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    saved_keys: Collection[tuple] | Mapping[tuple, KeyInfo],
+    fp8_extra_states: Collection[str] = (),
+) -> dict[str, Any]:
     """What this rank asks a checkpoint for: its own parameters and whatever else exists.
 
-    ``saved_keys``: what the checkpoint holds (:func:`~lightning_hpp.checkpoint.sharded.checkpoint_keys`);
+    ``saved_keys``: what the checkpoint holds (:func:`~lightning_hpp.checkpoint.dcp_index.checkpoint_keys`);
     with their shapes, the optimizer state of DTensor parameters is asked for shard by shard.
     ``_extra_state`` entries are asked for whole (any shape), when saved; those in ``fp8_extra_states``
     (Transformer Engine's, whose content is under ``fp8/``) are not asked for otherwise."""
@@ -298,7 +316,7 @@ def from_sharded(
     """
     names = param_names(module)
     first = _first_name(module)
-    positions = {k[len("position_"):]: v for k, v in loaded.items() if k.startswith("position_") and v}
+    positions = {k[len("position_") :]: v for k, v in loaded.items() if k.startswith("position_") and v}
     mine = positions.get(f"pp{position}") or positions.get("pp0") or {}
     all_groups: dict[str, list] = {}
     for entry in positions.values():
@@ -323,8 +341,9 @@ def from_sharded(
                     model[alias] = value
     checkpoint["state_dict"] = model
     checkpoint["optimizer_states"] = [
-        optimizer_from_named(opt, names, (loaded.get("optim") or {}).get(str(i)) or {}, all_groups.get(str(i), []),
-                             first)
+        optimizer_from_named(
+            opt, names, (loaded.get("optim") or {}).get(str(i)) or {}, all_groups.get(str(i), []), first
+        )
         for i, opt in enumerate(optimizers)
     ]
     checkpoint["lr_schedulers"] = list(mine.get("lr_schedulers", []))
@@ -335,9 +354,21 @@ def from_sharded(
 
 
 def save_lightning_checkpoint(
-    checkpoint: dict[str, Any], url: str, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], *,
-    global_rank: int, position: int, replica: int, extra: dict[str, Any], step_dir: str | None, keep_last: int | None,
-    async_save: bool, on_error: str, protect: list[str], fp8: Mapping[str, FP8Slot] | None = None,
+    checkpoint: dict[str, Any],
+    url: str,
+    module: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    *,
+    global_rank: int,
+    position: int,
+    replica: int,
+    extra: dict[str, Any],
+    step_dir: str | None,
+    keep_last: int | None,
+    async_save: bool,
+    on_error: str,
+    protect: list[str],
+    fp8: Mapping[str, FP8Slot] | None = None,
 ) -> None:
     """Write this rank's part of Lightning's ``checkpoint`` as one sharded checkpoint at ``url`` (collective).
 
@@ -348,17 +379,33 @@ def save_lightning_checkpoint(
         protect: Checkpoints retention must keep (the one the run resumed from).
         fp8: This rank's fp8 scaling state (:func:`~lightning_hpp.precision.fp8_slots.fp8_slots`).
     """
-    state = to_sharded(checkpoint, module, optimizers, global_rank=global_rank, position=position, replica=replica,
-                       fp8=fp8)
+    state = to_sharded(
+        checkpoint, module, optimizers, global_rank=global_rank, position=position, replica=replica, fp8=fp8
+    )
     in_dir = step_dir is not None and url.rstrip("/").rsplit("/", 1)[0] == step_dir.rstrip("/")
     retention = Retention(keep_last=keep_last) if keep_last is not None and in_dir else None
-    save_sharded(state, url, step=int(checkpoint.get("global_step", 0)), extra_metadata=extra, async_save=async_save,
-                 on_error=on_error, retention=retention, protect=protect)
+    save_sharded(
+        state,
+        url,
+        step=int(checkpoint.get("global_step", 0)),
+        extra_metadata=extra,
+        async_save=async_save,
+        on_error=on_error,
+        retention=retention,
+        protect=protect,
+    )
 
 
-def load_lightning_checkpoint(url: str, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], *,
-                              global_rank: int, position: int, replica: int = 0,
-                              fp8: Mapping[str, FP8Slot] | None = None) -> dict[str, Any]:
+def load_lightning_checkpoint(
+    url: str,
+    module: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    *,
+    global_rank: int,
+    position: int,
+    replica: int = 0,
+    fp8: Mapping[str, FP8Slot] | None = None,
+) -> dict[str, Any]:
     """This rank's part of the sharded checkpoint at ``url``, as Lightning's checkpoint dict (collective);
     whatever plan, frontend, pp or dp degree wrote it.
 
@@ -372,7 +419,8 @@ def load_lightning_checkpoint(url: str, module: torch.nn.Module, optimizers: lis
     if wanted:
         template[STATE_KEY] = wanted
     loaded = load_sharded(url, template)
-    checkpoint = from_sharded(loaded, module, optimizers, global_rank=global_rank, position=position,
-                              fp8_extra_states=extra_states, url=url)
+    checkpoint = from_sharded(
+        loaded, module, optimizers, global_rank=global_rank, position=position, fp8_extra_states=extra_states, url=url
+    )
     restore_fp8_state(slots, loaded.get(STATE_KEY), repr(url))
     return checkpoint

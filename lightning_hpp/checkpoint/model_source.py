@@ -28,16 +28,14 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_hpp.checkpoint.checksums import verify
+from lightning_hpp.checkpoint.commit import METADATA_FILE, CheckpointInfo
+from lightning_hpp.checkpoint.dcp_index import KeyInfo, checkpoint_keys
+from lightning_hpp.checkpoint.discovery import latest_valid
 from lightning_hpp.checkpoint.lightning_state import TIED, tensor_aliases
-from lightning_hpp.checkpoint.sharded import KeyInfo, checkpoint_keys, load_sharded
-from lightning_hpp.checkpoint.store import (
-    METADATA_FILE,
-    CheckpointInfo,
-    CheckpointWarning,
-    filesystem,
-    latest_valid,
-    verify,
-)
+from lightning_hpp.checkpoint.load import load_sharded
+from lightning_hpp.checkpoint.storage import filesystem
+from lightning_hpp.checkpoint.warning import CheckpointWarning
 from lightning_hpp.errors import CheckpointError
 
 _FACTS = ("hyper_parameters", "hparams_name", "epoch", "global_step")

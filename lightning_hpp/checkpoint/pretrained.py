@@ -40,7 +40,7 @@ import torch
 
 from lightning_hpp.checkpoint import safetensors_stream
 from lightning_hpp.checkpoint.model_source import SavedModel, module_on_meta, open_saved_model, source_names
-from lightning_hpp.checkpoint.store import filesystem
+from lightning_hpp.checkpoint.storage import filesystem
 from lightning_hpp.errors import CheckpointError
 
 WEIGHTS = "model.safetensors"

@@ -5,7 +5,7 @@
   ``ckpt_path="last"``, which the ranks decide together once they can talk.
 * :func:`select_and_load`: rank 0 lists the candidates and broadcasts them (ranks that listed on
   their own could pick different checkpoints while one is being written); every rank checks the
-  sha256 of its share of the candidate's files (:func:`~lightning_hpp.checkpoint.store.checked_by`)
+  sha256 of its share of the candidate's files (:func:`~lightning_hpp.checkpoint.checksums.checked_by`)
   and loads it; any damage found by any rank, then or while loading, sends every rank alike to the
   next candidate, with one warning line naming what was skipped and why, and the damaged
   checkpoint moved to ``<root>/corrupt/``, so that no restart loads it again.
@@ -27,23 +27,16 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import Self
 
-from lightning_hpp._dist import all_gather_object, broadcast_object, initialized
-from lightning_hpp.checkpoint.s3 import redact, require_s3_credentials
-from lightning_hpp.checkpoint.store import (
-    METADATA_FILE,
-    CheckpointInfo,
-    RetryPolicy,
-    StorageFailure,
-    _warn,
-    filesystem,
-    has_file,
-    is_s3,
-    is_transient,
-    quarantine,
-    scan,
-    verify,
-)
+from lightning_hpp._dist import all_gather_object, broadcast_object, global_rank, world_size
+from lightning_hpp.checkpoint.checksums import verify
+from lightning_hpp.checkpoint.commit import METADATA_FILE, CheckpointInfo, has_file
+from lightning_hpp.checkpoint.discovery import quarantine, scan
+from lightning_hpp.checkpoint.retry import RetryPolicy, StorageFailure, is_s3, is_transient
+from lightning_hpp.checkpoint.s3 import require_s3_credentials
+from lightning_hpp.checkpoint.storage import filesystem
+from lightning_hpp.checkpoint.warning import warn_checkpoint
 from lightning_hpp.errors import CheckpointError, CorruptCheckpointError, S3ConfigError
+from lightning_hpp.redaction import redact
 
 T = TypeVar("T")
 
@@ -121,7 +114,7 @@ def resolve_ckpt_path(
 
 def on_rank0(fn: Callable[[], T]) -> T:
     """``fn()`` run on global rank 0 only, its result (or its error) on every rank (collective)."""
-    rank = _rank()
+    rank = global_rank()
     outcome: tuple[Any, BaseException | None] = (None, None)
     if rank == 0:
         try:
@@ -134,18 +127,6 @@ def on_rank0(fn: Callable[[], T]) -> T:
     if error is not None:
         raise error
     return result
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if initialized() else 0
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if initialized() else 1
 
 
 @dataclass
@@ -223,8 +204,9 @@ def _say_skipped(url: str, reason: str, then: str | None, retry: RetryPolicy | N
             moved = f" Moved it to {quarantine(url, retry=retry)!r}."
         except Exception as exc:  # noqa: BLE001 - keeping the evidence must not stop the fallback
             moved = f" It could not be moved aside ({type(exc).__name__}: {exc})."
-    _warn(
-        f"Skipping checkpoint {url!r}: {reason}{moved} {'Falling back to ' + repr(then) if then else 'No older checkpoint is left'}."
+    warn_checkpoint(
+        f"Skipping checkpoint {url!r}: {reason}{moved} "
+        f"{'Falling back to ' + repr(then) if then else 'No older checkpoint is left'}."
     )
 
 
@@ -264,10 +246,10 @@ def select_and_load(request: Any, load: Callable[[str], T], *, retry: RetryPolic
         plan = on_rank0(lambda: _plan_search(request.roots, request.prefer, retry))
     else:
         plan = on_rank0(lambda: _plan_explicit(str(request), retry))
-    rank, world = _rank(), _world()
+    rank, world = global_rank(), world_size()
     if rank == 0:
         for line in plan.skipped:
-            _warn(line)
+            warn_checkpoint(line)
         for url, reason in plan.damaged:
             _say_skipped(url, reason, plan.candidates[0] if plan.candidates else None, retry)
     touched = False  # a failed load may have written into the live tensors

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_hpp.checkpoint.store import filesystem
+from lightning_hpp.checkpoint.storage import filesystem
 from lightning_hpp.errors import CheckpointError
 
 DTYPES: dict[torch.dtype, str] = {

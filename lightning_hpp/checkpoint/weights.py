@@ -37,8 +37,17 @@ import safetensors
 import torch
 from torch import nn
 
-from lightning_hpp.checkpoint.sharded import _failure, _index, _NoBytesLoadPlanner, _quiet_single_process, _read_index, _Reader, parse_key
-from lightning_hpp.checkpoint.store import METADATA_FILE, RetryPolicy, read_metadata
+from lightning_hpp.checkpoint.collective import storage_failure
+from lightning_hpp.checkpoint.commit import METADATA_FILE, read_metadata
+from lightning_hpp.checkpoint.dcp_index import (
+    IndexedReader,
+    NoBytesLoadPlanner,
+    entry_index,
+    quiet_single_process,
+    read_index,
+)
+from lightning_hpp.checkpoint.entries import parse_key
+from lightning_hpp.checkpoint.retry import RetryPolicy
 from lightning_hpp.errors import CheckpointError
 
 __all__ = ["load_stage_weights"]
@@ -116,8 +125,9 @@ def load_stage_weights(
             if target is not None and target in in_file:
                 plan[name] = target
                 continue
-            alias = next((a for a in groups.get(id(tensors[name]), ()) if (t := to_file(a)) is not None and t in in_file),
-                         None)
+            alias = next(
+                (a for a in groups.get(id(tensors[name]), ()) if (t := to_file(a)) is not None and t in in_file), None
+            )
             if alias is not None:
                 plan[name] = to_file(alias)  # type: ignore[assignment]
             else:
@@ -155,8 +165,9 @@ def _rename_fn(rename: Callable[[str], str | None] | str | None) -> Callable[[st
         return lambda name: name
     if isinstance(rename, str):
         prefix = rename
-        return lambda name: name[len(prefix):] if name.startswith(prefix) else None
+        return lambda name: name[len(prefix) :] if name.startswith(prefix) else None
     if callable(rename):
+
         def checked(name: str) -> str | None:
             out = rename(name)
             if out is not None and not isinstance(out, str):
@@ -194,9 +205,7 @@ def _wanted(
         keys = module.state_dict(keep_vars=True).keys()
         return [k for k in keys if k in tensors and not tensors[k].is_meta], problems
     if isinstance(names, (str, bytes)):
-        raise CheckpointError(
-            f"`names` is the string {names!r}; pass an iterable of names, e.g. names=[{names!r}]."
-        )
+        raise CheckpointError(f"`names` is the string {names!r}; pass an iterable of names, e.g. names=[{names!r}].")
     wanted = list(dict.fromkeys(names))
     unknown = [repr(n) for n in wanted if n not in tensors]
     on_meta = [repr(n) for n in wanted if n in tensors and tensors[n].is_meta]
@@ -282,7 +291,9 @@ def _weight_map(index: str) -> dict[str, str]:
             f"with save_pretrained."
         ) from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
         raise CheckpointError(
             f"{index!r} has no 'weight_map' of tensor name -> shard file; it is not a safetensors "
             f"index written by save_pretrained. Pass the checkpoint directory or a .safetensors file."
@@ -299,9 +310,9 @@ class _Sharded:
         self.retry = RetryPolicy()
         whole = self.retry.for_url(url)
         whole.call(lambda: read_metadata(url, retry=self.retry), what=f"reading metadata.json of {url!r}")
-        self.metadata = whole.call(lambda: _read_index(url, self.retry), what=f"reading the shard index of {url!r}")
+        self.metadata = whole.call(lambda: read_index(url, self.retry), what=f"reading the shard index of {url!r}")
         self.entries: dict[str, tuple[str, tuple[int, ...]]] = {}  # model name -> (entry, shape)
-        for fqn, info in _index(self.metadata, url).items():
+        for fqn, info in entry_index(self.metadata, url).items():
             path = parse_key(fqn)
             if info.kind == "tensor" and len(path) == 2 and path[0] == "model" and isinstance(path[1], str):
                 self.entries[path[1]] = (fqn, info.shape)
@@ -335,16 +346,16 @@ class _Sharded:
                 request[fqn] = dest.detach()
 
         def read() -> None:
-            _quiet_single_process()
+            quiet_single_process()
             try:
                 dcp.load(
                     request,
-                    storage_reader=_Reader(self.url, self.metadata, self.retry),
-                    planner=_NoBytesLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                    storage_reader=IndexedReader(self.url, self.metadata, self.retry),
+                    planner=NoBytesLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
                     no_dist=True,
                 )
             except CheckpointException as exc:
-                raise _failure(exc) from None
+                raise storage_failure(exc) from None
 
         self.retry.for_url(self.url).call(read, what=f"reading the model tensors of {self.url!r}")
         for dest, fqn in again:

@@ -75,11 +75,22 @@ class DigitsDataModule(L.LightningDataModule):
                     f"Use a multiple of {n_microbatches}, e.g. {name}={fix}."
                 )
         max_val = NUM_IMAGES - batch_size
-        check_int(val_size, "DigitsDataModule(val_size=...)", minimum=NUM_CLASSES, maximum=max_val, error=DigitsDataError,
-                  hint=f"{NUM_CLASSES}: one image per class; {max_val}: one training batch of {batch_size} "
-                       f"left out of {NUM_IMAGES} images.")
-        check_int(image_size, "DigitsDataModule(image_size=...)", minimum=8, error=DigitsDataError,
-                  hint="The digits images are 8x8; larger sizes upsample them.")
+        check_int(
+            val_size,
+            "DigitsDataModule(val_size=...)",
+            minimum=NUM_CLASSES,
+            maximum=max_val,
+            error=DigitsDataError,
+            hint=f"{NUM_CLASSES}: one image per class; {max_val}: one training batch of {batch_size} "
+            f"left out of {NUM_IMAGES} images.",
+        )
+        check_int(
+            image_size,
+            "DigitsDataModule(image_size=...)",
+            minimum=8,
+            error=DigitsDataError,
+            hint="The digits images are 8x8; larger sizes upsample them.",
+        )
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size
         self.val_size = val_size

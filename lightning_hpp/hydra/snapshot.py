@@ -10,7 +10,7 @@
   fingerprint of :func:`lightning_hpp.bias.fingerprint.collect_fingerprint` when that is available;
 * ``packages.txt``: every installed distribution as ``name==version``.
 
-Everything is passed through :func:`lightning_hpp.checkpoint.s3.redact` before it is written.
+Everything is passed through :func:`lightning_hpp.redaction.redact` before it is written.
 :func:`scrub_hydra_files` applies the same redaction to the files Hydra itself writes
 (``.hydra/*.yaml``, ``multirun.yaml``), which record the command-line overrides verbatim.
 """
@@ -30,8 +30,8 @@ import yaml
 
 from lightning_hpp._git import code_version
 from lightning_hpp.bias.packages import installed_packages, packages_digest
-from lightning_hpp.checkpoint.s3 import REDACTED, is_secret_name, redact
 from lightning_hpp.planning.plan import StagePlan
+from lightning_hpp.redaction import REDACTED, is_secret_name, redact
 
 SNAPSHOT_DIR = "snapshot"
 

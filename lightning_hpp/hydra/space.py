@@ -30,7 +30,9 @@ def _distribution(override: Override) -> Any:
     if isinstance(value, RangeSweep):
         start, stop, step = value.start, value.stop, value.step
         if not step > 0 or not stop > start:
-            raise SweepError(f"`{override.input_line}`: a study samples increasing ranges only (start < stop, step > 0).")
+            raise SweepError(
+                f"`{override.input_line}`: a study samples increasing ranges only (start < stop, step > 0)."
+            )
         # Hydra's range excludes its stop: the last value on the grid is the high end
         last = math.ceil((stop - start) / step - 1e-9) - 1
         if any(isinstance(x, float) for x in (start, stop, step)):

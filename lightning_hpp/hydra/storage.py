@@ -112,7 +112,8 @@ def open_storage(
         return heartbeat_journal_storage(backend, heartbeat_interval, grace_period, stale_trial_callback)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     kwargs: dict[str, Any] = {}
-    if str(url).startswith("sqlite"):  # wait for another connection's write (a driver, a trial) instead of failing after 5 s
+    # wait for another connection's write (a driver, a trial) instead of failing after 5 s
+    if str(url).startswith("sqlite"):
         kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
     # drivers that start at once on a new database would each create Optuna's tables, and all but one
     # fail (PostgreSQL: duplicate key in pg_type): one at a time creates them, the others find them

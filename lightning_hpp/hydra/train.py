@@ -128,7 +128,9 @@ def uniform_plan(
     sizes = [len(names) // num_stages + (1 if k < len(names) % num_stages else 0) for k in range(num_stages)]
     stages, start = [], 0
     for size in sizes:
-        stages.append(StageSpec(modules=names[start : start + size], device=device, precision=precision, clip_norm=clip_norm))
+        stages.append(
+            StageSpec(modules=names[start : start + size], device=device, precision=precision, clip_norm=clip_norm)
+        )
         start += size
     return StagePlan(stages)
 
@@ -166,7 +168,7 @@ def check_config(cfg: DictConfig) -> dict[str, Any]:
         TrainConfigError: an unset environment variable the config needs, a secret written in the
             config, or an ``s3://`` URL while the environment has no S3 credentials.
     """
-    from lightning_hpp.checkpoint.s3 import redact
+    from lightning_hpp.redaction import redact
 
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -403,7 +405,8 @@ def run(cfg: DictConfig) -> float | None:
         if reporter is not None:
             result["study"] = reporter.state()
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
-    if value is None and trainer.is_global_zero:  # a sweep fails the trial with this (launch_trial); a single run does not need it
+    # a sweep fails the trial with this (launch_trial); a single run does not need it
+    if value is None and trainer.is_global_zero:
         log.info("optimized_metric %r was not logged; logged: %s", cfg.optimized_metric, sorted(metrics))
     return value
 
@@ -491,8 +494,8 @@ def launch_trial(cfg: DictConfig) -> float:
     """
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-    from lightning_hpp.checkpoint.s3 import redact
     from lightning_hpp.hydra.snapshot import scrub_hydra_files
+    from lightning_hpp.redaction import redact
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)

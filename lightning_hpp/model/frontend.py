@@ -112,12 +112,16 @@ def cut_model(module: nn.Module, plan: StagePlan, example: tuple[tuple, dict] | 
     if frontend in ("auto", "sequential"):
         why_not = _sequential_obstacle(module, plan, example)
         if why_not is None:
-            return _sequential(module, plan, example, reason or "the cuts are between top-level units and forward is their chain")
+            return _sequential(
+                module, plan, example, reason or "the cuts are between top-level units and forward is their chain"
+            )
         if frontend == "sequential" or example is None:
             raise why_not
         reason = f"the sequential frontend does not apply: {why_not}"
     if example is None:
-        raise PlanError("The traced frontend captures the model on one real micro-batch, but the dataloader gave no batch.")
+        raise PlanError(
+            "The traced frontend captures the model on one real micro-batch, but the dataloader gave no batch."
+        )
     return _traced_cut(module, plan, example, modes, eval_example or example, reason)
 
 
@@ -161,12 +165,25 @@ def _sequential(module: nn.Module, plan: StagePlan, example: Any, reason: str) -
     buffers = [{f"{n}.{b}" for n in ms for b, _ in units[n].named_buffers()} for ms in resolved]
     out = plan.with_modules(resolved)
     out.meta["frontend"] = "sequential"
-    return Cut("sequential", out, {"train": bodies, "eval": bodies}, [k == 0 for k in range(len(resolved))],
-               params, buffers, reason=reason)
+    return Cut(
+        "sequential",
+        out,
+        {"train": bodies, "eval": bodies},
+        [k == 0 for k in range(len(resolved))],
+        params,
+        buffers,
+        reason=reason,
+    )
 
 
-def _traced_cut(module: nn.Module, plan: StagePlan, example: tuple[tuple, dict], modes: tuple[str, ...],
-                eval_example: tuple[tuple, dict], reason: str) -> Cut:
+def _traced_cut(
+    module: nn.Module,
+    plan: StagePlan,
+    example: tuple[tuple, dict],
+    modes: tuple[str, ...],
+    eval_example: tuple[tuple, dict],
+    reason: str,
+) -> Cut:
     points = plan.cut_points([n for n, _ in module.named_modules()])
     if len(points) + 1 != plan.num_stages:
         raise PlanError(f"The plan has {plan.num_stages} stages but {len(points)} cut points {points}.")
@@ -187,8 +204,17 @@ def _traced_cut(module: nn.Module, plan: StagePlan, example: tuple[tuple, dict],
     bodies = {mode: [[s] for s in t.stages] for mode, t in traces.items()}
     for mode in ("train", "eval"):
         bodies.setdefault(mode, bodies[next(iter(traces))])
-    return Cut("traced", out, bodies, [True] * plan.num_stages, first.stage_params, first.stage_buffers,
-               flatten=first.flatten_inputs, unflatten=first.unflatten_output, reason=reason or "forced")
+    return Cut(
+        "traced",
+        out,
+        bodies,
+        [True] * plan.num_stages,
+        first.stage_params,
+        first.stage_buffers,
+        flatten=first.flatten_inputs,
+        unflatten=first.unflatten_output,
+        reason=reason or "forced",
+    )
 
 
 def _check_listed_modules(module: nn.Module, plan: StagePlan, stage_params: list[set[str]]) -> None:
@@ -200,11 +226,15 @@ def _check_listed_modules(module: nn.Module, plan: StagePlan, stage_params: list
             if entry not in known:
                 continue
             mine = {canonical[id(p)] for p in known[entry].parameters()}
-            elsewhere = sorted(j for j, ps in enumerate(stage_params) if j != k and mine & ps and not (mine & stage_params[k]))
+            elsewhere = sorted(
+                j for j, ps in enumerate(stage_params) if j != k and mine & ps and not (mine & stage_params[k])
+            )
             if mine and elsewhere:
                 raise PlanError(
-                    f"Stage {k} lists {entry!r}, but with the cut points {plan.cut_points(list(known))} forward runs it in "
-                    f"stage {elsewhere[0]}. A stage begins at its first module; list modules in the stage where forward runs them."
+                    f"Stage {k} lists {entry!r}, but with the cut points {plan.cut_points(list(known))} forward runs "
+                    "it in "
+                    f"stage {elsewhere[0]}. A stage begins at its first module; list modules in the stage where "
+                    "forward runs them."
                 )
 
 
@@ -219,7 +249,9 @@ def _owners(module: nn.Module, stage_params: list[set[str]], stage_buffers: list
         if not ps and not bs:
             return
         mine = [k for k in range(len(stage_params)) if (ps <= stage_params[k]) and (bs <= stage_buffers[k])]
-        others = [j for j in range(len(stage_params)) if j not in mine and (ps & stage_params[j] or bs & stage_buffers[j])]
+        others = [
+            j for j in range(len(stage_params)) if j not in mine and (ps & stage_params[j] or bs & stage_buffers[j])
+        ]
         if name and mine and not others:  # a module shared by several stages (a tied head) is listed in the first
             holders[mine[0]].append(name)
             return
@@ -230,7 +262,9 @@ def _owners(module: nn.Module, stage_params: list[set[str]], stage_buffers: list
     return holders
 
 
-def planning_units(module: nn.Module, example: tuple[tuple, dict]) -> tuple[list[tuple[str, nn.Module]], tuple, Callable[[StagePlan], StagePlan]]:
+def planning_units(
+    module: nn.Module, example: tuple[tuple, dict]
+) -> tuple[list[tuple[str, nn.Module]], tuple, Callable[[StagePlan], StagePlan]]:
     """What ``plan="auto"`` profiles and partitions, as ``(units, example inputs, plan → plan to cut)``.
 
     Where the sequential frontend applies, the model's top-level units. Elsewhere the model traced at
@@ -244,7 +278,11 @@ def planning_units(module: nn.Module, example: tuple[tuple, dict]) -> tuple[list
         units = find_units(module)
     except PlanError:
         units = []
-    if len(units) >= 2 and not kwargs and _sequential_obstacle(module, StagePlan.split_at([units[1][0]]), example) is None:
+    if (
+        len(units) >= 2
+        and not kwargs
+        and _sequential_obstacle(module, StagePlan.split_at([units[1][0]]), example) is None
+    ):
         return units, args, lambda plan: plan
     name, blocks = _blocks(module, 2)
     points = [f"{name}.{i}" for i in range(1, len(blocks))]
@@ -252,8 +290,13 @@ def planning_units(module: nn.Module, example: tuple[tuple, dict]) -> tuple[list
     units = [(f"{name}.{i}", stage) for i, stage in enumerate(traced.stages)]
 
     def to_cut(plan: StagePlan) -> StagePlan:
-        cut = StagePlan.split_at([s.modules[0] for s in plan.stages[1:]],
-                                 **{f: [getattr(s, f) for s in plan.stages] for f in ("device", "precision", "clip_norm", "activation_checkpointing")})
+        cut = StagePlan.split_at(
+            [s.modules[0] for s in plan.stages[1:]],
+            **{
+                f: [getattr(s, f) for s in plan.stages]
+                for f in ("device", "precision", "clip_norm", "activation_checkpointing")
+            },
+        )
         cut.meta.update({k: v for k, v in plan.meta.items() if k != "cut_points"})
         return cut
 
@@ -261,11 +304,17 @@ def planning_units(module: nn.Module, example: tuple[tuple, dict]) -> tuple[list
 
 
 def _blocks(module: nn.Module, num_stages: int) -> tuple[str, nn.Module]:
-    containers = [(n, m) for n, m in module.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= num_stages]
+    containers = [
+        (n, m)
+        for n, m in module.named_modules()
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= num_stages
+    ]
     if not containers:
         raise PlanError(
-            f"`{type(module).__name__}` has no list of at least {num_stages} blocks (an `nn.ModuleList` / `nn.Sequential`) to "
-            f"cut into {num_stages} stages. Pass `HPPStrategy(plan=StagePlan.split_at([...]))` with the modules where the "
+            f"`{type(module).__name__}` has no list of at least {num_stages} blocks (an `nn.ModuleList` / "
+            "`nn.Sequential`) to "
+            f"cut into {num_stages} stages. Pass `HPPStrategy(plan=StagePlan.split_at([...]))` with the modules where "
+            "the "
             f"stages begin."
         )
     return max(containers, key=lambda nm: (len(nm[1]), -nm[0].count(".")))
@@ -288,7 +337,9 @@ def balanced_plan(module: nn.Module, num_stages: int) -> StagePlan:
     sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     inside = {id(p) for p in blocks.parameters()}
     first_block = next((i for i, (n, p) in enumerate(module.named_parameters()) if id(p) in inside), 0)
-    before = sum(p.numel() for i, (_, p) in enumerate(module.named_parameters()) if i < first_block and id(p) not in inside)
+    before = sum(
+        p.numel() for i, (_, p) in enumerate(module.named_parameters()) if i < first_block and id(p) not in inside
+    )
     after = sum(p.numel() for _, p in module.named_parameters() if id(p) not in inside) - before
     costs = [before + sizes[0], *sizes[1:]]
     costs[-1] += after

@@ -69,7 +69,9 @@ def fake_parameters(module: nn.Module, device: torch.device) -> Iterator[Any]:
                 if id(t) not in stand_ins:
                     with mode:
                         fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-                    stand_ins[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+                    stand_ins[id(t)] = (
+                        nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+                    )
                 saved.append((registry, key, t))
                 registry[key] = stand_ins[id(t)]
     try:
@@ -132,8 +134,12 @@ def _whole(mod: nn.Module) -> Iterator[None]:
     if not shards:
         yield
         return
-    whole = {key: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device), requires_grad=p.requires_grad)
-             for key, p in shards.items()}
+    whole = {
+        key: nn.Parameter(
+            torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device), requires_grad=p.requires_grad
+        )
+        for key, p in shards.items()
+    }
     mod._parameters.update(whole)
     try:
         yield
@@ -141,7 +147,9 @@ def _whole(mod: nn.Module) -> Iterator[None]:
         mod._parameters.update(shards)
     with torch.no_grad():
         for key, p in shards.items():  # every rank holds the whole tensor: each keeps its slice, nothing is sent
-            p.to_local().copy_(distribute_tensor(whole[key].detach(), p.device_mesh, p.placements, src_data_rank=None).to_local())
+            p.to_local().copy_(
+                distribute_tensor(whole[key].detach(), p.device_mesh, p.placements, src_data_rank=None).to_local()
+            )
 
 
 def _initialize(root: nn.Module, name: str, mod: nn.Module) -> None:
@@ -172,8 +180,9 @@ def _pretrained_owner(root: nn.Module, name: str) -> nn.Module | None:
     return owner
 
 
-def materialize_stages(module: nn.Module, device: torch.device, *, seed: int,
-                       weights: str | None = None, rename: str | None = None) -> int:
+def materialize_stages(
+    module: nn.Module, device: torch.device, *, seed: int, weights: str | None = None, rename: str | None = None
+) -> int:
     """Materialize what is left of ``module`` after the cut (this rank's stages), initialised by
     :func:`materialize` or, with ``weights``, read from disk (traced stages read the new tensors through
     their linked registries). Returns how many parameters were materialized."""

@@ -497,7 +497,8 @@ def _chain(pipe: Pipe) -> TracedModel:
             carried.append(outputs)
         call_args = [a.name for a in call.args]
         graph = getattr(pipe.split_gm, call.target)
-        for sub in graph.modules():  # run the generated code, not torch.fx.Interpreter node by node (several times faster)
+        # run the generated code, not torch.fx.Interpreter node by node (several times faster)
+        for sub in graph.modules():
             if hasattr(sub, "_run_with_interpreter"):
                 sub._run_with_interpreter = False
         stages.append(TracedStage(graph, inputs, call_args, binds[k], outputs, ints, last=(k == len(calls) - 1)))

@@ -74,7 +74,10 @@ class OutputBroadcast:
         mine = outputs is not None
         if mine:
             leaves, spec = pytree.tree_flatten(outputs)
-            header = (spec, [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("value", t) for t in leaves])
+            header = (
+                spec,
+                [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("value", t) for t in leaves],
+            )
             changed = torch.tensor([int(header != self._header)], device=wire)
         else:
             changed = torch.zeros(1, dtype=torch.int64, device=wire)

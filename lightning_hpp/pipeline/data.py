@@ -154,7 +154,8 @@ def resume_mid_epoch(dataloader: Any, batches: int, epoch: int) -> bool:
 
 
 def loaders_once(source: Any) -> Any:
-    """The loaders of a Lightning loop's data source, asked for once: Lightning's next ``dataloader()`` call (its data set-up,
+    """The loaders of a Lightning loop's data source, asked for once: Lightning's next ``dataloader()`` call (its data
+    set-up,
     right after ``setup``) gets the same object instead of calling the ``*_dataloader`` hook a second time."""
     loaders = source.dataloader()
 

@@ -128,7 +128,8 @@ class ParallelDims:
                             f"(`Trainer(devices=..., num_nodes=...)`).")
         if pp < 1 or tp < 1 or world_size % (pp * tp):
             raise PlanError(
-                f"World size {world_size} is not divisible by pp_degree={pp}" + (f" × tp_degree={tp}" if tp > 1 else "")
+                f"World size {world_size} is not divisible by pp_degree={pp}"
+                + (f" × tp_degree={tp}" if tp > 1 else "")
                 + "; world_size must equal pp_degree × dp_degree" + (" × tp_degree" if tp > 1 else "")
                 + f". Use devices × num_nodes = a multiple of {pp * tp}, or change pp_degree"
                 + (" or tp_degree." if tp > 1 else ".")

@@ -4,7 +4,8 @@ or sharded over groups of them and replicated over the groups (``"hsdp"``, a 2-D
 :func:`shard_stages` calls torch's ``fully_shard`` bottom-up: on each block of the model's longest block
 list and each unit of the plan that a stage holds (the user's modules: the sequential frontend runs them
 as written, the traced frontend's graph holds them under their names), deepest first, and then on the
-stage module, which becomes the root of its units and keeps whatever parameters no unit owns. A unit whose parameters other modules of the stage use too (a tied embedding and head in
+stage module, which becomes the root of its units and keeps whatever parameters no unit owns. A unit whose parameters
+other modules of the stage use too (a tied embedding and head in
 one stage) is left to the root: FSDP2 keeps a shared parameter in the group of the modules' common
 ancestor. The parameters become ``DTensor`` shards on the module itself (and, through the traced
 stages' linked registries, on the user's modules), so the optimizer Lightning builds afterwards, the
@@ -61,8 +62,10 @@ def unit_modules(stage_module: nn.Module, names: list[str], root: nn.Module) -> 
     graph = getattr(units[0], "graph", None) if getattr(stage_module, "captured", False) and units else None
     lookup = dict((graph if graph is not None else root).named_modules())
     held = {id(m) for m in stage_module.modules()}
-    found = sorted(((n, lookup[n]) for n in dict.fromkeys(names) if n in lookup and id(lookup[n]) in held),
-                   key=lambda nm: -nm[0].count("."))
+    found = sorted(
+        ((n, lookup[n]) for n in dict.fromkeys(names) if n in lookup and id(lookup[n]) in held),
+        key=lambda nm: -nm[0].count("."),
+    )
     uses: dict[int, int] = {}
     for m in stage_module.modules():
         for p in m._parameters.values():
@@ -128,8 +131,13 @@ def untie_across_stages(stages: dict[int, nn.Module]) -> list[list[tuple[int, nn
     return ties
 
 
-def shard_stages(root: nn.Module, stages: dict[int, nn.Module], unit_names: dict[int, list[str]], mesh: Any,
-                 reshard_after_forward: bool | None) -> ShardedStages:
+def shard_stages(
+    root: nn.Module,
+    stages: dict[int, nn.Module],
+    unit_names: dict[int, list[str]],
+    mesh: Any,
+    reshard_after_forward: bool | None,
+) -> ShardedStages:
     """Shard this rank's stages with FSDP2 over ``mesh`` (collective over the shard mesh; every replica of a
     stage calls it in the same order).
 
@@ -155,8 +163,9 @@ def shard_stages(root: nn.Module, stages: dict[int, nn.Module], unit_names: dict
     # parameters keep the dtype the stage's precision stores them in (the precision plugin cast them before):
     # gathered in it, computed in it or under the stage's autocast as on unsharded stages; gradients of
     # bf16/fp16 parameters are reduced in fp32
-    policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=REDUCE_DTYPE, output_dtype=None,
-                                  cast_forward_inputs=False)
+    policy = MixedPrecisionPolicy(
+        param_dtype=None, reduce_dtype=REDUCE_DTYPE, output_dtype=None, cast_forward_inputs=False
+    )
     tied = untie_across_stages(stages)
     slots = _slots(nn.ModuleList([root, *stages.values()]))  # the user's slots and the stages' own
     before = {pid: aliases[0][0]._parameters[aliases[0][1]] for pid, aliases in slots.items()}
@@ -171,8 +180,9 @@ def shard_stages(root: nn.Module, stages: dict[int, nn.Module], unit_names: dict
                 if m._parameters[n] is before[pid]:
                     m._parameters[n] = sharded
     stepped = {id(p) for p in root.parameters()}  # the copy the optimizer steps first: the others follow it
-    ties = [sorted((owner._parameters[name] for _, owner, name in tie), key=lambda p: id(p) not in stepped)
-            for tie in tied]
+    ties = [
+        sorted((owner._parameters[name] for _, owner, name in tie), key=lambda p: id(p) not in stepped) for tie in tied
+    ]
     return ShardedStages(stages, ties)
 
 
@@ -196,8 +206,12 @@ class ShardedStages:
         self.stages = dict(stages)
         self.ties = [list(t) for t in ties]
         # leaves first, each module once: the order every replica gathers and frees in
-        self.modules: list[Any] = [m for _, sm in sorted(self.stages.items()) for m in reversed(list(sm.modules()))
-                                   if isinstance(m, FSDPModule)]
+        self.modules: list[Any] = [
+            m
+            for _, sm in sorted(self.stages.items())
+            for m in reversed(list(sm.modules()))
+            if isinstance(m, FSDPModule)
+        ]
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:

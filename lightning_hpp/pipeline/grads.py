@@ -84,7 +84,8 @@ class GradHandover:
         self._shared = list(shared)
         self._ties = [list(t) for t in ties]
         self._fresh: list[Tensor | None] | None = None
-        self.started_in_backward = 0  # buckets of the last handed-over step whose all-reduce started inside the backward
+        # buckets of the last handed-over step whose all-reduce started inside the backward
+        self.started_in_backward = 0
         self._bucket_numel = bucket_numel
         # a parameter of several of this rank's stages is final only after the last of their backwards: it is
         # reduced in hand_over, its buckets after every other one
@@ -100,7 +101,9 @@ class GradHandover:
         order += [i for i in reversed(range(len(self.params))) if not hookable[i]]
         self._buckets = _plan_buckets(self.params, order, self._bucket_numel)
         self._bucket_of = {i: b for b, members in enumerate(self._buckets) for i in members}
-        self._hooked = {k: [i for i in range(len(self.params)) if hookable[i] and self._stage_of[i] == k] for k in self._stages}
+        self._hooked = {
+            k: [i for i in range(len(self.params)) if hookable[i] and self._stage_of[i] == k] for k in self._stages
+        }
         self._hookable = list(hookable)
 
     # ----------------------------------------------------------------- one step
@@ -153,8 +156,11 @@ class GradHandover:
     def last_backward(self, stage: int) -> Iterator[None]:
         """Around ``stage``'s last backward of the step: start each bucket's all-reduce once its gradients are final."""
         # a frozen parameter gets no gradient (and takes no hook): its bucket starts in hand_over with the others'
-        indices = [i for i in self._hooked.get(stage, []) if self.params[i].requires_grad] \
-            if self._reducing and self._in_step else []
+        indices = (
+            [i for i in self._hooked.get(stage, []) if self.params[i].requires_grad]
+            if self._reducing and self._in_step
+            else []
+        )
         hook = self._on_accumulated if self._observing else self._on_final
         handles = [self.params[i].register_post_accumulate_grad_hook(hook(i)) for i in indices]
         try:
@@ -224,8 +230,10 @@ class GradHandover:
             return None
         if local_norms and not self._want_norms:
             if self._next:
-                raise RuntimeError("internal: local norms asked for after buckets started without them; "
-                                   "pass `local_norms` to `during_step`")
+                raise RuntimeError(
+                    "internal: local norms asked for after buckets started without them; "
+                    "pass `local_norms` to `during_step`"
+                )
             self._want_norms = True
         self.started_in_backward = self._next
         if self._reducing:
@@ -240,8 +248,11 @@ class GradHandover:
                 _unflatten_into(flat.div_(self._dp_size), present)
         norms = None
         if local_norms:
-            norms = self._stage_norms(fresh) if not self._reducing else {
-                k: _combine(self._norms.get(k, [])) for k in self._stages}
+            norms = (
+                self._stage_norms(fresh)
+                if not self._reducing
+                else {k: _combine(self._norms.get(k, [])) for k in self._stages}
+            )
         self._reset()
         if self._observing and self._reducing:
             self._settle_observation()
@@ -275,8 +286,9 @@ class GradHandover:
                 local(p).copy_(local(first))
 
     @staticmethod
-    def _sum_ties(tie: list[nn.Parameter], fresh: list[Tensor | None], index: dict[int, int],
-                  across: set[int]) -> nn.Parameter | None:
+    def _sum_ties(
+        tie: list[nn.Parameter], fresh: list[Tensor | None], index: dict[int, int], across: set[int]
+    ) -> nn.Parameter | None:
         """Add the gradients of a tied parameter's copies into one copy (returned): the one whose gradient is
         summed across ranks too (``across``), else the first that has one; ``None`` where none has one."""
         held = [p for p in tie if fresh[index[id(p)]] is not None]
@@ -382,8 +394,9 @@ def held_by_name(module: nn.Module, aliases: dict[str, list[str]]) -> dict[str, 
     return params
 
 
-def shared_gradient_groups(shared: dict[str, list[int]], params: dict[str, nn.Parameter], positions: list[list[int]],
-                           mesh: Any) -> list[tuple[list[nn.Parameter], Any]]:
+def shared_gradient_groups(
+    shared: dict[str, list[int]], params: dict[str, nn.Parameter], positions: list[list[int]], mesh: Any
+) -> list[tuple[list[nn.Parameter], Any]]:
     """For the parameters several stages use, the groups of ranks their gradients are summed over.
 
     Args:
@@ -396,14 +409,18 @@ def shared_gradient_groups(shared: dict[str, list[int]], params: dict[str, nn.Pa
         ``[(this rank's parameters of one position set, the group of this replica's ranks there)]``;
         parameters whose stages all sit on this rank need no group (autograd already sums them).
     """
-    where = {n: tuple(sorted({r for r, held in enumerate(positions) for k in ks if k in held})) for n, ks in shared.items()}
+    where = {
+        n: tuple(sorted({r for r, held in enumerate(positions) for k in ks if k in held})) for n, ks in shared.items()
+    }
     groups = mesh.groups_over_positions(sorted({ps for ps in where.values() if len(ps) > 1}))
     out: dict[tuple[int, ...], list[nn.Parameter]] = {}
     for n, ps in where.items():
         if groups.get(ps) is None:
             continue
         if n not in params:  # a member that would skip the sum leaves the others waiting in it: stop here instead
-            raise RuntimeError(f"internal: this rank's stages use the shared parameter {n!r}, but it holds no tensor "
-                               f"of that name ({sorted(params)[:8]}...)")
+            raise RuntimeError(
+                f"internal: this rank's stages use the shared parameter {n!r}, but it holds no tensor "
+                f"of that name ({sorted(params)[:8]}...)"
+            )
         out.setdefault(ps, []).append(params[n])
     return [(ps_params, groups[ps]) for ps, ps_params in sorted(out.items())]

@@ -2,7 +2,8 @@
 
 Batches may be tensors and the containers Lightning moves to the device (mappings, tuples and
 named tuples, lists, non-frozen dataclasses, subclasses of each kept as such) nested in any way;
-non-tensor leaves (strings, numbers, None) are given to every micro-batch unchanged. The split is into equal contiguous chunks,
+non-tensor leaves (strings, numbers, None) are given to every micro-batch unchanged. The split is into equal contiguous
+chunks,
 the same cut torch pipelining makes of the first stage's input, so micro-batch ``i`` of the batch
 and micro-batch ``i`` of the pipeline input hold the same samples.
 

@@ -2,14 +2,15 @@
 
 torch's schedules are lists of ``_Action`` per rank (``pipeline_order``); :func:`schedule_actions`
 builds one without processes and flattens it to :class:`Act` (stage, ``F``/``B``/``I``/``W``,
-micro-batch), and :func:`dependencies` says what each action waits for. The telemetry replays these
-orders against measured costs (:mod:`lightning_hpp.telemetry.model`), the planner against predicted
-ones (:mod:`lightning_hpp.planning.replay`).
+micro-batch), and :func:`dependencies` says what each action waits for. :func:`walk_orders` is the one
+walk of those orders both replays are built on: the telemetry's against measured costs
+(:func:`lightning_hpp.telemetry.model.simulate`), the planner's against predicted ones
+(:func:`lightning_hpp.planning.replay.program`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -69,7 +70,7 @@ def _flatten(actions: Iterable[Any]) -> list[Act]:
     return out
 
 
-def _orders_of(schedule: Any, num_stages: int, pp: int) -> dict[int, list[Act]]:
+def orders_of(schedule: Any, num_stages: int, pp: int) -> dict[int, list[Act]]:
     """The compute order of every pipeline rank for a live or offline schedule object."""
     m = schedule._n_microbatches
     if hasattr(schedule, "_stages"):
@@ -107,7 +108,7 @@ def schedule_actions(schedule: str, pp: int, n_microbatches: int, n_stages: int 
         sched = kind.cls([fake(i) for i in range(n_stages // pp)], n_microbatches)
     else:
         sched = kind.cls(fake(0), n_microbatches)
-    return _orders_of(sched, n_stages, pp)
+    return orders_of(sched, n_stages, pp)
 
 
 def output_key(a: Act) -> tuple[str, int, int]:
@@ -129,3 +130,68 @@ def dependencies(a: Act, n_stages: int) -> list[tuple[str, int, int]]:
     return [("G", a.stage, a.mb)]  # W after its I
 
 
+class Step(NamedTuple):
+    """One action of a walk (:func:`walk_orders`), by its index in the walk.
+
+    Attributes:
+        rank: The rank that runs it.
+        act: The action.
+        prev: The index of the action before it on its rank (``-1`` for the rank's first).
+        waits: The indices of the actions whose finish it waits for: the makers of its inputs, on its own
+            rank, or for an input from another rank the action after which that input is sent (the last
+            action of the maker's overlapped pair, see :class:`Act`).
+    """
+
+    rank: int
+    act: Act
+    prev: int
+    waits: tuple[int, ...]
+
+
+def walk_orders(
+    orders: dict[int, list[Act]], n_stages: int, deadlock: Callable[[dict[int, str]], Exception]
+) -> list[Step]:
+    """Every action of ``orders`` once, in an order where each comes after what it waits for.
+
+    Each rank's actions keep their order; a rank moves on while the next action's inputs exist, then the
+    next rank. Replaying the walk with ``finish(i) = max(finish(prev), finish(waits)) + cost`` gives each
+    action's finish when every action starts as soon as its rank is free and its inputs have arrived.
+
+    Args:
+        orders: ``{rank: [Act, ...]}`` as from :func:`schedule_actions`.
+        n_stages: Stages of the pipeline.
+        deadlock: The error to raise for ``{rank: action it waits at}`` when an action waits on one that
+            never runs.
+    """
+    # what each walked action made: where, the step its own rank waits for, the step other ranks wait for
+    where: dict[tuple[str, int, int], int] = {}
+    local: dict[tuple[str, int, int], int] = {}
+    remote: dict[tuple[str, int, int], int] = {}
+    held: dict[int, list[tuple[str, int, int]]] = {r: [] for r in orders}
+    steps: list[Step] = []
+    ptr = dict.fromkeys(orders, 0)
+    last = dict.fromkeys(orders, -1)
+    left = sum(len(v) for v in orders.values())
+    while left:
+        moved = False
+        for r, acts in orders.items():
+            while ptr[r] < len(acts):
+                a = acts[ptr[r]]
+                waits = [(local if where.get(d) == r else remote).get(d) for d in dependencies(a, n_stages)]
+                if any(w is None for w in waits):
+                    break
+                i = len(steps)
+                steps.append(Step(r, a, last[r], tuple(waits)))
+                key = output_key(a)
+                where[key], local[key] = r, i
+                held[r].append(key)
+                if not a.held:  # the pair (or the action alone) is done: what it made leaves now
+                    remote.update(dict.fromkeys(held[r], i))
+                    held[r].clear()
+                last[r] = i
+                ptr[r] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            raise deadlock({r: str(orders[r][ptr[r]]) for r in orders if ptr[r] < len(orders[r])})
+    return steps

@@ -38,12 +38,12 @@ from lightning_hpp.pipeline.mesh import Mesh
 from lightning_hpp.pipeline.microbatch import batch_size_of, largest_divisor_at_most, split_batch
 from lightning_hpp.pipeline.schedules import ForwardOnlyV, schedule_kind
 from lightning_hpp.pipeline.shapes import BoundaryShapes
-from lightning_hpp.pipeline.stage import StageModule, _Stage
+from lightning_hpp.pipeline.stage import HookedStage, StageModule
 from lightning_hpp.pipeline.step_effects import ModuleState, merge_outputs, step_extras
 from lightning_hpp.pipeline.steps import (
+    LogRecorder,
     MetricBatches,
     StepLogs,
-    _LogRecorder,
     capture_input,
     extract_loss,
     redirected,
@@ -124,7 +124,7 @@ class PipelineRunner:
         self._mb_size = 0
         self._step_fn: Callable[..., Any] | None = None
         self._step_args: tuple = ()
-        self._recorders: list[_LogRecorder | None] = []
+        self._recorders: list[LogRecorder | None] = []
         self._losses: list[torch.Tensor | None] = []
         self._target: torch.Tensor | None = None
         # the step's one collective, for training and for evaluation steps (their logged names differ)
@@ -179,7 +179,7 @@ class PipelineRunner:
         if key not in self._schedules:
             modules = self.stage_modules if train else self.eval_stage_modules
             stages = [
-                _Stage(sm, idx, self.num_stages, self.device, group=self.mesh.pp_group)
+                HookedStage(sm, idx, self.num_stages, self.device, group=self.mesh.pp_group)
                 for idx, sm in modules.items()
             ]
             if train:
@@ -210,7 +210,7 @@ class PipelineRunner:
             # loss of the right graph without running (and logging from) the user's step
             return sum((t.float().sum() * 0 for t in _tensors(output) if t.requires_grad), torch.zeros(()))
         mb = self._microbatch_of(target)
-        rec = _LogRecorder()
+        rec = LogRecorder()
         name = getattr(self._step_fn, "__name__", "training_step")
         with redirected(self.module, replay_forward(self._unflatten(output), name), rec):
             result = self._step_fn(self._mb[mb], *self._step_args)
@@ -246,13 +246,17 @@ class PipelineRunner:
     def _microbatch_of(self, target: torch.Tensor) -> int:
         # torch hands the loss a view of our ``arange`` target: its offset names the micro-batch without
         # reading the device (``int(target[0])`` would synchronise once per micro-batch)
-        if self._target is not None and target.untyped_storage().data_ptr() == self._target.untyped_storage().data_ptr():
+        if (
+            self._target is not None
+            and target.untyped_storage().data_ptr() == self._target.untyped_storage().data_ptr()
+        ):
             return target.storage_offset() // self._mb_size
         return int(target[0]) // self._mb_size
 
     # ----------------------------------------------------------------- steps
-    def train_step(self, step_fn: Callable[..., Any], batch: Any, *step_args: Any,
-                   loss_scale: float = 1.0) -> tuple[torch.Tensor, StepLogs, dict[str, Any] | None]:
+    def train_step(
+        self, step_fn: Callable[..., Any], batch: Any, *step_args: Any, loss_scale: float = 1.0
+    ) -> tuple[torch.Tensor, StepLogs, dict[str, Any] | None]:
         """Forward and backward of one batch; gradients accumulate into the stage parameters.
 
         ``loss_scale`` multiplies each micro-batch's loss before its backward (the fp16 loss scale over
@@ -312,7 +316,9 @@ class PipelineRunner:
             outputs = self._receive_outputs(None)
             appends = ModuleState(self.module)
             with self._metric_batches:
-                recorders = [self._replay_step(step_fn, mb, out, step_args)[1] for mb, out in zip(micro_batches, outputs)]
+                recorders = [
+                    self._replay_step(step_fn, mb, out, step_args)[1] for mb, out in zip(micro_batches, outputs)
+                ]
             appends.merge_appends(sizes, getattr(step_fn, "__name__", "training_step"))
             self._step_metrics = {name: m for rec in recorders for name, m in rec.metric_objects.items()}
         elif self._replay:
@@ -341,10 +347,12 @@ class PipelineRunner:
         changed = [k for k, sm in self.stage_modules.items() if _trains(sm) != self._trainable[k]]
         if changed:
             raise PlanError(
-                f"Stage(s) {changed} {'now' if not self._trainable[changed[0]] else 'no longer'} have parameters to train "
+                f"Stage(s) {changed} {'now' if not self._trainable[changed[0]] else 'no longer'} have parameters to "
+                "train "
                 f"(`requires_grad` changed) since the epoch began. Under HPPStrategy every rank of the pipeline must "
                 f"know which stages train before a step (their boundaries carry gradients or not): freeze or unfreeze "
-                f"parameters between fits or at an epoch's start (`on_train_epoch_start`, as `BackboneFinetuning` does)."
+                "parameters between fits or at an epoch's start (`on_train_epoch_start`, as `BackboneFinetuning` "
+                "does)."
             )
 
     def _replayed(self, step_fn: Callable[..., Any]) -> bool:
@@ -370,14 +378,17 @@ class PipelineRunner:
             self._output_broadcast = OutputBroadcast(self.mesh.pp_group, self.last_position, self.device)
         return self._output_broadcast(outputs)
 
-    def _replay_step(self, step_fn: Callable[..., Any], batch: Any, output: Any,
-                     step_args: tuple) -> tuple[Any, _LogRecorder]:
+    def _replay_step(
+        self, step_fn: Callable[..., Any], batch: Any, output: Any, step_args: tuple
+    ) -> tuple[Any, LogRecorder]:
         """The user's step on ``batch`` with ``output`` as what its ``self(...)`` returns, as the last stage ran it:
         its effects on the module's state happen here too. Returns what it returned and what it logged (recorded
         only for its torchmetrics objects: the last stage's values reached every rank through the exchange)."""
-        rec = _LogRecorder()
-        with torch.no_grad(), redirected(self.module, replay_forward(self._unflatten(output),
-                                                                     getattr(step_fn, "__name__", "step")), rec):
+        rec = LogRecorder()
+        with (
+            torch.no_grad(),
+            redirected(self.module, replay_forward(self._unflatten(output), getattr(step_fn, "__name__", "step")), rec),
+        ):
             result = step_fn(batch, *step_args)
         return result, rec
 
@@ -393,8 +404,7 @@ class PipelineRunner:
             self._start_exchange("before the last backward")
 
     def _on_backward_weight(self, stage: int) -> None:
-        if (self._backwards == self.n_microbatches * len(self.stage_modules)
-                and not self._exchanges["train"].started):
+        if self._backwards == self.n_microbatches * len(self.stage_modules) and not self._exchanges["train"].started:
             self._start_exchange("at a weight pass")
 
     def _start_exchange(self, where: str) -> None:
@@ -408,8 +418,11 @@ class PipelineRunner:
             try:
                 logs = reduce_logs(self._recorders, self.device, self._metric_batches)
                 self._step_metrics = logs.metrics
-                extras = merge_outputs(self._extras, [self._mb_size] * len(self._extras),
-                                       getattr(self._step_fn, "__name__", "training_step"))
+                extras = merge_outputs(
+                    self._extras,
+                    [self._mb_size] * len(self._extras),
+                    getattr(self._step_fn, "__name__", "training_step"),
+                )
             except PlanError as e:
                 error = str(e)
         self._exchanges["train"].start(loss, logs, error, self._check_flags(), last=self.holds_last, outputs=extras)
@@ -432,8 +445,10 @@ class PipelineRunner:
         payload, metrics = None, {}
         replay = self._replayed(step_fn)
         if self.holds_last:
-            rec = _LogRecorder()
-            with redirected(self.module, replay_forward(self._unflatten(out), getattr(step_fn, "__name__", "step")), rec):
+            rec = LogRecorder()
+            with redirected(
+                self.module, replay_forward(self._unflatten(out), getattr(step_fn, "__name__", "step")), rec
+            ):
                 result = step_fn(batch, *step_args)
             try:
                 logs = reduce_logs([rec], self.device)
@@ -444,15 +459,19 @@ class PipelineRunner:
                 payload = ("error", str(e))
         if self.mesh.pp > 1:
             box = [payload]
-            dist.broadcast_object_list(box, group_src=self.last_position, group=self.mesh.pp_group,
-                                       device=group_device(self.mesh.pp_group))
+            dist.broadcast_object_list(
+                box, group_src=self.last_position, group=self.mesh.pp_group, device=group_device(self.mesh.pp_group)
+            )
             payload = box[0]
         if replay and not self.holds_last and payload[0] != "error":
             result, rec = self._replay_step(step_fn, batch, move_data_to_device(payload[1], self.device), step_args)
             metrics = dict(rec.metric_objects)
         if payload[0] != "error":  # the step's own result where it ran here, else the last stage's, on this device
-            payload = (payload[0], result if replay or self.mesh.pp == 1 else move_data_to_device(payload[1], self.device),
-                       *payload[2:])
+            payload = (
+                payload[0],
+                result if replay or self.mesh.pp == 1 else move_data_to_device(payload[1], self.device),
+                *payload[2:],
+            )
         # an error of the last stage's logs goes through the exchange, so every replica raises it, not only this one
         error = payload[1] if payload[0] == "error" else None
         output, logs = None, None

@@ -116,12 +116,18 @@ class ForwardOnlyV(S.ScheduleZBVZeroBubble):
         stages = (rank, 2 * self.pp_group_size - 1 - rank)
         return [S._Action(k, S._ComputationType.FORWARD, mb) for k in stages for mb in range(self._n_microbatches)]
 
-    def _prepare_schedule_with_comms(self, actions: dict[int, list[S._Action | None]], format: str = "compute_only") -> None:
+    def _prepare_schedule_with_comms(
+        self, actions: dict[int, list[S._Action | None]], format: str = "compute_only"
+    ) -> None:
         # torch's lowering of a compute-only order to sends and receives, less its check that every forward
         # has a backward (there is none here) and the passes for FSDP units and gradient reduction
-        self.stage_index_to_group_rank = S.generate_stage_to_rank_mapping(self.pp_group_size, self._num_stages, style="v")
+        self.stage_index_to_group_rank = S.generate_stage_to_rank_mapping(
+            self.pp_group_size, self._num_stages, style="v"
+        )
         for stage in self._stages:
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
         self.pipeline_order_with_comms = S._add_send_recv(
             {rank: [a for a in acts if a is not None] for rank, acts in actions.items()},
-            stage_to_rank=lambda k: self.stage_index_to_group_rank[k], num_stages=self._num_stages)
+            stage_to_rank=lambda k: self.stage_index_to_group_rank[k],
+            num_stages=self._num_stages,
+        )

@@ -27,7 +27,8 @@ class StageModule(nn.Module):
     With ``spread`` (the sequential frontend's first stage, every traced stage) the first unit receives
     the stage's inputs as positional arguments; otherwise it gets them as one argument (a tuple
     crossing a stage boundary arrives as several positional arguments and is passed on as one
-    tuple), and every later unit gets the previous output as one argument. ``input_dtype`` casts floating inputs to the stage's
+    tuple), and every later unit gets the previous output as one argument. ``input_dtype`` casts floating inputs to the
+    stage's
     compute dtype inside its own forward; ``output_dtype`` fixes the wire dtype of what it sends;
     ``context`` wraps the computation (autocast, fp8); ``captured`` marks a traced stage.
 
@@ -123,8 +124,13 @@ class StageModule(nn.Module):
     def _checkpointed(self, unit: nn.Module, inputs: tuple, context: Any) -> Any:
         replay = _BufferReplay(unit, context)
         recompute = _RecomputeContext(replay, self.context)
-        out = checkpoint(unit, *inputs, use_reentrant=False, preserve_rng_state=True,
-                         context_fn=lambda: (contextlib.nullcontext(), recompute))
+        out = checkpoint(
+            unit,
+            *inputs,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            context_fn=lambda: (contextlib.nullcontext(), recompute),
+        )
         replay.settle()
         return out
 
@@ -235,7 +241,7 @@ def _zeros_like(x: Any) -> Any:
     return x
 
 
-class _Stage(PipelineStage):
+class HookedStage(PipelineStage):
     """A PipelineStage that tells its StageModule when a pass only infers metadata (forward, and
     backward: torch then calls the loss function once on the inference outputs), runs the step's
     last full backward of the stage inside ``on_last_backward(stage_index)`` when set (where the
@@ -276,8 +282,13 @@ class _Stage(PipelineStage):
             self.shapes.send(fwd_chunk_id)
         return super().get_fwd_send_ops(fwd_chunk_id)
 
-    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
-                          save_forward_output: bool = True) -> Any:
+    def forward_one_chunk(
+        self,
+        fwd_chunk_id: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        save_forward_output: bool = True,
+    ) -> Any:
         shapes = self.shapes
         if shapes is None or not shapes.fresh:
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
@@ -292,8 +303,9 @@ class _Stage(PipelineStage):
         shapes.learn_outputs(fwd_chunk_id)
         return out
 
-    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
-                           last_backward: bool = False) -> Any:
+    def backward_one_chunk(
+        self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
+    ) -> Any:
         self._bwd_chunk = bwd_chunk_id
         # every schedule's backward of a micro-batch comes through here, once (a zero-bubble schedule's input
         # pass; the weight pass follows in backward_weight_one_chunk), after its gradients were received
@@ -301,12 +313,18 @@ class _Stage(PipelineStage):
             hooks = getattr(self.submod, "grad_hooks", None)
             if hooks:
                 output = self.fwd_cache.get(bwd_chunk_id, ((),))[0]
-                grads = None if self.is_last else tuple(getattr(i, "buffer", None) for i in self.grad_recv_info[bwd_chunk_id])
+                grads = (
+                    None
+                    if self.is_last
+                    else tuple(getattr(i, "buffer", None) for i in self.grad_recv_info[bwd_chunk_id])
+                )
                 for hook in hooks:
                     hook(self.stage_index, bwd_chunk_id, output, grads)
             if self.on_backward is not None:
                 self.on_backward(self.stage_index)
-        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        return super().backward_one_chunk(
+            bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+        )
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> Any:
         if self.has_backward and self.on_backward_weight is not None:
@@ -323,8 +341,10 @@ class _Stage(PipelineStage):
             elif isinstance(out, (tuple, list)) and len(out) == 1 and isinstance(out[0], torch.Tensor):
                 bwd_kwargs["output_grads"] = (self.loss_grad(out[0], self._bwd_chunk),)
             else:  # never trained on an unscaled loss
-                raise RuntimeError(f"internal: stage {self.stage_index}'s backward starts from a "
-                                   f"{type(out).__name__}, not from the loss")
+                raise RuntimeError(
+                    f"internal: stage {self.stage_index}'s backward starts from a "
+                    f"{type(out).__name__}, not from the loss"
+                )
         run = super().backward_maybe_with_nosync
         if last_backward and backward_type == "full" and isinstance(self.submod, FSDPModule):
             run = self._fsdp_last_backward

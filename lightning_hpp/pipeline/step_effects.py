@@ -188,7 +188,8 @@ def merge_outputs(parts: list[dict[str, Any] | None], sizes: list[int], fn_name:
         return parts[0]
     if any(p is None for p in parts) or len({tuple(p) for p in parts}) != 1:
         raise PlanError(
-            f"`{fn_name}` returned different keys for the micro-batches of one batch ({[sorted(p or ()) for p in parts]}); "
+            f"`{fn_name}` returned different keys for the micro-batches of one batch "
+            f"({[sorted(p or ()) for p in parts]}); "
             f"under HPPStrategy the step runs once per micro-batch and its returned dict is merged key by key, so "
             f"every micro-batch must return the same keys."
         )
@@ -214,8 +215,11 @@ def _merge(values: list[Any], sizes: list[int], where: str) -> Any:
             return sum(v * n for v, n in zip(values, sizes)) / sum(sizes)
         return sum(values)
     if isinstance(first, Mapping) and all(isinstance(v, Mapping) and v.keys() == first.keys() for v in values):
-        return type(first)((k, _merge([v[k] for v in values], sizes, f"{where}[{k!r}]")) for k in first) \
-            if isinstance(first, dict) else {k: _merge([v[k] for v in values], sizes, f"{where}[{k!r}]") for k in first}
+        return (
+            type(first)((k, _merge([v[k] for v in values], sizes, f"{where}[{k!r}]")) for k in first)
+            if isinstance(first, dict)
+            else {k: _merge([v[k] for v in values], sizes, f"{where}[{k!r}]") for k in first}
+        )
     if isinstance(first, (list, tuple)) and all(type(v) is type(first) and len(v) == len(first) for v in values):
         merged = [_merge([v[i] for v in values], sizes, f"{where}[{i}]") for i in range(len(first))]
         return type(first)(*merged) if hasattr(first, "_fields") else type(first)(merged)

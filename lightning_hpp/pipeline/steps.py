@@ -152,7 +152,9 @@ def replay_forward(output: Any, fn_name: str) -> Callable[..., Any]:
     return forward
 
 
-class _LogRecorder:
+class LogRecorder:
+    """What one micro-batch's step logged (``self.log`` calls, torchmetrics objects), for :func:`reduce_logs`."""
+
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any, dict]] = []
         self.metrics: set[str] = set()  # names logged with a torchmetrics Metric
@@ -199,7 +201,9 @@ class MetricBatches:
     def __enter__(self) -> MetricBatches:
         self._steps.clear()
         for m in self._metrics:
-            object.__setattr__(m, "_reduce_states", functools.partial(self._merge, m, type(m)._reduce_states.__get__(m)))
+            object.__setattr__(
+                m, "_reduce_states", functools.partial(self._merge, m, type(m)._reduce_states.__get__(m))
+            )
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -233,7 +237,12 @@ class MetricBatches:
             return metric.compute()
         finally:
             _set_states(metric, epoch)
-            metric._update_count, metric._computed, metric._to_sync, metric.sync_on_compute = count, computed, to_sync, sync_on_compute
+            metric._update_count, metric._computed, metric._to_sync, metric.sync_on_compute = (
+                count,
+                computed,
+                to_sync,
+                sync_on_compute,
+            )
 
 
 def _set_states(metric: Any, state: dict[str, Any]) -> None:
@@ -286,7 +295,7 @@ def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32, device=device)
 
 
-def reduce_logs(recorders: list[_LogRecorder], device: torch.device, batches: MetricBatches | None = None) -> StepLogs:
+def reduce_logs(recorders: list[LogRecorder], device: torch.device, batches: MetricBatches | None = None) -> StepLogs:
     """Reduce what each micro-batch logged under one name with its ``reduce_fx``, on ``device``.
 
     Equal micro-batches make the result what one step over the whole batch logs for values that
@@ -313,7 +322,11 @@ def reduce_logs(recorders: list[_LogRecorder], device: torch.device, batches: Me
         if whole is not None:  # a Metric's value on the whole step, as one process computes it
             reduced.append(_as_tensor(whole, device))
             continue
-        fx = "mean" if any(n in rec.metrics for rec in recorders) else reduce_fx_name(n, kwargs[n].get("reduce_fx", "mean"))
+        fx = (
+            "mean"
+            if any(n in rec.metrics for rec in recorders)
+            else reduce_fx_name(n, kwargs[n].get("reduce_fx", "mean"))
+        )
         stacked = torch.stack(values[n])
         reduced.append(getattr(torch, fx)(stacked) if fx != "mean" else stacked.mean())
     return StepLogs([(n, kwargs[n]) for n in order], torch.stack(reduced), metrics)

@@ -101,10 +101,12 @@ def torch_style(name: str, kind: str) -> ColwiseParallel | RowwiseParallel:
                         f"`{HOOK}(self, module, mesh)` instead, or leave it out of the plan.")
     wants = "embedding" if name.startswith("embedding_") else "linear"
     if kind != wants:
-        raise PlanError(f"Tensor-parallel style {name!r} splits an nn.{wants.capitalize()}, but the module is "
-                        f"{'an nn.Embedding' if kind == 'embedding' else 'an nn.Linear' if kind == 'linear' else 'a ' + kind}. "
-                        f"Use {'embedding_rowwise / embedding_colwise' if kind == 'embedding' else 'colwise / rowwise'}, "
-                        f"or split it in `{HOOK}`.")
+        raise PlanError(
+            f"Tensor-parallel style {name!r} splits an nn.{wants.capitalize()}, but the module is "
+            f"{'an nn.Embedding' if kind == 'embedding' else 'an nn.Linear' if kind == 'linear' else 'a ' + kind}. "
+            f"Use {'embedding_rowwise / embedding_colwise' if kind == 'embedding' else 'colwise / rowwise'}, "
+            f"or split it in `{HOOK}`."
+        )
     if name == "colwise":
         style: ColwiseParallel | RowwiseParallel = Colwise()
     elif name in ("colwise_rep", "colwise_gather_output"):
@@ -201,13 +203,23 @@ def resolve_tp_plan(module: nn.Module, tp: int) -> TPPlan:
             f"plan for it: no transformers model with a `config.base_model_tp_plan` inside it, and no "
             f"`{HOOK}(self, module, mesh)` method. Fix: define `{HOOK}` on `{name}` (split `module.units` with "
             f"torch's `parallelize_module(unit, mesh, {{...: ColwiseParallel(), ...: RowwiseParallel()}})`), "
-            f"or train with tp_degree=1.")
+            f"or train with tp_degree=1."
+        )
     check_divisible(module, plan, tp)
     return plan
 
 
-_FORWARD_REDUCES = frozenset({"rowwise", "rowwise_rep", "rowwise_split_input", "embedding_rowwise", "colwise_rep",
-                               "colwise_gather_output", "embedding_colwise"})
+_FORWARD_REDUCES = frozenset(
+    {
+        "rowwise",
+        "rowwise_rep",
+        "rowwise_split_input",
+        "embedding_rowwise",
+        "colwise_rep",
+        "colwise_gather_output",
+        "embedding_colwise",
+    }
+)
 """Styles whose forward ends in a collective over the tp ranks (a partial sum all-reduced, a split output gathered)."""
 
 _BACKWARD_REDUCES = frozenset({"colwise", "colwise_rep", "colwise_gather_output", "embedding_colwise"})
@@ -266,7 +278,8 @@ def check_frontend(plan: TPPlan, frontend: str, module_name: str) -> None:
             f"`{module_name}.{HOOK}(self, module, mesh)` splits the modules of a stage as written, but this model's "
             f"stages are traced (frontend='traced'): their graphs run each module's computation at the width it was "
             f"captured with. Split a transformers model by its own plan (remove `{HOOK}`), or cut the model "
-            f"between the top-level units of a chain forward, which the sequential frontend runs as written.")
+            f"between the top-level units of a chain forward, which the sequential frontend runs as written."
+        )
 
 
 def check_divisible(module: nn.Module, plan: TPPlan, tp: int) -> None:
@@ -282,13 +295,17 @@ def check_divisible(module: nn.Module, plan: TPPlan, tp: int) -> None:
         kv = getattr(config, "num_key_value_heads", None) or heads
         for field_name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
             if isinstance(value, int) and value % tp:
-                problems.append(f"{type(config).__name__}.{field_name}={value} (the model at {path!r}): each tp rank "
-                                f"must hold whole heads")
+                problems.append(
+                    f"{type(config).__name__}.{field_name}={value} (the model at {path!r}): each tp rank "
+                    f"must hold whole heads"
+                )
     modules = dict(module.named_modules())
     for name, style in plan.styles.items():
         mod = modules.get(name)
         if mod is None:
-            raise PlanError(f"The tensor-parallel plan names {name!r}, which is no submodule of `{type(module).__name__}`.")
+            raise PlanError(
+                f"The tensor-parallel plan names {name!r}, which is no submodule of `{type(module).__name__}`."
+            )
         kind = module_kind(mod)
         torch_style(style, kind)  # refuses unknown styles and kinds early
         weight = getattr(mod, "weight", None)
@@ -299,9 +316,12 @@ def check_divisible(module: nn.Module, plan: TPPlan, tp: int) -> None:
             widths.append(f"{name!r} ({style}): weight dim {d} has {weight.shape[d]} rows/columns")
     problems += widths[:_SHOW] + ([f"... and {len(widths) - _SHOW} more modules"] if len(widths) > _SHOW else [])
     if problems:
-        raise PlanError(f"tp_degree={tp} does not divide: " + "; ".join(problems)
-                        + f". Fix: a tp_degree that divides them (e.g. 1 or a common divisor), or a model whose "
-                          f"head counts and widths are multiples of {tp}.")
+        raise PlanError(
+            f"tp_degree={tp} does not divide: "
+            + "; ".join(problems)
+            + f". Fix: a tp_degree that divides them (e.g. 1 or a common divisor), or a model whose "
+            f"head counts and widths are multiples of {tp}."
+        )
 
 
 @contextlib.contextmanager
@@ -347,14 +367,15 @@ def stage_targets(stage_module: nn.Module, names: list[str]) -> dict[str, nn.Mod
                 found[n] = unit
             elif n.startswith(unit_name + "."):
                 try:
-                    found[n] = unit.get_submodule(n[len(unit_name) + 1:])
+                    found[n] = unit.get_submodule(n[len(unit_name) + 1 :])
                 except AttributeError:
                     pass
     return found
 
 
-def apply_tensor_parallel(stage_module: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str],
-                          kinds: dict[str, str] | None = None) -> list[str]:
+def apply_tensor_parallel(
+    stage_module: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str], kinds: dict[str, str] | None = None
+) -> list[str]:
     """Split the modules of ``plan`` that ``stage_module`` holds over ``tp_mesh`` (torch's ``parallelize_module``);
     returns their names.
 
@@ -378,8 +399,13 @@ def _targets(stage_module: nn.Module, plan: dict[str, str]) -> dict[str, nn.Modu
     return {n: m for n, m in stage_module.named_modules() if n in plan}
 
 
-def _split(targets: dict[str, nn.Module], tp_mesh: DeviceMesh, plan: dict[str, str], kinds: dict[str, str] | None,
-           done: set[int]) -> list[str]:
+def _split(
+    targets: dict[str, nn.Module],
+    tp_mesh: DeviceMesh,
+    plan: dict[str, str],
+    kinds: dict[str, str] | None,
+    done: set[int],
+) -> list[str]:
     """``parallelize_module`` on each target not in ``done`` (ids; a module two stage modules share is split once)."""
     for name, target in targets.items():
         if id(target) in done:

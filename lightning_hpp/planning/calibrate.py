@@ -163,7 +163,9 @@ def _ping(buf: torch.Tensor, rank: int, peer: int) -> None:
         dist.send(buf, peer)
 
 
-def allreduce_gbps(world: int, device: torch.device, latency_ms: float, nbytes: int = 1 << 22, rounds: int = 3) -> float:
+def allreduce_gbps(
+    world: int, device: torch.device, latency_ms: float, nbytes: int = 1 << 22, rounds: int = 3
+) -> float:
     """Bus bandwidth in GB/s of an all-reduce of ``nbytes`` over every rank (collective; 0.0 with one rank).
 
     Bus bandwidth as data parallelism's cost model uses it: ``2 (w - 1) / w * nbytes`` over the time,

@@ -269,7 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"devices of one host (default {DEFAULT_DEVICES_PER_HOST}): a tp group stays on one")
     p.add_argument("--tp-across-hosts", action="store_true", help="let a tensor-parallel group span hosts")
     p.add_argument("--precision", help="one precision for all stages, or per kind: 'a100=bf16-mixed,h100=fp8'")
-    p.add_argument("--optimizer-factor", type=float, default=3.0, help="gradient+optimizer bytes per parameter byte (Adam: 3)")
+    p.add_argument(
+        "--optimizer-factor", type=float, default=3.0, help="gradient+optimizer bytes per parameter byte (Adam: 3)"
+    )
     p.add_argument("--link-gbps", type=float, help="GB/s per device where the profile measured none (default 25)")
     p.add_argument("--no-compare", action="store_true", help="print the chosen plan only")
     p.add_argument("--markdown", action="store_true", help="print the comparison as a markdown table")
@@ -281,11 +283,17 @@ def constraints_of(args: argparse.Namespace) -> dict:
     """The :func:`search_plan` constraints the command line fixes."""
     if args.data_parallel == "hsdp" and args.dp_replicate is None:
         raise PartitionError("--data-parallel hsdp needs --dp-replicate (its number of replica groups).")
-    return {"schedule": args.schedule, "n_microbatches": args.microbatches, "pp_degree": args.pp,
-            "dp_degree": args.dp, "tp_degree": _parse_degrees(args.tp, "--tp"),
-            "data_parallel": None if args.data_parallel == "auto" else args.data_parallel,
-            "dp_replicate": args.dp_replicate, "tp_across_hosts": args.tp_across_hosts,
-            "optimizer_factor": args.optimizer_factor}
+    return {
+        "schedule": args.schedule,
+        "n_microbatches": args.microbatches,
+        "pp_degree": args.pp,
+        "dp_degree": args.dp,
+        "tp_degree": _parse_degrees(args.tp, "--tp"),
+        "data_parallel": None if args.data_parallel == "auto" else args.data_parallel,
+        "dp_replicate": args.dp_replicate,
+        "tp_across_hosts": args.tp_across_hosts,
+        "optimizer_factor": args.optimizer_factor,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -301,16 +309,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise PartitionError("--global-microbatches needs the profile's micro-batch size; give --global-batch.")
             batch = args.global_microbatches * profile.microbatch_size
         else:
-            raise PartitionError("Give --global-batch (samples) or --global-microbatches, so plans are compared on the same batch.")
+            raise PartitionError(
+                "Give --global-batch (samples) or --global-microbatches, so plans are compared on the same batch."
+            )
         constraints = constraints_of(args)
         precision = _parse_precision(args.precision)
         if args.no_compare:
-            result = plan_cluster(profile, cluster, global_batch=batch, precision=precision,
-                                  devices_per_host=args.devices_per_host, **constraints)
+            result = plan_cluster(
+                profile,
+                cluster,
+                global_batch=batch,
+                precision=precision,
+                devices_per_host=args.devices_per_host,
+                **constraints,
+            )
             print(result.format_table())
         else:
-            sim = simulate_cluster(profile, cluster, global_batch=batch, precision=precision,
-                                   devices_per_host=args.devices_per_host, **constraints)
+            sim = simulate_cluster(
+                profile,
+                cluster,
+                global_batch=batch,
+                precision=precision,
+                devices_per_host=args.devices_per_host,
+                **constraints,
+            )
             result = sim.auto
             print(sim.format())
             if args.markdown:

@@ -64,19 +64,43 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
         DeviceSpec("h200", (9, 0), 141, 4800, {"fp32": 67, "fp16": 989.4, "bf16": 989.4, "fp8": 1978.9}, "H200 SXM"),
         DeviceSpec("l4", (8, 9), 24, 300, {"fp32": 30.3, "fp16": 121, "bf16": 121, "fp8": 242.5}, "L4"),
         DeviceSpec("l40s", (8, 9), 48, 864, {"fp32": 91.6, "fp16": 362.05, "bf16": 362.05, "fp8": 733}, "L40S"),
-        DeviceSpec("a10g", (8, 6), 24, 600, {"fp32": 31.2, "fp16": 125, "bf16": 125}, "A10 datasheet (A10G is not published)"),
+        DeviceSpec(
+            "a10g", (8, 6), 24, 600, {"fp32": 31.2, "fp16": 125, "bf16": 125}, "A10 datasheet (A10G is not published)"
+        ),
         DeviceSpec("a10", (8, 6), 24, 600, {"fp32": 31.2, "fp16": 125, "bf16": 125}, "A10"),
         DeviceSpec("v100", (7, 0), 32, 900, {"fp32": 15.7, "fp16": 125}, "V100 SXM2 32GB"),
         DeviceSpec("t4", (7, 5), 16, 320, {"fp32": 8.1, "fp16": 65}, "T4"),
-        DeviceSpec("rtx4090", (8, 9), 24, 1008, {"fp32": 82.6, "fp16": 165.2, "bf16": 165.2, "fp8": 330.3}, "GeForce RTX 4090"),
+        DeviceSpec(
+            "rtx4090", (8, 9), 24, 1008, {"fp32": 82.6, "fp16": 165.2, "bf16": 165.2, "fp8": 330.3}, "GeForce RTX 4090"
+        ),
         DeviceSpec("rtx3090", (8, 6), 24, 936, {"fp32": 35.6, "fp16": 71, "bf16": 71}, "GeForce RTX 3090"),
     ]
 }
 """Datasheet numbers per kind. They are assumptions when used to predict speed, and are labelled so."""
 
 # Name tokens that identify a kind directly, checked in this order.
-_NAME_TOKENS = ("h200", "h100", "h800", "gh200", "b200", "b100", "a100", "a800", "l40s", "l40", "l4",
-                "a10g", "a10", "a30", "a40", "v100", "p100", "t4", "mi300x", "mi250x")
+_NAME_TOKENS = (
+    "h200",
+    "h100",
+    "h800",
+    "gh200",
+    "b200",
+    "b100",
+    "a100",
+    "a800",
+    "l40s",
+    "l40",
+    "l4",
+    "a10g",
+    "a10",
+    "a30",
+    "a40",
+    "v100",
+    "p100",
+    "t4",
+    "mi300x",
+    "mi250x",
+)
 
 
 def normalize_kind(kind: object, where: str = "device kind") -> str:
@@ -157,8 +181,7 @@ def parse_device_map(device_map: Mapping[int, str] | Sequence[str] | str | None)
     if isinstance(device_map, Sequence):
         return {r: normalize_kind(k, f"device_map kind for rank {r}") for r, k in enumerate(device_map)}
     raise PlacementError(
-        f"device_map {device_map!r} must be a dict rank->kind, a list of kinds or a string "
-        f"'0:a100,1:h100'."
+        f"device_map {device_map!r} must be a dict rank->kind, a list of kinds or a string '0:a100,1:h100'."
     )
 
 
@@ -184,9 +207,7 @@ def detect_device_kind(device=None, *, rank: int | None = None, device_map=None)
     if device_map is not None:
         mapping = parse_device_map(device_map)
         if rank not in mapping:
-            raise PlacementError(
-                f"device_map {device_map!r} has no entry for rank {rank}; give a kind for every rank."
-            )
+            raise PlacementError(f"device_map {device_map!r} has no entry for rank {rank}; give a kind for every rank.")
         return mapping[rank]
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
@@ -276,9 +297,7 @@ def _rank_kinds_text(rank_kinds: Sequence[str]) -> str:
     return ", ".join(f"rank {r}: {k}" for r, k in enumerate(rank_kinds))
 
 
-def _greedy_rows(
-    wanted: Sequence[str | None], have: Sequence[str], dp: int
-) -> list[list[int]] | None:
+def _greedy_rows(wanted: Sequence[str | None], have: Sequence[str], dp: int) -> list[list[int]] | None:
     """Rows of ranks per stage such that every replica's pipeline ascends in rank, or ``None``.
 
     Each stage takes, replica by replica, the lowest free rank of its kind above the rank that
@@ -394,20 +413,19 @@ def tp_group_kinds(rank_kinds: Sequence[str], tp: int) -> list[str]:
     Raises:
         PlacementError: a group of ranks of different kinds (a split layer runs at its slowest rank's pace).
     """
-    groups = [list(rank_kinds[g * tp:(g + 1) * tp]) for g in range(len(rank_kinds) // tp)]
+    groups = [list(rank_kinds[g * tp : (g + 1) * tp]) for g in range(len(rank_kinds) // tp)]
     mixed = [g for g, kinds in enumerate(groups) if len(set(kinds)) > 1]
     if mixed:
         g = mixed[0]
         raise PlacementError(
             f"Tensor-parallel group {g} (ranks {g * tp}-{g * tp + tp - 1}) mixes device kinds {groups[g]}; the ranks "
             f"that split one layer must be of one kind. Order the ranks' kinds so that every {tp} neighbours share "
-            f"one (`device_map` / ${ENV_VAR}), or use another tp_degree.")
+            f"one (`device_map` / ${ENV_VAR}), or use another tp_degree."
+        )
     return [kinds[0] for kinds in groups]
 
 
-def stage_kind_orders(
-    rank_kinds: Sequence[str], pp_degree: int, dp_degree: int, limit: int = 4096
-) -> list[list[str]]:
+def stage_kind_orders(rank_kinds: Sequence[str], pp_degree: int, dp_degree: int, limit: int = 4096) -> list[list[str]]:
     """Every sequence of stage kinds that :func:`assign_ranks` can lay out on these ranks.
 
     Args:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hpp._timing import synchronize
 from lightning_hpp.errors import ProfileError, ProfileMismatchError
 from lightning_hpp.planning.devices import normalize_kind
 from lightning_hpp.planning.plan import normalize_precision
@@ -95,11 +96,6 @@ def _boundary(out: Any, dtype: torch.dtype | None) -> tuple:
     return as_args(conv(out))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def model_signature_counts(units: Sequence[tuple[str, nn.Module]]) -> list[int]:
     """Parameter counts of the units (the numeric part of a profile's signature)."""
     return [sum(p.numel() for p in m.parameters()) for _, m in units]
@@ -107,7 +103,8 @@ def model_signature_counts(units: Sequence[tuple[str, nn.Module]]) -> list[int]:
 
 _SCALARS = (bool, int, float, str, type(None))
 _INDEX_ATTRS = frozenset({"idx", "index", "layer_idx", "layer_id", "layer_index", "layer_number", "block_idx"})
-"""Attributes that only number a layer (transformers' ``layer_idx``): two blocks differing in them alone compute the same."""
+"""Attributes that only number a layer (transformers' ``layer_idx``): two blocks differing in them alone
+compute the same."""
 
 
 def unit_signature(module: nn.Module, args: tuple) -> tuple:
@@ -118,14 +115,22 @@ def unit_signature(module: nn.Module, args: tuple) -> tuple:
     dtypes and ``requires_grad``."""
     parts = []
     for name, sub in module.named_modules():
-        attrs = tuple(sorted((k, v) for k, v in vars(sub).items() if not k.startswith("_") and k != "training"
-                             and k not in _INDEX_ATTRS and isinstance(v, _SCALARS)))
+        attrs = tuple(
+            sorted(
+                (k, v)
+                for k, v in vars(sub).items()
+                if not k.startswith("_") and k != "training" and k not in _INDEX_ATTRS and isinstance(v, _SCALARS)
+            )
+        )
         hooks = tuple((*sub._forward_pre_hooks.values(), *sub._forward_hooks.values(), *sub._backward_hooks.values()))
         parts.append((name, type(sub), sub.extra_repr(), attrs, vars(sub).get("forward"), hooks))
-    tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
-                    for n, t in (*module.named_parameters(), *module.named_buffers()))
-    inputs = tuple((tuple(a.shape), a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else type(a).__qualname__
-                   for a in args)
+    tensors = tuple(
+        (n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in (*module.named_parameters(), *module.named_buffers())
+    )
+    inputs = tuple(
+        (tuple(a.shape), a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else type(a).__qualname__
+        for a in args
+    )
     return tuple(parts), tensors, inputs
 
 
@@ -202,13 +207,13 @@ def _measure_unit(
     while i < warmup + repeats or (time.perf_counter() - start) < MIN_WINDOW_S:
         if i == warmup:
             start = time.perf_counter()
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         out = run_forward()
-        _sync(device)
+        synchronize(device)
         t1 = time.perf_counter()
         run_backward(out)
-        _sync(device)
+        synchronize(device)
         t2 = time.perf_counter()
         if i >= warmup:
             fwd.append((t1 - t0) * 1e3)
@@ -246,7 +251,8 @@ def profile_units(
     output, detached and requiring grad, as a pipeline stage would receive it; the first unit gets
     ``example_input`` as its positional arguments (a tuple or list is unpacked). The backward is
     ``torch.autograd.backward`` with all-ones output gradients, accumulating into ``.grad`` as a
-    pipeline stage does over micro-batches; the parameters' ``.grad`` are restored afterwards, buffers (batch-norm statistics) are restored afterwards and the random number
+    pipeline stage does over micro-batches; the parameters' ``.grad`` are restored afterwards, buffers (batch-norm
+    statistics) are restored afterwards and the random number
     generators are forked, so training after profiling is the same as without it. ``"16-true"`` and
     ``"bf16-true"`` are measured on a converted copy of each unit; the autocast modes under
     ``torch.autocast``. ``"fp8"`` needs the two hooks of the fp8 backend, for example
@@ -291,7 +297,8 @@ def profile_units(
         raise ProfileError(
             "`profile_units` cannot measure precision 'fp8' by itself: pass the fp8 backend's hooks, "
             "prepare=lambda m: convert_module_to_fp8(m, 'te') and context=lambda: fp8_autocast_context('te') "
-            "(lightning_hpp.precision.fp8, on a GPU with compute capability >= 8.9), or add fp8 costs to the profile file."
+            "(lightning_hpp.precision.fp8, on a GPU with compute capability >= 8.9), or add fp8 costs to the profile "
+            "file."
         )
     args = as_args(example_input)
     first_param = next((p for _, m in units for p in m.parameters()), None)

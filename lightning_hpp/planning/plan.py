@@ -161,7 +161,9 @@ class StagePlan:
         if not points or not all(isinstance(p, str) and p for p in points):
             raise PlanError(f"`StagePlan.split_at` takes a non-empty list of module names, got {points!r}.")
         if len(set(points)) != len(points):
-            raise PlanError(f"`StagePlan.split_at({points!r})` names a cut point twice; each stage begins at its own module.")
+            raise PlanError(
+                f"`StagePlan.split_at({points!r})` names a cut point twice; each stage begins at its own module."
+            )
         n = len(points) + 1
         allowed = set(_STAGE_FIELDS)
         unknown = sorted(set(stage_fields) - allowed)
@@ -171,7 +173,9 @@ class StagePlan:
         for key, value in stage_fields.items():
             values = list(value) if isinstance(value, (list, tuple)) else [value] * n
             if len(values) != n:
-                raise PlanError(f"`StagePlan.split_at(..., {key}=...)` has {len(values)} values for {n} stages; give one per stage.")
+                raise PlanError(
+                    f"`StagePlan.split_at(..., {key}=...)` has {len(values)} values for {n} stages; give one per stage."
+                )
             for k, v in enumerate(values):
                 per_stage[k][key] = v
         stages = [StageSpec(modules=[] if k == 0 else [points[k - 1]], **per_stage[k]) for k in range(n)]
@@ -190,18 +194,26 @@ class StagePlan:
             points = []
             for k, spec in enumerate(self.stages[1:], start=1):
                 if not spec.modules:
-                    raise PlanError(f"Stage {k} lists no modules; every stage after the first needs the module it begins at.")
+                    raise PlanError(
+                        f"Stage {k} lists no modules; every stage after the first needs the module it begins at."
+                    )
                 m = _RANGE.match(spec.modules[0])
                 points.append(f"{m['prefix']}.{m['lo']}" if m and spec.modules[0] not in known else spec.modules[0])
         for k, spec in enumerate(self.stages):
             for entry in spec.modules:
                 m = _RANGE.match(entry)
-                names = [f"{m['prefix']}.{i}" for i in range(int(m['lo']), int(m['hi']) + 1)] if m and entry not in known else [entry]
+                names = (
+                    [f"{m['prefix']}.{i}" for i in range(int(m["lo"]), int(m["hi"]) + 1)]
+                    if m and entry not in known
+                    else [entry]
+                )
                 absent = [n for n in names if n not in known]
                 if absent:
                     top = sorted(n for n in known if n and "." not in n)
-                    raise PlanError(f"Stage {k}: {absent} is no module of the model. Name modules at any depth as in "
-                                    f"`named_modules()`; the top-level ones are {top}.")
+                    raise PlanError(
+                        f"Stage {k}: {absent} is no module of the model. Name modules at any depth as in "
+                        f"`named_modules()`; the top-level ones are {top}."
+                    )
         return points
 
     # ---------------------------------------------------------------- resolution against units
@@ -221,14 +233,18 @@ class StagePlan:
         index = {n: i for i, n in enumerate(unit_names)}
         if self.meta.get("cut_points"):
             # a container of units (a top-level `nn.Sequential` whose children are units) is cut before its first unit
-            points = [p if p in index else next((u for u in unit_names if u.startswith(p + ".")), p)
-                      for p in self.meta["cut_points"]]
+            points = [
+                p if p in index else next((u for u in unit_names if u.startswith(p + ".")), p)
+                for p in self.meta["cut_points"]
+            ]
             absent = [p for p in points if p not in index]
             if absent:
                 raise PlanError(f"Cut points {absent} are not units of the model (units: {', '.join(unit_names)}).")
             bounds = [0] + [index[p] for p in points] + [len(unit_names)]
             if bounds != sorted(bounds) or len(set(bounds)) != len(bounds):
-                raise PlanError(f"Cut points {points} are not in the order of the model's units ({', '.join(unit_names)}).")
+                raise PlanError(
+                    f"Cut points {points} are not in the order of the model's units ({', '.join(unit_names)})."
+                )
             return [unit_names[a:b] for a, b in zip(bounds, bounds[1:])]
         resolved: list[list[str]] = []
         for k, spec in enumerate(self.stages):
@@ -383,7 +399,9 @@ class StagePlan:
         except FileNotFoundError:
             raise PlanError(f"Stage plan file {str(path)!r} does not exist.") from None
         except IsADirectoryError:
-            raise PlanError(f"Stage plan file {str(path)!r} is a directory; give the path of its stage_plan.json.") from None
+            raise PlanError(
+                f"Stage plan file {str(path)!r} is a directory; give the path of its stage_plan.json."
+            ) from None
         return cls.from_json(text, where=f"Stage plan file {str(path)!r}")
 
     def table(self) -> str:
@@ -392,8 +410,16 @@ class StagePlan:
         rows = [("stage", "units", "device", "precision", "clip_norm") + (("act_ckpt",) if checkpointing else ())]
         labels = self.meta.get("precision") or [None] * len(self.stages)
         for k, s in enumerate(self.stages):
-            units = ", ".join(s.modules) if len(s.modules) <= 4 else f"{s.modules[0]} .. {s.modules[-1]} ({len(s.modules)})"
-            row = (str(k), units, s.device or "any", labels[k] or s.precision or "trainer", "-" if s.clip_norm is None else f"{s.clip_norm:g}")
+            units = (
+                ", ".join(s.modules) if len(s.modules) <= 4 else f"{s.modules[0]} .. {s.modules[-1]} ({len(s.modules)})"
+            )
+            row = (
+                str(k),
+                units,
+                s.device or "any",
+                labels[k] or s.precision or "trainer",
+                "-" if s.clip_norm is None else f"{s.clip_norm:g}",
+            )
             if checkpointing:
                 row += ({None: "default", True: "on", False: "off"}[s.activation_checkpointing],)
             rows.append(row)
@@ -402,8 +428,8 @@ class StagePlan:
 
 
 _STAGE_FORMS = {
-    "modules": "a list of unit names such as [\"encoder\", \"blocks.0-5\"]",
-    "device": "a device kind such as \"a100\", or null",
+    "modules": 'a list of unit names such as ["encoder", "blocks.0-5"]',
+    "device": 'a device kind such as "a100", or null',
     "precision": f"one of {', '.join(map(repr, PRECISIONS))}, or null",
     "clip_norm": "a number > 0, or null",
     "activation_checkpointing": "true or false, or null for the strategy's default (it must be True, False or None)",
@@ -432,20 +458,28 @@ def _check_document(data: Any, where: str) -> None:
     example = '{"stages": [{"modules": ["layers.0-3"]}, {"modules": ["layers.4-6"], "precision": "bf16-mixed"}]}'
     if not isinstance(data, dict) or "stages" not in data:
         keys = sorted(data) if isinstance(data, dict) else "-"
-        raise PlanError(f"{where}: a stage plan must be a mapping with a 'stages' list, got {type(data).__name__} "
-                        f"with keys {keys}. Write it as {example}.")
+        raise PlanError(
+            f"{where}: a stage plan must be a mapping with a 'stages' list, got {type(data).__name__} "
+            f"with keys {keys}. Write it as {example}."
+        )
     unknown = sorted(set(data) - {"stages", "meta"})
     if unknown:
         raise PlanError(f"{where} has unknown top-level keys {unknown}; a plan has 'stages' and optionally 'meta'.")
     stages = data["stages"]
     if not isinstance(stages, list) or not stages:
-        raise PlanError(f"{where}: `stages` is {stages!r}; expected a non-empty list of stage objects, as in {example}.")
+        raise PlanError(
+            f"{where}: `stages` is {stages!r}; expected a non-empty list of stage objects, as in {example}."
+        )
     for i, spec in enumerate(stages):
         if not isinstance(spec, dict):
-            raise PlanError(f"{where}: `stages[{i}]` is {spec!r}; expected an object such as {{\"modules\": [\"layers.0-3\"]}}.")
+            raise PlanError(
+                f'{where}: `stages[{i}]` is {spec!r}; expected an object such as {{"modules": ["layers.0-3"]}}.'
+            )
         unknown = sorted(set(spec) - set(_STAGE_FORMS))
         if unknown:
-            raise PlanError(f"{where}: Stage {i} of the plan has unknown keys {unknown}; allowed: {', '.join(_STAGE_FORMS)}.")
+            raise PlanError(
+                f"{where}: Stage {i} of the plan has unknown keys {unknown}; allowed: {', '.join(_STAGE_FORMS)}."
+            )
         for name, value in spec.items():
             if not _field_ok(name, value):
                 raise PlanError(f"{where}: `stages[{i}].{name}` is {value!r}; expected {_STAGE_FORMS[name]}.")
@@ -466,8 +500,13 @@ _STAGE_FIELDS = ("device", "precision", "clip_norm", "activation_checkpointing")
 """The per-stage settings of a :class:`StageSpec` (every field but ``modules``)."""
 
 
-def stage(stage_id: int, device: str | None = None, precision: str | None = None, clip_norm: float | None = None,
-          activation_checkpointing: bool | None = None):
+def stage(
+    stage_id: int,
+    device: str | None = None,
+    precision: str | None = None,
+    clip_norm: float | None = None,
+    activation_checkpointing: bool | None = None,
+):
     """Class decorator: every instance of the decorated module class belongs to stage ``stage_id``.
 
     Example::
@@ -476,8 +515,9 @@ def stage(stage_id: int, device: str | None = None, precision: str | None = None
         class VisionEncoder(nn.Module): ...
     """
     check_int(stage_id, "@stage(stage_id=...)", minimum=0, hint="It is the stage's position in the pipeline, from 0.")
-    spec = StageSpec(device=device, precision=precision, clip_norm=clip_norm,
-                     activation_checkpointing=activation_checkpointing)  # validates the fields
+    spec = StageSpec(
+        device=device, precision=precision, clip_norm=clip_norm, activation_checkpointing=activation_checkpointing
+    )  # validates the fields
     decl = _StageDecl(stage_id, spec.device, spec.precision, spec.clip_norm, spec.activation_checkpointing)
 
     def wrap(cls):
@@ -508,6 +548,4 @@ def _expand(entry: str, unit_names: list[str], index: dict[str, int], k: int) ->
                 f"are: {', '.join(unit_names)}."
             )
         return names
-    raise PlanError(
-        f"Stage {k}: {entry!r} is not a unit of the model. The model's units are: {', '.join(unit_names)}."
-    )
+    raise PlanError(f"Stage {k}: {entry!r} is not a unit of the model. The model's units are: {', '.join(unit_names)}.")

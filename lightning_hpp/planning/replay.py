@@ -4,13 +4,13 @@
 :func:`lightning_hpp.pipeline.orders.schedule_actions`) in topological order, with each action's
 predecessor on its rank and the actions it waits for. :meth:`Program.makespan` replays it for a
 batch of candidates at once: ``finish(a) = max(finish(previous on its rank), finish(what it waits
-for)) + cost(a)``, which is what :func:`lightning_hpp.telemetry.model.simulate` computes action by
-action (with the messages' cost folded into the sending action; another rank waits for what the first
-action of an overlapped pair makes until the pair's last action, as torch sends it then: ``Act.held``).
-:meth:`Program.peak_memory` is the
-peak, over a rank's order, of the activations its stages hold for micro-batches whose backward has
-not finished: a stage's forward stashes them and its ``B`` (or ``W`` where the backward is split in
-two) frees them.
+for)) + cost(a)``, over the walk of :func:`lightning_hpp.pipeline.orders.walk_orders`, the same walk
+:func:`lightning_hpp.telemetry.model.simulate` replays action by action (with the messages' cost folded
+into the sending action; another rank waits for what the first action of an overlapped pair makes until
+the pair's last action, as torch sends it then: ``Act.held``). :meth:`Program.peak_memory` is the peak,
+over a rank's order, of the activations its stages hold for micro-batches whose backward has not
+finished: a stage's forward stashes them and its ``B`` (or ``W`` where the backward is split in two)
+frees them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
 
-from lightning_hpp.pipeline.orders import dependencies, output_key, schedule_actions
+from lightning_hpp.pipeline.orders import schedule_actions, walk_orders
 from lightning_hpp.pipeline.schedules import SCHEDULES
 
 KINDS = ("F", "B", "I", "W")
@@ -66,7 +66,9 @@ class Program:
 
     def cross_out(self) -> np.ndarray:
         """Per stage: whether its output goes to another rank (the last stage's goes nowhere)."""
-        return np.array([s + 1 < self.n_stages and self.rank_of[s + 1] != self.rank_of[s] for s in range(self.n_stages)])
+        return np.array(
+            [s + 1 < self.n_stages and self.rank_of[s + 1] != self.rank_of[s] for s in range(self.n_stages)]
+        )
 
     def cross_in(self) -> np.ndarray:
         """Per stage: whether its input comes from another rank (so its input gradient goes back)."""
@@ -124,43 +126,16 @@ def program(schedule: str, pp: int, n_stages: int, m: int) -> Program:
     by_rank = schedule_actions(schedule, pp, m, n_stages)
     orders = {rank_of[acts[0].stage] if acts else r: acts for r, acts in by_rank.items()}
     split = any(a.kind == "W" for acts in orders.values() for a in acts)
-    # what each emitted action made: its rank, the action its own rank waits for, the one other ranks wait
-    # for (the last of its overlapped pair: torch sends a pair's outputs after the pair, see ``Act.held``)
-    where: dict[tuple[str, int, int], int] = {}
-    local: dict[tuple[str, int, int], int] = {}
-    remote: dict[tuple[str, int, int], int] = {}
-    held: dict[int, list[tuple[str, int, int]]] = {r: [] for r in orders}
-    kind, stage, rank, prev, waits = [], [], [], [], []
-    ptr = dict.fromkeys(orders, 0)
-    last = dict.fromkeys(orders, -1)
-    left = sum(len(v) for v in orders.values())
-    while left:  # emit every action once what it waits for is emitted: a topological order
-        moved = False
-        for r, acts in orders.items():
-            while ptr[r] < len(acts):
-                a = acts[ptr[r]]
-                deps = [(local if where.get(d) == r else remote).get(d) for d in dependencies(a, n_stages)]
-                if any(d is None for d in deps):
-                    break
-                i = len(kind)
-                kind.append(KINDS.index(a.kind))
-                stage.append(a.stage)
-                rank.append(r)
-                prev.append(last[r])
-                waits.append(deps + [-1] * (2 - len(deps)))
-                key = output_key(a)
-                where[key], local[key] = r, i
-                held[r].append(key)
-                if not a.held:
-                    remote.update(dict.fromkeys(held[r], i))
-                    held[r].clear()
-                last[r] = i
-                ptr[r] += 1
-                left -= 1
-                moved = True
-        if not moved:
-            stuck = {r: str(orders[r][ptr[r]]) for r in orders if ptr[r] < len(orders[r])}
-            raise RuntimeError(f"The order of {schedule!r} (pp={pp}, {n_stages} stages, m={m}) deadlocks at {stuck}.")
+
+    def deadlock(stuck: dict[int, str]) -> RuntimeError:
+        return RuntimeError(f"The order of {schedule!r} (pp={pp}, {n_stages} stages, m={m}) deadlocks at {stuck}.")
+
+    steps = walk_orders(orders, n_stages, deadlock)
+    kind = [KINDS.index(s.act.kind) for s in steps]
+    stage = [s.act.stage for s in steps]
+    rank = [s.rank for s in steps]
+    prev = [s.prev for s in steps]
+    waits = [list(s.waits) + [-1] * (2 - len(s.waits)) for s in steps]
     holds = []
     for r in sorted(orders):
         count = np.zeros(n_stages)
@@ -172,5 +147,17 @@ def program(schedule: str, pp: int, n_stages: int, m: int) -> Program:
             elif a.kind in ("B", "W"):  # a whole backward, or the weight half after its I
                 count[a.stage] -= 1
         holds.append(np.array(rows).reshape(-1, n_stages))
-    return Program(schedule, pp, n_stages, m, rank_of, np.array(kind), np.array(stage), np.array(rank),
-                   np.array(prev), np.array(waits).reshape(-1, 2), tuple(holds), split)
+    return Program(
+        schedule,
+        pp,
+        n_stages,
+        m,
+        rank_of,
+        np.array(kind),
+        np.array(stage),
+        np.array(rank),
+        np.array(prev),
+        np.array(waits).reshape(-1, 2),
+        tuple(holds),
+        split,
+    )

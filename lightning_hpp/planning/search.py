@@ -68,7 +68,8 @@ MAX_MICROBATCHES = 32
 """Largest number of micro-batches the search tries when the user does not fix it."""
 
 MAX_STAGES_PER_RANK = 4
-"""Most stages per rank the search gives the looped schedules (``interleaved1f1b``, ``looped_bfs``, ``interleaved_zb``)."""
+"""Most stages per rank the search gives the looped schedules (``interleaved1f1b``, ``looped_bfs``,
+``interleaved_zb``)."""
 
 DATA_PARALLEL_MODES = ("ddp", "fsdp", "hsdp")
 """The data-parallel modes ``search_plan(data_parallel=...)`` takes (``None``: ddp, or fsdp where memory decides)."""
@@ -79,8 +80,12 @@ SEARCHED_SCHEDULES = tuple(SCHEDULES)
 _PREFERENCE = ("1f1b", "gpipe", "interleaved1f1b", "zbv", "interleaved_zb", "looped_bfs", "dualpipev")
 
 # our names, torch's registry names and class names, lower case: "ZBVZeroBubble" and "zbv" are one schedule
-_ALIASES = {alias.lower().replace("_", ""): name for name, kind in SCHEDULES.items()
-            for alias in (name, kind.cls.__name__, kind.cls.__name__.removeprefix("Schedule"))}
+_ALIASES = {
+    alias.lower().replace("_", ""): name
+    for name, kind in SCHEDULES.items()
+    for alias in (name, kind.cls.__name__, kind.cls.__name__.removeprefix("Schedule"))
+}
+
 
 def schedule_name(schedule: str) -> str | None:
     """Our name of a schedule given as ours or torch's (any case), ``None`` if unknown."""
@@ -96,7 +101,9 @@ def stages_per_rank_options(schedule: str, pp: int, n_units: int) -> list[int]:
     return [v for v in range(2, top + 1) if pp * v <= n_units]
 
 
-def microbatch_options(per_replica: int, fixed: int | None, pp: int, schedule: str, limit: int, v: int = 1) -> list[int]:
+def microbatch_options(
+    per_replica: int, fixed: int | None, pp: int, schedule: str, limit: int, v: int = 1
+) -> list[int]:
     """The micro-batch counts to try: the divisors of ``per_replica`` up to ``limit`` (or ``fixed``) that
     the schedule can run with ``pp * v`` stages."""
     if fixed is not None:
@@ -139,8 +146,9 @@ def tp_options(tp_degree: int | Sequence[int] | None, profile: CostProfile) -> l
     return sorted({check_int(t, "search_plan(tp_degree=...)", error=PartitionError) for t in [1, *listed]})
 
 
-def tp_refusal(tp: int, rank_kinds: Sequence[str], hosts: Sequence[Hashable] | None, across_hosts: bool,
-               fp8: Sequence[str]) -> str | None:
+def tp_refusal(
+    tp: int, rank_kinds: Sequence[str], hosts: Sequence[Hashable] | None, across_hosts: bool, fp8: Sequence[str]
+) -> str | None:
     """Why groups of ``tp`` neighbouring ranks cannot split the layers (``None``: they can)."""
     if tp == 1:
         return None
@@ -151,11 +159,13 @@ def tp_refusal(tp: int, rank_kinds: Sequence[str], hosts: Sequence[Hashable] | N
     except PlacementError:
         return "a group of neighbouring ranks mixes device kinds"
     if hosts is not None and not across_hosts:
-        split = [g for g in range(len(rank_kinds) // tp) if len(set(hosts[g * tp:(g + 1) * tp])) > 1]
+        split = [g for g in range(len(rank_kinds) // tp) if len(set(hosts[g * tp : (g + 1) * tp])) > 1]
         if split:
-            first = hosts[split[0] * tp:(split[0] + 1) * tp]
-            return (f"the group of ranks {split[0] * tp}-{split[0] * tp + tp - 1} spans hosts "
-                    f"{sorted(set(map(str, first)))} (allow it with tp_across_hosts)")
+            first = hosts[split[0] * tp : (split[0] + 1) * tp]
+            return (
+                f"the group of ranks {split[0] * tp}-{split[0] * tp + tp - 1} spans hosts "
+                f"{sorted(set(map(str, first)))} (allow it with tp_across_hosts)"
+            )
     return None
 
 
@@ -254,8 +264,10 @@ def search_plan(
         for t in tps:
             where = f"pp={p}" + (f", tp={t}" if t > 1 else "")
             if world % (p * t) or p > n:
-                excluded.append(f"{where}: needs pp <= {n} units and pp{' × tp' if t > 1 else ''} a divisor of "
-                                f"the world size {world}")
+                excluded.append(
+                    f"{where}: needs pp <= {n} units and pp{' × tp' if t > 1 else ''} a divisor of "
+                    f"the world size {world}"
+                )
                 continue
             refusal = tp_refusal(t, have, hosts, tp_across_hosts, fp8)
             if refusal is not None:
@@ -267,12 +279,14 @@ def search_plan(
                 excluded.append(f"{where}: dp={dp} replicas, not the dp_degree={dp_degree} fixed")
                 continue
             if not split_batches and dp != data_groups:
-                excluded.append(f"{where}: dp={dp} replicas would split the loader's batches, which cannot be "
-                                f"rebatched")
+                excluded.append(
+                    f"{where}: dp={dp} replicas would split the loader's batches, which cannot be rebatched"
+                )
                 continue
             if dp % data_groups or batch_size % (dp // data_groups):
-                excluded.append(f"{where}: dp={dp} replicas cannot split {data_groups} batch(es) of {batch_size} "
-                                f"evenly")
+                excluded.append(
+                    f"{where}: dp={dp} replicas cannot split {data_groups} batch(es) of {batch_size} evenly"
+                )
                 continue
             per_replica = batch_size // (dp // data_groups)
             modes = _sharding_modes(data_parallel, dp, dp_replicate, fp8)
@@ -303,10 +317,22 @@ def search_plan(
                             f"divides {per_replica} samples per replica and runs under the schedule"
                         )
                     for m in ms:
-                        base = CostModel(costs, groups, sched, optimizer_factor, scale=per_replica / m / b0, tp=t,
-                                         tp_split=split, tp_allreduces=reduces)
-                        models = {shard: base if shard == 1 else dataclasses.replace(
-                            base, dp_shard=shard, reshard_after_forward=reshard_after_forward) for _, shard in modes}
+                        base = CostModel(
+                            costs,
+                            groups,
+                            sched,
+                            optimizer_factor,
+                            scale=per_replica / m / b0,
+                            tp=t,
+                            tp_split=split,
+                            tp_allreduces=reduces,
+                        )
+                        models = {
+                            shard: base
+                            if shard == 1
+                            else dataclasses.replace(base, dp_shard=shard, reshard_after_forward=reshard_after_forward)
+                            for _, shard in modes
+                        }
                         label = ", ".join(mode if shard == 1 else f"{mode} over {shard}" for mode, shard in modes)
                         cands = []
                         if p == 1:
@@ -353,11 +379,13 @@ def search_plan(
             f"plan='auto' found no plan for {world} rank(s) ({', '.join(have)}) with batch_size={batch_size}, "
             f"pp_degree={pp_degree!r}, n_microbatches={n_microbatches!r}, schedule={schedule!r}, data parallel "
             f"{tried}"
-            + (f", tp in {tps}" if tps != [1] else "") + f": {why}. Relax a fixed value, or change the batch size."
+            + (f", tp in {tps}" if tps != [1] else "")
+            + f": {why}. Relax a fixed value, or change the batch size."
         )
     result = best[1]
     result.notes.append(
-        f"searched: pp in {pps}" + (f", tp in {tps}" if tps != [1] else "")
+        f"searched: pp in {pps}"
+        + (f", tp in {tps}" if tps != [1] else "")
         + f", schedules {schedules} (up to {MAX_STAGES_PER_RANK} stages per rank), m up to "
         f"{n_microbatches or max_microbatches}, data parallel {tried}, "
         f"global batch {batch_size * data_groups}; chose data_parallel={result.data_parallel}"
@@ -414,8 +442,10 @@ def evaluate_plan(
     _check_sharding(data_parallel, dp_replicate)
     pp, world = len(position_kinds), len(rank_kinds)
     if not pp or len(stages) % pp:
-        raise PartitionError(f"{len(stages)} stages cannot sit on {pp} pipeline positions; give one kind per position "
-                             f"and a multiple of it in stages.")
+        raise PartitionError(
+            f"{len(stages)} stages cannot sit on {pp} pipeline positions; give one kind per position "
+            f"and a multiple of it in stages."
+        )
     try:
         dims = ParallelDims.resolve(world, pp, tp=tp_degree, data_parallel=data_parallel, dp_replicate=dp_replicate)
     except ValueError as err:
@@ -444,9 +474,18 @@ def evaluate_plan(
     groups = [DeviceGroup(k, have.count(k), mem.get(k), link_gbps) for k in kinds]
     fixed = precision_map(precision, kinds)
     split, reduces = profile.tp_shape()
-    model = CostModel([choose_costs(profile, k, fixed[k]) for k in kinds], groups, name, optimizer_factor,
-                      scale=per_replica / m / profile.microbatch_size, dp_shard=dims.dp_shard,
-                      reshard_after_forward=reshard_after_forward, tp=dims.tp, tp_split=split, tp_allreduces=reduces)
+    model = CostModel(
+        [choose_costs(profile, k, fixed[k]) for k in kinds],
+        groups,
+        name,
+        optimizer_factor,
+        scale=per_replica / m / profile.microbatch_size,
+        dp_shard=dims.dp_shard,
+        reshard_after_forward=reshard_after_forward,
+        tp=dims.tp,
+        tp_split=split,
+        tp_allreduces=reduces,
+    )
     solver = StructureSolver(model, program(name, pp, len(stages), m), [kinds.index(k) for k in wanted], dims.dp)
     cuts = np.cumsum([0] + [len(s) for s in stages])[None, :]
     result = solver.result(0, solver.score(cuts), m, profile.unit_names, name)
@@ -457,17 +496,22 @@ def evaluate_plan(
 
 def _check_sharding(data_parallel: str | None, dp_replicate: int | None) -> None:
     if data_parallel is not None and data_parallel not in DATA_PARALLEL_MODES:
-        raise PartitionError(f"search_plan(data_parallel={data_parallel!r}): use one of {DATA_PARALLEL_MODES}, or None "
-                             f"(ddp, and fsdp where only sharded stages fit).")
+        raise PartitionError(
+            f"search_plan(data_parallel={data_parallel!r}): use one of {DATA_PARALLEL_MODES}, or None "
+            f"(ddp, and fsdp where only sharded stages fit)."
+        )
     if (data_parallel == "hsdp") != (dp_replicate is not None):
-        raise PartitionError(f"search_plan(data_parallel={data_parallel!r}, dp_replicate={dp_replicate!r}): "
-                             f"dp_replicate is hsdp's number of replica groups; give it with data_parallel='hsdp' only.")
+        raise PartitionError(
+            f"search_plan(data_parallel={data_parallel!r}, dp_replicate={dp_replicate!r}): "
+            f"dp_replicate is hsdp's number of replica groups; give it with data_parallel='hsdp' only."
+        )
     if dp_replicate is not None:
         check_int(dp_replicate, "search_plan(dp_replicate=...)", error=PartitionError)
 
 
-def _sharding_modes(data_parallel: str | None, dp: int, dp_replicate: int | None,
-                    fp8: Sequence[str]) -> list[tuple[str, int]] | str:
+def _sharding_modes(
+    data_parallel: str | None, dp: int, dp_replicate: int | None, fp8: Sequence[str]
+) -> list[tuple[str, int]] | str:
     """The ``(mode, dp_shard)`` to try for a structure with ``dp`` replicas, in order (the first that fits
     is kept), or why no mode can run it."""
     if data_parallel == "fsdp":

@@ -1,8 +1,8 @@
 """fp8 scaling state as data: the slots of this rank's fp8 modules and Transformer Engine's extra state.
 
 :func:`fp8_slots` finds every owner of fp8 scaling state in a rank's stages (an
-:class:`~lightning_hpp.precision.fp8.EmulatedFP8Linear`, a traced stage's
-:class:`~lightning_hpp.precision.fp8.EmulatedFP8Mode` weight, a Transformer Engine module) as an
+:class:`~lightning_hpp.precision.fp8_emulation.EmulatedFP8Linear`, a traced stage's
+:class:`~lightning_hpp.precision.fp8_emulation.EmulatedFP8Mode` weight, a Transformer Engine module) as an
 :class:`~lightning_hpp.checkpoint.fp8_state.FP8Slot`, which the checkpoint layer saves and restores as
 tensors and JSON (the layout is in :mod:`lightning_hpp.checkpoint.fp8_state`); Transformer Engine's
 pickled extra state is converted to and from that layout here, without pickling and without importing TE.
@@ -17,10 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hpp.checkpoint.entries import EXTRA_STATE
 from lightning_hpp.checkpoint.fp8_state import FP8Slot
-from lightning_hpp.checkpoint.sharded import EXTRA_STATE
 from lightning_hpp.errors import CheckpointError, CorruptCheckpointError
-from lightning_hpp.precision.fp8 import EmulatedFP8Linear, EmulatedFP8Mode, FP8Recipe, _te_recipe
+from lightning_hpp.precision.fp8 import te_recipe_of
+from lightning_hpp.precision.fp8_emulation import EmulatedFP8Linear, EmulatedFP8Mode
+from lightning_hpp.precision.fp8_recipe import FP8Recipe
 
 FORMAT = "HYBRID"
 """e4m3 forward, e5m2 backward (Transformer Engine's ``Format.HYBRID``): the format both backends run."""
@@ -241,7 +243,7 @@ class _TESlot(FP8Slot):
         if self.recipe.scaling != "delayed":
             return  # current scaling keeps no state between calls (TE saves none for it either)
         if data["meta"].get("initialized", True):
-            _te_apply(self.module, te_extra_state_from_data(data, _te_recipe(self.recipe)))
+            _te_apply(self.module, te_extra_state_from_data(data, te_recipe_of(self.recipe)))
         elif _te_initialized(self.module) and hasattr(self.module, "reset_fp8_meta_tensors"):
             self.module.reset_fp8_meta_tensors()  # saved before its first fp8 forward: back to TE's start
 

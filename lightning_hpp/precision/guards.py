@@ -61,7 +61,9 @@ class BoundaryGuard:
         if checked:
             self._record(("forward", stage, microbatch, self._current_step()), checked)
 
-    def before_backward(self, stage: int, microbatch: int, output: Any, grads: tuple[Tensor | None, ...] | None) -> None:
+    def before_backward(
+        self, stage: int, microbatch: int, output: Any, grads: tuple[Tensor | None, ...] | None
+    ) -> None:
         """Before ``stage``'s backward of ``microbatch`` (a gradient hook): the activations that left the stage in
         its forward (``output``; checked there already under ``"sanitize"``), and the gradients arriving at them
         from the next stage (``"sanitize"`` replaces non-finite values in place). The last stage's gradients come
@@ -109,16 +111,21 @@ class BoundaryGuard:
         if not any(flags):
             self.reset()
             return
-        mine = [_describe(where) for where, lo, hi in self._events
-                if not bool(torch.isfinite(torch.stack(self._ends[lo:hi])).all())]
+        mine = [
+            _describe(where)
+            for where, lo, hi in self._events
+            if not bool(torch.isfinite(torch.stack(self._ends[lo:hi])).all())
+        ]
         self.reset()
         if mine:
             more = f" (and {len(mine) - 1} more boundary crossings in this step)" if len(mine) > 1 else ""
             msg = f"NaN/Inf in the {mine[0]}{more}."
         else:
             positions = [p for p, f in enumerate(flags) if f]
-            msg = (f"NaN/Inf at a stage boundary on pipeline position(s) {positions} (in this or another replica) in "
-                   f"step {self._step()}; the rank that holds it names the stage and micro-batch.")
+            msg = (
+                f"NaN/Inf at a stage boundary on pipeline position(s) {positions} (in this or another replica) in "
+                f"step {self._step()}; the rank that holds it names the stage and micro-batch."
+            )
         if self.policy == "raise":
             raise NonFiniteError(
                 msg + " Lower the learning rate, check the inputs, or use `HPPPrecision(nonfinite='warn')` / "

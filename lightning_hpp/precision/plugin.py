@@ -49,6 +49,8 @@ from lightning_hpp.precision.clipping import (
     stage_grads,
     stage_norm,
 )
+from lightning_hpp.precision.fp8_emulation import EmulatedFP8Mode
+from lightning_hpp.precision.fp8_recipe import SCALINGS
 from lightning_hpp.precision.guards import BoundaryGuard
 from lightning_hpp.precision.modes import CLIP_MODES, MODES, NONFINITE_POLICIES
 from lightning_hpp.precision.scaler import DynamicLossScaler
@@ -152,7 +154,7 @@ class HPPPrecision(Precision):
         check_choice(clip, "HPPPrecision(clip=...)", CLIP_MODES, error=PlanError)
         check_choice(nonfinite, "HPPPrecision(nonfinite=...)", NONFINITE_POLICIES, error=PlanError)
         check_choice(fp8_backend, "HPPPrecision(fp8_backend=...)", ("te", "emulate"), optional=True, error=PlanError)
-        check_choice(fp8_recipe, "HPPPrecision(fp8_recipe=...)", fp8.SCALINGS, error=PlanError)
+        check_choice(fp8_recipe, "HPPPrecision(fp8_recipe=...)", SCALINGS, error=PlanError)
         check_number(init_scale, "HPPPrecision(init_scale=...)", error=PlanError,
                      hint="It is the first fp16 loss scale, e.g. `init_scale=65536.0`.")
         self.default = normalize_precision(default, "`HPPPrecision(default=...)`")
@@ -167,7 +169,7 @@ class HPPPrecision(Precision):
         self._grad_norms: Tensor | None = None
         self._repeated_sq: Tensor | None = None
         self._view: StageView | None = None
-        self._fp8_emulations: tuple[fp8.EmulatedFP8Mode, ...] = ()
+        self._fp8_emulations: tuple[EmulatedFP8Mode, ...] = ()
         self._plan: Any = None
         self._stage_precision: list[str] = []
         self._scaled = False
@@ -179,7 +181,7 @@ class HPPPrecision(Precision):
         return {} if self._grad_norms is None else dict(enumerate(self._grad_norms.tolist()))
 
     @property
-    def fp8_emulations(self) -> tuple[fp8.EmulatedFP8Mode, ...]:
+    def fp8_emulations(self) -> tuple[EmulatedFP8Mode, ...]:
         """The fp8 emulations of this rank's traced fp8 stages: their amax histories live there, outside the modules."""
         return self._fp8_emulations
 
@@ -193,7 +195,9 @@ class HPPPrecision(Precision):
             raise PlanError(f"Trainer precision {default!r} cannot be a stage default; use one of {tuple(MODES)}.")
         return [s.precision or default for s in plan.stages]
 
-    def configure_stages(self, plan: Any, view: StageView, trainer_precision: str | None, device: torch.device, device_kind: str) -> None:
+    def configure_stages(
+        self, plan: Any, view: StageView, trainer_precision: str | None, device: torch.device, device_kind: str
+    ) -> None:
         """Set dtypes, casts, autocast/fp8 contexts and boundary guards of this rank's stages.
 
         Called on every rank after the cut and before the optimizers are built.
@@ -216,12 +220,15 @@ class HPPPrecision(Precision):
                     f"top-level modules so that the sequential frontend runs it as written."
                 )
         labels = [verdicts[k].label if k in verdicts else p for k, p in enumerate(precs)]
-        held = [*view.stages.items(), *((k, sm) for k, sm in (view.eval_stages or {}).items() if sm is not view.stages.get(k))]
-        emulations: dict[int, fp8.EmulatedFP8Mode] = {}  # one per stage: its train and eval graphs share amaxes
+        held = [
+            *view.stages.items(),
+            *((k, sm) for k, sm in (view.eval_stages or {}).items() if sm is not view.stages.get(k)),
+        ]
+        emulations: dict[int, EmulatedFP8Mode] = {}  # one per stage: its train and eval graphs share amaxes
         for k, sm in held:
             mode = MODES[precs[k]]
             if precs[k] == "fp8" and getattr(sm, "captured", False):
-                emulation = emulations.setdefault(k, fp8.EmulatedFP8Mode(self.fp8_recipe))
+                emulation = emulations.setdefault(k, EmulatedFP8Mode(self.fp8_recipe))
                 emulation.adopt(sm.parameters())
                 sm.context = lambda emulation=emulation: emulation
             elif precs[k] == "fp8":
@@ -242,8 +249,9 @@ class HPPPrecision(Precision):
         if self._scaled:
             plan.meta["loss_scaling"] = "dynamic (fp16 stages present)"
 
-    def _fp8_verdicts(self, precs: list[str], view: StageView, device: torch.device,
-                      device_kind: str) -> dict[int, fp8_verdict.Verdict]:
+    def _fp8_verdicts(
+        self, precs: list[str], view: StageView, device: torch.device, device_kind: str
+    ) -> dict[int, fp8_verdict.Verdict]:
         """Each fp8 stage's backend, decided for the devices of the ranks that hold it (collective over the world
         where Transformer Engine is asked for: every rank reports its device's capabilities)."""
         stages = [k for k, p in enumerate(precs) if p == "fp8"]
@@ -294,7 +302,9 @@ class HPPPrecision(Precision):
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return bool(bad.item() > 0)
 
-    def _clip_gradients(self, model: Any, optimizer: Any, clip_val: float | None = None, gradient_clip_algorithm: Any = None) -> None:
+    def _clip_gradients(
+        self, model: Any, optimizer: Any, clip_val: float | None = None, gradient_clip_algorithm: Any = None
+    ) -> None:
         """Clip per stage (or globally), or hand each stage to the module's own ``configure_gradient_clipping``."""
         view, plan = self._view, self._plan
         if view is None or not getattr(model, "automatic_optimization", True):
@@ -327,7 +337,9 @@ class HPPPrecision(Precision):
         model._current_fx_name = "configure_gradient_clipping"
         try:
             with model.trainer.profiler.profile(f"[LightningModule]{type(model).__name__}.configure_gradient_clipping"):
-                model.configure_gradient_clipping(stage_opt, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
+                model.configure_gradient_clipping(
+                    stage_opt, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm
+                )
         finally:
             model._current_fx_name = previous
 
@@ -339,8 +351,9 @@ class HPPPrecision(Precision):
         reduce = pp_group is not None and dist.get_world_size(pp_group) > 1
         held = next((gs[0].device for gs in per_stage.values() if gs), torch.device("cpu"))
         # every gradient with its shards (FSDP2, tensor parallel), then over the pipeline
-        return pipeline_sq_norms(view.stage_params, view.repeated_params, num, pp_group,
-                                 group_device(pp_group) if reduce else held)
+        return pipeline_sq_norms(
+            view.stage_params, view.repeated_params, num, pp_group, group_device(pp_group) if reduce else held
+        )
 
     def clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
         """What ``LightningModule.clip_gradients`` calls (from a ``configure_gradient_clipping`` override).

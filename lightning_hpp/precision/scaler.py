@@ -6,7 +6,13 @@ from __future__ import annotations
 class DynamicLossScaler:
     """Dynamic loss scaling (the same rule as ``torch.amp.GradScaler``), as plain state."""
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
         self.scale = float(init_scale)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor

@@ -13,7 +13,7 @@ from lightning.pytorch import Callback
 
 from lightning_hpp.errors import TelemetryError
 from lightning_hpp.pipeline.view import pipeline_view
-from lightning_hpp.telemetry.model import _now
+from lightning_hpp.telemetry.model import now_ns
 from lightning_hpp.telemetry.recorder import PipelineRecorder, StepMetrics, collect, mean_metrics
 from lightning_hpp.telemetry.render import render_timeline_png, write_chrome_trace
 from lightning_hpp.validation import check_int
@@ -44,7 +44,7 @@ def clock_offset_ns(rounds: int = 5) -> int:
     for _ in range(rounds):
         dist.barrier()
         now: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(now, _now())
+        dist.all_gather_object(now, now_ns())
         diffs.append(now[dist.get_rank()] - now[0])
     return int(statistics.median(diffs))
 
@@ -72,7 +72,12 @@ class PipelineTelemetry(Callback):
         TelemetryError: Bad option values, or a Trainer whose strategy is not a pipeline strategy.
     """
 
-    def __init__(self, every_n_steps: int | None = None, trace_step: int | None = None, trace_dir: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        trace_step: int | None = None,
+        trace_dir: str | os.PathLike | None = None,
+    ) -> None:
         for name, value, low in (("every_n_steps", every_n_steps, 1), ("trace_step", trace_step, 0)):
             check_int(value, f"PipelineTelemetry({name}=...)", minimum=low, optional=True, error=TelemetryError)
         self._every_arg = every_n_steps
@@ -97,7 +102,8 @@ class PipelineTelemetry(Callback):
         if runner is None or mesh is None:
             raise TelemetryError(
                 f"`PipelineTelemetry` measures HPPStrategy pipelines, but the Trainer runs "
-                f"{type(trainer.strategy).__name__}. Use `Trainer(strategy=HPPStrategy(...), callbacks=[PipelineTelemetry()])` "
+                f"{type(trainer.strategy).__name__}. Use `Trainer(strategy=HPPStrategy(...), "
+                "callbacks=[PipelineTelemetry()])` "
                 f"or remove the callback."
             )
         self._every = self._every_arg or max(1, trainer.log_every_n_steps)
@@ -164,7 +170,11 @@ class PipelineTelemetry(Callback):
         trace = os.path.join(base, f"pipeline_trace_step{metrics.step}.json")
         png = os.path.join(base, f"pipeline_timeline_step{metrics.step}.png")
         write_chrome_trace(metrics.spans, trace)
-        render_timeline_png(metrics.spans, png, title=f"step {metrics.step}: bubble {metrics.bubble:.2f} (theory {metrics.bubble_theory:.2f})")
+        render_timeline_png(
+            metrics.spans,
+            png,
+            title=f"step {metrics.step}: bubble {metrics.bubble:.2f} (theory {metrics.bubble_theory:.2f})",
+        )
         self.trace_paths += [trace, png]
 
 
@@ -172,7 +182,8 @@ def metrics_table(metrics: StepMetrics) -> str:
     """A short text summary of one step's metrics (for logs and terminals)."""
     lines = [
         f"step {metrics.step}: {metrics.step_ms:.1f} ms, bubble {metrics.bubble:.3f} "
-        f"(theory {metrics.bubble_theory:.3f}, expected {metrics.bubble_expected:.3f}, replayed {metrics.bubble_replayed:.3f}), "
+        f"(theory {metrics.bubble_theory:.3f}, expected {metrics.bubble_expected:.3f}, replayed "
+        f"{metrics.bubble_replayed:.3f}), "
         f"comm {metrics.comm_share:.3f}",
         "stage  fwd_ms  bwd_ms  comm_ms  idle_ms",
     ]

@@ -15,11 +15,12 @@ from torch.distributed.pipelining import schedules as _S
 
 from lightning_hpp.errors import TelemetryError
 from lightning_hpp.pipeline import orders as _orders
-from lightning_hpp.pipeline.orders import Act, _orders_of, dependencies, output_key  # noqa: F401 (Act, _orders_of: used from here)
+from lightning_hpp.pipeline.orders import Act, walk_orders  # noqa: F401 (Act: used from here)
 from lightning_hpp.pipeline.schedules import SCHEDULES
 from lightning_hpp.validation import check_int
 
-_now = time.perf_counter_ns
+now_ns = time.perf_counter_ns
+"""The clock of every span telemetry records (host nanoseconds)."""
 
 COMM_KINDS = ("SEND_F", "SEND_B", "RECV_F", "RECV_B")
 # the schedules that split the backward into I and W (torch says so only in their action orders)
@@ -102,7 +103,8 @@ def simulate(
     cost: Callable[[Act], float],
     latency: float | Callable[[int, int, Act], float] = 0.0,
 ) -> Simulation:
-    """Replay per-rank action orders as soon as each action's inputs exist.
+    """Replay per-rank action orders as soon as each action's inputs exist (on :func:`walk_orders`, the walk
+    the planner's :func:`~lightning_hpp.planning.replay.program` replays too).
 
     An action starts when its rank is free and its inputs have arrived: a forward needs the previous
     stage's forward of the same micro-batch, a backward (B or I) its own forward and the next stage's
@@ -122,45 +124,24 @@ def simulate(
     """
     n_stages = 1 + max((a.stage for acts in orders.values() for a in acts), default=0)
     lat = latency if callable(latency) else (lambda s, d, a, _v=float(latency): _v)
-    ptr = dict.fromkeys(orders, 0)
+
+    def deadlock(stuck: dict[int, str]) -> TelemetryError:
+        return TelemetryError(
+            f"The action orders deadlock: ranks wait on {stuck} forever. Check the schedule's orders."
+        )
+
+    steps = walk_orders(orders, n_stages, deadlock)
+    end = [0.0] * len(steps)
     free = dict.fromkeys(orders, 0.0)
-    # what each finished action made: where, when its own rank has it, when it leaves for other ranks
-    where: dict[tuple[str, int, int], int] = {}
-    local: dict[tuple[str, int, int], float] = {}
-    remote: dict[tuple[str, int, int], float] = {}
-    held: dict[int, list[tuple[str, int, int]]] = {r: [] for r in orders}
     starts: dict[int, list[tuple[Act, float, float]]] = {r: [] for r in orders}
-    left = sum(len(v) for v in orders.values())
-    while left:
-        progress = False
-        for r, acts in orders.items():
-            while ptr[r] < len(acts):
-                a = acts[ptr[r]]
-                ready = free[r]
-                for dep in dependencies(a, n_stages):
-                    src = where.get(dep)
-                    t = None if src is None else local[dep] if src == r else remote.get(dep)
-                    if t is None:
-                        break
-                    ready = max(ready, t + (lat(src, r, a) if src != r else 0.0))
-                else:
-                    end = ready + cost(a)
-                    starts[r].append((a, ready, end))
-                    key = output_key(a)
-                    where[key], local[key] = r, end
-                    held[r].append(key)
-                    if not a.held:  # the pair (or the action alone) is done: what it made leaves now
-                        remote.update(dict.fromkeys(held[r], end))
-                        held[r].clear()
-                    free[r] = end
-                    ptr[r] += 1
-                    left -= 1
-                    progress = True
-                    continue
-                break
-        if not progress:
-            stuck = {r: str(orders[r][ptr[r]]) for r in orders if ptr[r] < len(orders[r])}
-            raise TelemetryError(f"The action orders deadlock: ranks wait on {stuck} forever. Check the schedule's orders.")
+    for i, step in enumerate(steps):
+        ready = end[step.prev] if step.prev >= 0 else 0.0
+        for w in step.waits:  # an input from another rank arrives `latency` after it is sent
+            src = steps[w].rank
+            ready = max(ready, end[w] + (lat(src, step.rank, step.act) if src != step.rank else 0.0))
+        end[i] = ready + cost(step.act)
+        starts[step.rank].append((step.act, ready, end[i]))
+        free[step.rank] = end[i]
     return Simulation(starts, max(free.values(), default=0.0))
 
 

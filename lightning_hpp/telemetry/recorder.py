@@ -40,11 +40,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_hpp._timing import synchronize
 from lightning_hpp.errors import TelemetryError
+from lightning_hpp.pipeline.orders import orders_of
 from lightning_hpp.pipeline.schedules import SCHEDULES
 from lightning_hpp.pipeline.shapes import step_shape_stats
 from lightning_hpp.pipeline.transfers import TransferListener, add_listener, remove_listener
-from lightning_hpp.telemetry.model import COMM_KINDS, Act, Span, _now, _orders_of, simulate, theoretical_bubble
+from lightning_hpp.telemetry.model import COMM_KINDS, Act, Span, now_ns, simulate, theoretical_bubble
 
 
 @dataclass
@@ -104,7 +106,7 @@ class _RecordedTransfers(TransferListener):
 
     def waiting(self, work: Any) -> Any:
         tag = _WORKS.pop(id(work), None) if _WORKS else None
-        return None if tag is None else (tag, _now())
+        return None if tag is None else (tag, now_ns())
 
     def waited(self, work: Any, token: Any, error: BaseException | None) -> None:
         if token is None or error is not None:
@@ -112,7 +114,7 @@ class _RecordedTransfers(TransferListener):
         (rec, kind, stage, mb, post), t0 = token
         rec._sync()
         if rec._open is not None:
-            rec._open.spans.append((kind, stage, mb, t0, _now(), post))
+            rec._open.spans.append((kind, stage, mb, t0, now_ns(), post))
 
 
 _LISTENER = _RecordedTransfers()
@@ -147,7 +149,9 @@ class PipelineRecorder:
         info: The recorded schedule's :class:`ScheduleInfo`, once a schedule ran.
     """
 
-    def __init__(self, rank: int, replica: int = 0, position: int = 0, schedule_name: str | None = None, clock_offset_ns: int = 0) -> None:
+    def __init__(
+        self, rank: int, replica: int = 0, position: int = 0, schedule_name: str | None = None, clock_offset_ns: int = 0
+    ) -> None:
         self.rank = rank
         self.replica = replica
         self.position = position
@@ -171,7 +175,7 @@ class PipelineRecorder:
         pp = stages[0].group_size
         n_stages = stages[0].num_stages
         name = self.schedule_name or _schedule_name(schedule)
-        self.info = ScheduleInfo(name, pp, schedule._n_microbatches, n_stages, _orders_of(schedule, n_stages, pp))
+        self.info = ScheduleInfo(name, pp, schedule._n_microbatches, n_stages, orders_of(schedule, n_stages, pp))
         if stages[0].device.type == "cuda":
             self._cuda = stages[0].device
         for stage in stages:
@@ -182,18 +186,20 @@ class PipelineRecorder:
 
     def _sync(self) -> None:
         if self._cuda is not None:
-            torch.cuda.synchronize(self._cuda)
+            synchronize(self._cuda)
 
-    def _timed(self, kind: str, stage: int, fn: Callable, mb_of: Callable[..., int], kind_of: Callable[..., str] | None = None) -> Callable:
+    def _timed(
+        self, kind: str, stage: int, fn: Callable, mb_of: Callable[..., int], kind_of: Callable[..., str] | None = None
+    ) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             open_ = self._open
             if open_ is None:
                 return fn(*args, **kwargs)
-            t0 = _now()
+            t0 = now_ns()
             out = fn(*args, **kwargs)
             self._sync()
             k = kind_of(*args, **kwargs) if kind_of is not None else kind
-            open_.spans.append((k, stage, mb_of(*args, **kwargs), t0, _now(), None))
+            open_.spans.append((k, stage, mb_of(*args, **kwargs), t0, now_ns(), None))
             return out
 
         return wrapper
@@ -215,10 +221,19 @@ class PipelineRecorder:
         first = lambda chunk, *a, **k: chunk  # noqa: E731
         stage.forward_one_chunk = self._timed("F", s, stage.forward_one_chunk, first)
         stage.backward_one_chunk = self._timed(
-            "B", s, stage.backward_one_chunk, first, lambda chunk, loss=None, full_backward=True, *a, **k: "B" if full_backward else "I"
+            "B",
+            s,
+            stage.backward_one_chunk,
+            first,
+            lambda chunk, loss=None, full_backward=True, *a, **k: "B" if full_backward else "I",
         )
         stage.backward_weight_one_chunk = self._timed("W", s, stage.backward_weight_one_chunk, first)
-        for kind, attr in (("RECV_F", "get_fwd_recv_ops"), ("RECV_B", "get_bwd_recv_ops"), ("SEND_F", "get_fwd_send_ops"), ("SEND_B", "get_bwd_send_ops")):
+        for kind, attr in (
+            ("RECV_F", "get_fwd_recv_ops"),
+            ("RECV_B", "get_bwd_recv_ops"),
+            ("SEND_F", "get_fwd_send_ops"),
+            ("SEND_B", "get_bwd_send_ops"),
+        ):
             setattr(stage, attr, self._tagging(kind, s, getattr(stage, attr)))
         stage._hpp_recorder = self
 
@@ -226,14 +241,16 @@ class PipelineRecorder:
         step = schedule.step
         compute_loss = schedule._maybe_compute_loss
 
-        def maybe_compute_loss(stage: Any, output: Any, target_mbs: Any, mb_index: int, *args: Any, **kwargs: Any) -> Any:
+        def maybe_compute_loss(
+            stage: Any, output: Any, target_mbs: Any, mb_index: int, *args: Any, **kwargs: Any
+        ) -> Any:
             open_ = self._open
             if open_ is None or not stage.is_last:
                 return compute_loss(stage, output, target_mbs, mb_index, *args, **kwargs)
-            t0 = _now()
+            t0 = now_ns()
             out = compute_loss(stage, output, target_mbs, mb_index, *args, **kwargs)
             self._sync()
-            open_.spans.append(("L", stage.stage_index, mb_index, t0, _now(), None))
+            open_.spans.append(("L", stage.stage_index, mb_index, t0, now_ns(), None))
             return out
 
         schedule._maybe_compute_loss = maybe_compute_loss
@@ -244,13 +261,13 @@ class PipelineRecorder:
             if not self.enabled:
                 return step(*args, **kwargs)
             self._sync()
-            self._open = RankStep(self.rank, self.replica, self.position, index, _now(), 0)
+            self._open = RankStep(self.rank, self.replica, self.position, index, now_ns(), 0)
             try:
                 return step(*args, **kwargs)
             finally:
                 self._sync()
                 rec, self._open = self._open, None
-                rec.end = _now()
+                rec.end = now_ns()
                 shape = step_shape_stats(schedule)
                 if shape is not None:
                     rec.shape = (shape.new, shape.ns, shape.alloc_bytes)
@@ -270,7 +287,9 @@ class PipelineRecorder:
             for rec in done:
                 rec.start -= off
                 rec.end -= off
-                rec.spans = [(k, s, mb, t0 - off, t1 - off, None if p is None else p - off) for k, s, mb, t0, t1, p in rec.spans]
+                rec.spans = [
+                    (k, s, mb, t0 - off, t1 - off, None if p is None else p - off) for k, s, mb, t0, t1, p in rec.spans
+                ]
         return done
 
     def close(self) -> None:
@@ -394,7 +413,8 @@ def analyze(records: list[RankStep], info: ScheduleInfo) -> StepMetrics:
     stage_sum: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     holder: dict[int, list[int]] = defaultdict(list)
     costs: dict[tuple[int, str], list[float]] = defaultdict(list)
-    extra: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))  # stage -> per-action comm, overhead
+    # stage -> per-action comm, overhead
+    extra: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for rec in records:
         totals = {"fwd": 0.0, "bwd": 0.0, "comm": 0.0}
         covered, actions = 0, 0
@@ -443,14 +463,18 @@ def analyze(records: list[RankStep], info: ScheduleInfo) -> StepMetrics:
     bubble = sum(v["idle"] / v["step"] for v in per_rank.values() if v["step"] > 0) / max(1, len(per_rank))
     comm_share = sum(v["comm"] for v in per_rank.values()) / total_step if total_step > 0 else 0.0
     stages = {
-        k: StageTimes(*(statistics.fmean(stage_sum[k][n]) if stage_sum[k][n] else 0.0 for n in ("fwd", "bwd", "comm", "idle")))
+        k: StageTimes(
+            *(statistics.fmean(stage_sum[k][n]) if stage_sum[k][n] else 0.0 for n in ("fwd", "bwd", "comm", "idle"))
+        )
         for k in sorted(stage_sum)
     }
     return StepMetrics(
         step=records[0].step,
         step_ms=statistics.fmean(steps) if steps else 0.0,
         bubble=bubble,
-        bubble_theory=theoretical_bubble(info.name, info.pp, info.m, info.v) if info.name in SCHEDULES else float("nan"),
+        bubble_theory=theoretical_bubble(info.name, info.pp, info.m, info.v)
+        if info.name in SCHEDULES
+        else float("nan"),
         bubble_expected=_expected_bubble(info, costs),
         comm_share=comm_share,
         stages=stages,
@@ -480,8 +504,9 @@ def _expected_bubble(info: ScheduleInfo, costs: dict[tuple[int, str], list[float
         return float("nan")
 
 
-def _replayed_bubble(info: ScheduleInfo, costs: dict[tuple[int, str], list[float]],
-                     extra: dict[int, dict[str, list[float]]]) -> float:
+def _replayed_bubble(
+    info: ScheduleInfo, costs: dict[tuple[int, str], list[float]], extra: dict[int, dict[str, list[float]]]
+) -> float:
     """The schedule replayed with its stage costs plus, per action, its rank's communication and overhead.
 
     An action lasts its compute, its rank's communication per action (the data it posts and waits for,

@@ -25,7 +25,17 @@ from typing import Any
 from lightning_hpp.pipeline.schedules import SCHEDULES
 from lightning_hpp.telemetry.model import Span, schedule_actions, simulate, theoretical_bubble
 
-CATEGORY = {"F": "forward", "L": "loss", "B": "backward", "I": "backward", "W": "backward", "SEND_F": "send", "SEND_B": "send", "RECV_F": "recv", "RECV_B": "recv"}
+CATEGORY = {
+    "F": "forward",
+    "L": "loss",
+    "B": "backward",
+    "I": "backward",
+    "W": "backward",
+    "SEND_F": "send",
+    "SEND_B": "send",
+    "RECV_F": "recv",
+    "RECV_B": "recv",
+}
 COLORS = {"F": "#4C72B0", "L": "#8172B2", "B": "#DD8452", "I": "#2A9D8F", "W": "#55A868"}
 COMM_COLOR, WAIT_COLOR = "#444444", "#CCCCCC"
 
@@ -65,7 +75,10 @@ def schedule_grid(schedule_name: str, pp: int, n_microbatches: int, n_stages: in
     idle = slots * len(ranks) - len(cells)
     v = n_stages // pp
     theory = theoretical_bubble(schedule_name, pp, n_microbatches, v) if schedule_name in SCHEDULES else float("nan")
-    lines.append(f"idle {idle} of {slots * len(ranks)} slots = {idle / (slots * len(ranks)):.3f} (theory, equal costs: {theory:.3f})")
+    lines.append(
+        f"idle {idle} of {slots * len(ranks)} slots = {idle / (slots * len(ranks)):.3f} (theory, equal costs: "
+        f"{theory:.3f})"
+    )
     return "\n".join(lines)
 
 

@@ -64,8 +64,11 @@ class PlacementReport(Callback):
         pl_module.log("placement/step_predicted_ms", self.step[0], on_step=True, on_epoch=False, batch_size=1)
         pl_module.log("placement/step_measured_ms", self.step[1], on_step=True, on_epoch=False, batch_size=1)
         if trainer.is_global_zero:
-            title = (f"plan='auto' ({meta.get('schedule')}, m={m}, pp={meta.get('pp_degree')} x dp={meta.get('dp_degree')}): "
-                     f"stage time per micro-batch, predicted vs measured (fwd+bwd, median)")
+            title = (
+                f"plan='auto' ({meta.get('schedule')}, m={m}, pp={meta.get('pp_degree')} x "
+                f"dp={meta.get('dp_degree')}): "
+                f"stage time per micro-batch, predicted vs measured (fwd+bwd, median)"
+            )
             lines = [title, "stage  predicted_ms  measured_ms  ratio"]
             lines += [f"{k:<5}  {p:>12.3f}  {q:>11.3f}  {q / p if p else float('nan'):>5.2f}" for k, p, q in self.rows]
             lines.append(f"step (schedule only): predicted {self.step[0]:.3f} ms, measured {self.step[1]:.3f} ms")

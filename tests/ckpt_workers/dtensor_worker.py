@@ -40,7 +40,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from lightning_hpp.checkpoint import checkpoint_url, save_sharded, wait_for_pending_save
 from lightning_hpp.checkpoint.lightning_state import load_lightning_checkpoint, to_sharded
 from lightning_hpp.checkpoint.resume import PendingResume, select_and_load
-from lightning_hpp.checkpoint.store import CheckpointWarning
+from lightning_hpp.checkpoint.warning import CheckpointWarning
 from tests.ckpt_workers.common import UNITS, TinyNet
 from tests.ckpt_workers.damage import _flip
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_hpp.checkpoint import load_sharded
-from lightning_hpp.checkpoint.store import read_metadata
+from lightning_hpp.checkpoint.commit import read_metadata
 from lightning_hpp.errors import CheckpointError
 from tests.ckpt_workers.common import compare_stage, rng_equal, rng_state, stage_names, stage_state
 

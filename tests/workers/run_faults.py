@@ -155,7 +155,7 @@ def _free_port() -> int:
 
 def _checkpoints(root: Path) -> list[dict]:
     """Every directory under ``root`` that claims to be a valid checkpoint, and whether it verifies."""
-    from lightning_hpp.checkpoint.store import verify
+    from lightning_hpp.checkpoint.checksums import verify
 
     found = []
     for meta in sorted(root.rglob("metadata.json")) if root.exists() else []:

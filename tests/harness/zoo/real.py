@@ -233,6 +233,18 @@ class PerHalfClipped(DecoratedMLP):
             torch.nn.utils.clip_grad_norm_(half.parameters(), limit)
 
 
+def uncompared(reference: dict[str, torch.Tensor], compared: set[str]) -> set[str]:
+    """The names of ``reference`` (a state dict) left out of ``compared`` that are not tied to a compared name.
+
+    A name is tied when its tensor is the very tensor of a compared name (GPT-2's ``lm_head.weight`` is
+    ``wte.weight``): it is equal by construction. Any other name left out, an untied head included, is
+    a parameter nobody checked.
+    """
+    compared_storage = {(reference[k].data_ptr(), tuple(reference[k].shape)) for k in compared if k in reference}
+    return {k for k, v in reference.items()
+            if k not in compared and (v.data_ptr(), tuple(v.shape)) not in compared_storage}
+
+
 def dataset(kind: str, n: int = 32, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     if kind == "vit":
