@@ -17,7 +17,8 @@ import torch.nn.functional as F
 import yaml
 
 from lightning_hpp.checkpoint import export_to_lightning_ckpt
-from lightning_hpp.hydra.train import _group_members, end_process_group, main
+from lightning_hpp.hydra.train import end_process_group, main
+from lightning_hpp.hydra.trial_process import group_members
 from tests.harness.launch import ROOT, Job, finish, processes_mentioning, start
 from tests.harness.zoo import MLP, make_dataset
 from tests.s3_server import UNSET_AWS, aws_variables, fresh_bucket
@@ -254,11 +255,11 @@ def test_bad_input_exits_nonzero_with_a_clear_error(args, expected, tmp_path, mo
 def test_end_process_group_kills_what_ignores_sigterm():
     proc = subprocess.Popen(["sh", "-c", 'trap "" TERM; sleep 60 & sleep 60 & wait'], start_new_session=True)
     deadline = time.monotonic() + 20
-    while len(_group_members(proc.pid)) < 3 and time.monotonic() < deadline:
+    while len(group_members(proc.pid)) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(_group_members(proc.pid)) == 3
+    assert len(group_members(proc.pid)) == 3
     start = time.monotonic()
     assert end_process_group(proc.pid, wait=0.0, grace=0.5) == 3
     assert time.monotonic() - start >= 0.5  # SIGTERM was ignored, SIGKILL came after the grace period
-    assert _group_members(proc.pid) == []
+    assert group_members(proc.pid) == []
     assert proc.wait(timeout=10) == -9

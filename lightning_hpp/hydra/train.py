@@ -13,7 +13,8 @@ is started as a fresh single-run process::
     python -m lightning_hpp.hydra.train <the trial's overrides> hydra.run.dir=<trial dir> hydra.mode=RUN
 
 in a session of its own, with a fresh ``MASTER_PORT``. The sweeper waits for it, ends whatever
-it left behind, and reads the metric from the ``result.json`` that the trial's rank 0 writes.
+it left behind, and reads the metric from the ``result.json`` that the trial's rank 0 writes (the
+process side, :mod:`lightning_hpp.hydra.trial_process`).
 Trials therefore run one after another and share no process, port or process group. Each trial
 dir gets a ``trial.json`` record, which :mod:`lightning_hpp.hydra.summary` reads at the end.
 
@@ -29,9 +30,6 @@ import json
 import logging
 import math
 import os
-import re
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +45,14 @@ from omegaconf.errors import InterpolationResolutionError
 
 from lightning_hpp.errors import PlanError, TrainConfigError
 from lightning_hpp.hydra.trial import StudyReporter, TrialLink, follow_driver
+from lightning_hpp.hydra.trial_process import (
+    end_process_group,  # noqa: F401 - where tests and users import it from
+    error_line,
+    log_tail,
+    read_json,
+    run_trial_process,
+    trial_command,
+)
 from lightning_hpp.planning.plan import StagePlan, StageSpec
 from lightning_hpp.validation import check_int
 
@@ -72,7 +78,6 @@ _CREDENTIAL_SETS = (
     ("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",),
 )
 _OBJECT_STORES = ("s3://", "s3a://")
-_SAFE_OVERRIDE_VALUE = re.compile(r"^[\w./:@+-]+$")
 
 
 # --------------------------------------------------------------------------- config targets
@@ -412,78 +417,6 @@ def run(cfg: DictConfig) -> float | None:
 
 
 # --------------------------------------------------------------------------- one trial of a sweep
-def _override(key: str, value: str) -> str:
-    if _SAFE_OVERRIDE_VALUE.match(value):
-        return f"{key}={value}"
-    return f"{key}=" + '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def trial_command(hc: DictConfig, run_dir: str) -> list[str]:
-    """The command of one trial: this module as a single run, pinned to the trial's directory."""
-    cmd = [sys.executable, "-m", "lightning_hpp.hydra.train"]
-    if hc.job.config_name and hc.job.config_name != "train":
-        cmd += ["--config-name", hc.job.config_name]
-    for source in hc.runtime.config_sources:
-        if source.provider == "command-line":
-            cmd += ["--config-dir", source.path if source.schema == "file" else f"{source.schema}://{source.path}"]
-    passthrough = ("hydra.searchpath", "hydra/job_logging", "hydra/hydra_logging", "hydra.verbose", "hydra.job.env_set")
-    cmd += [o for o in hc.overrides.hydra if o.startswith(passthrough)]
-    cmd += list(hc.overrides.task)
-    cmd += [_override("hydra.run.dir", run_dir), "hydra.mode=RUN"]
-    return cmd
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-            return [pgid]
-        except (ProcessLookupError, PermissionError):
-            return []
-    members = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry.name))
-    return members
-
-
-def end_process_group(pgid: int, wait: float, grace: float) -> int:
-    """End what is left of a trial: wait for its processes, then SIGTERM, then SIGKILL them.
-
-    Args:
-        pgid: The trial's process group (its session leader's pid).
-        wait: Seconds to let the processes exit on their own (ranks finishing after rank 0).
-        grace: Seconds between SIGTERM and SIGKILL.
-
-    Returns:
-        How many processes had to be signalled.
-    """
-    deadline = time.monotonic() + wait
-    while _group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = _group_members(pgid)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if not _group_members(pgid):
-            break
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + grace
-        while _group_members(pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    return len(left)
-
-
 def launch_trial(cfg: DictConfig) -> float:
     """Run one trial of a multirun as a fresh process and return its ``optimized_metric``.
 
@@ -511,26 +444,15 @@ def launch_trial(cfg: DictConfig) -> float:
     (run_dir / RESULT_FILE).unlink(missing_ok=True)
     timeout = cfg.sweep.get("trial_timeout")
     grace = float(cfg.sweep.get("kill_grace", 10))
-    status, returncode = "ok", None
     started_at, start = time.time(), time.monotonic()
     log.info("trial %s: %s (MASTER_PORT=%d)", hc.job.num, " ".join(hc.overrides.task), port)
-    with open(run_dir / "trial.log", "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        finished = False
-        try:
-            returncode = proc.wait(timeout=timeout)
-            finished = True
-        except subprocess.TimeoutExpired:
-            status = "timeout"
-        finally:  # also on KeyboardInterrupt: the trial runs in a session of its own
-            leftovers = end_process_group(proc.pid, grace if finished else 0.0, grace)
-            returncode = proc.wait()
+    status, returncode, leftovers = run_trial_process(cmd, env, run_dir / "trial.log", timeout, grace)
     seconds = time.monotonic() - start
-    result = _read_json(run_dir / RESULT_FILE)
+    result = read_json(run_dir / RESULT_FILE)
     value = result.get("value") if result else None
-    error, tail = None, _tail(run_dir / "trial.log")
+    error, tail = None, log_tail(run_dir / "trial.log")
     if status == "ok" and returncode != 0:
-        status, error = "failed", _error_line(tail) or f"the trial exited with {returncode}"
+        status, error = "failed", error_line(tail) or f"the trial exited with {returncode}"
     elif status == "ok" and ((result or {}).get("study") or {}).get("pruned"):
         status = "pruned"
     elif status == "ok" and value is None:
@@ -566,28 +488,6 @@ def launch_trial(cfg: DictConfig) -> float:
         return math.nan
     log.info("trial %s: %s=%.6g in %.1fs", hc.job.num, cfg.optimized_metric, value, seconds)
     return float(value)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _error_line(text: str) -> str | None:
-    """The last ``SomeError: message`` line of a log (what a failed trial died of)."""
-    found = [line for line in text.splitlines() if re.match(r"^[\w.]*(Error|Exception|Exit)\b.*:", line)]
-    # the class name alone (`TrainConfigError: ...`), not its module path
-    return re.sub(r"^(?:\w+\.)+(?=\w+:)", "", found[-1]) if found else None
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
 
 
 # --------------------------------------------------------------------------- entry point
