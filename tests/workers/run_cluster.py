@@ -91,7 +91,7 @@ def run_case(case: str, out: Path) -> None:
     strategy = HPPStrategy(plan=plan, n_microbatches=4, timeout=TIMEOUT_S, placement={"device_map": KINDS},
                            precision_plugin=precision, activation_checkpointing=case == "fp8_te_recompute", **kw)
     model = Placed(depth=6, hidden=64) if case == "setup_bytes" else Placed()
-    trainer = quiet_trainer(enable_checkpointing=None, devices=2, strategy=strategy, max_steps=4,
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=4,
                             num_sanity_val_steps=0, limit_val_batches=0, limit_test_batches=2, callbacks=callbacks,
                             **trainer_kw)
     train, _ = loaders(16)
